@@ -1,0 +1,30 @@
+"""mlx_nbengine: local LLM/VLM inference on MLX for Jupyter, with a block-level prefix cache.
+
+`%load_ext mlx_nbengine` registers the notebook magics; `Engine` is the plain-Python face.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import mlx_nbengine` stays cheap and importing MLX waits for the BLAS set-up.
+    if name == "Engine":
+        from mlx_nbengine.engine import Engine
+
+        return Engine
+    raise AttributeError(name)
+
+
+def load_ipython_extension(ipython) -> None:
+    from mlx_nbengine.magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from mlx_nbengine.magics import unload_ipython_extension as _unload
+
+    _unload(ipython)
