@@ -1,0 +1,484 @@
+"""The notebook magics in a plain IPython `InteractiveShell`: parsing, errors, chat turns.
+
+The engine is replaced by a small fake here, only to isolate the magics' own behaviour
+(argument parsing, prompt building, error messages, rendering); tests/test_kernel.py runs
+the same magics against the real `Engine` and a tiny model in a real kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from mlx_nbengine import magics as magics_mod
+from mlx_nbengine.chat import Conversation, PendingTurnError, turn_key
+from mlx_nbengine.errors import ModelNotFoundError
+from mlx_nbengine.render import AnswerView, summary_line
+
+# -- a fake engine with the public shape of mlx_nbengine.engine (events by class name) ------
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class BlockEvent:
+    index: int
+    start: int
+    end: int
+    source: str
+    seconds: float
+
+
+@dataclass
+class Finished:
+    completion: object
+
+
+@dataclass
+class Block:
+    index: int
+    start: int
+    end: int
+    source: str
+    seconds: float = 0.01
+
+
+@dataclass
+class Report:
+    blocks: list = field(default_factory=list)
+    restored_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: float | None = 0.5
+    tokens_per_s: float | None = 40.0
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list
+    prompt_tokens: int
+    finish_reason: str
+    report: Report
+
+
+class FakeRequest:
+    def __init__(self, pieces: list[str], *, hold: bool = False) -> None:
+        self.pieces = pieces
+        self.hold = hold
+        self.cancelled = threading.Event()
+        self.completion: Completion | None = None
+
+    def stream(self):
+        text = ""
+        for piece in self.pieces:
+            text += piece
+            yield TextDelta(piece)
+        if self.hold:
+            self.cancelled.wait(30)
+        reason = "cancelled" if self.cancelled.is_set() else "stop"
+        self.completion = Completion(text, list(range(len(self.pieces))), 10, reason, Report())
+        yield Finished(self.completion)
+
+    def result(self, timeout=None):
+        return self.completion
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeEngine:
+    instances: list[FakeEngine] = []
+
+    def __init__(self, model: str, **options) -> None:
+        self.model = model
+        self.options = options
+        self.submitted: list[tuple[object, dict]] = []
+        self.closed = False
+        self.cleared = False
+        self.pieces = ["Hello", ", world"]
+        self.hold = False
+        self.requests: list[FakeRequest] = []
+        FakeEngine.instances.append(self)
+
+    def submit(self, prompt, **sampling):
+        if sampling.get("temperature", 0) < 0:
+            raise ValueError("temperature must be >= 0")
+        self.submitted.append((prompt, sampling))
+        request = FakeRequest(self.pieces, hold=self.hold)
+        self.requests.append(request)
+        return request
+
+    def stats(self):
+        return {"blocks": 3, "disk_bytes": 3 * 4096, "active": 0, "queued": 0}
+
+    def clear_cache(self) -> None:
+        self.cleared = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_factory(model: str, *, progress=None, **options):
+    if model == "missing":
+        raise ModelNotFoundError("no model at 'missing'; give a model directory or `default`")
+    if progress is not None:
+        progress(1, 2)
+    return FakeEngine(model, **options)
+
+
+@pytest.fixture(scope="module")
+def shell():
+    return InteractiveShell.instance()
+
+
+@pytest.fixture
+def ip(shell):
+    FakeEngine.instances.clear()
+    magics_mod.unload_ipython_extension(shell)
+    magics_mod.load_ipython_extension(shell, engine_factory=fake_factory)
+    yield shell
+    magics_mod.unload_ipython_extension(shell)
+
+
+def run(ip, source: str):
+    """Run a cell; return its result (errors are in result.error_in_exec / before_exec)."""
+    return ip.run_cell(source)
+
+
+def error_of(result) -> BaseException | None:
+    return result.error_in_exec or result.error_before_exec
+
+
+def engine() -> FakeEngine:
+    return FakeEngine.instances[-1]
+
+
+# -- small parsers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1000", 1000),
+        ("4GB", 4 * 10**9),
+        ("4GiB", 4 * 2**30),
+        ("512M", 512 * 2**20),
+        ("1.5k", 1536),
+    ],
+)
+def test_parse_size_reads_decimal_and_binary_units(text, expected):
+    assert magics_mod.parse_size(text) == expected
+
+
+def test_parse_size_rejects_unknown_unit_with_an_example():
+    with pytest.raises(UsageError, match="like 4GB"):
+        magics_mod.parse_size("4 parsecs")
+
+
+def test_interpolate_substitutes_names_and_keeps_doubled_braces():
+    out = magics_mod.interpolate("Summarize {doc} in {n} words {{json}}", {"doc": "X", "n": 5})
+    assert out == "Summarize X in 5 words {json}"
+
+
+def test_interpolate_missing_name_is_a_usage_error_that_names_it():
+    with pytest.raises(UsageError, match="'nope' is not defined"):
+        magics_mod.interpolate("{nope}", {})
+
+
+# -- errors a user causes ---------------------------------------------------------------------
+
+
+def test_llm_before_load_model_says_to_load_one(ip):
+    err = error_of(run(ip, "%%llm\nHello"))
+    assert isinstance(err, UsageError)
+    assert "%load_model default" in str(err)
+
+
+def test_unknown_option_is_a_usage_error_pointing_at_help(ip):
+    run(ip, "%load_model default")
+    err = error_of(run(ip, "%%llm --frobnicate\nHello"))
+    assert isinstance(err, UsageError)
+    assert "unrecognized arguments: --frobnicate" in str(err)
+    assert "%%llm?" in str(err)
+
+
+def test_empty_cell_is_a_usage_error(ip):
+    run(ip, "%load_model default")
+    err = error_of(run(ip, "%%llm\n   \n"))
+    assert isinstance(err, UsageError)
+    assert "cell is empty" in str(err)
+
+
+def test_failed_model_load_is_one_usage_error_and_leaves_no_model(ip):
+    err = error_of(run(ip, "%load_model missing"))
+    assert isinstance(err, UsageError)
+    assert "could not load missing" in str(err)
+    assert "give a model directory" in str(err)
+    assert isinstance(error_of(run(ip, "%%llm\nHi")), UsageError)
+
+
+def test_engine_rejecting_sampling_values_is_a_usage_error(ip):
+    run(ip, "%load_model default")
+    err = error_of(run(ip, "%%llm --temperature -1\nHi"))
+    assert isinstance(err, UsageError)
+    assert "temperature must be >= 0" in str(err)
+
+
+def test_raw_with_chat_is_refused(ip):
+    run(ip, "%load_model default")
+    err = error_of(run(ip, "%%llm --raw --chat a\nHi"))
+    assert isinstance(err, UsageError)
+    assert "--raw" in str(err)
+
+
+def test_usage_errors_print_one_line_without_traceback(ip, capsys):
+    run(ip, "%%llm\nHello")
+    captured = capsys.readouterr()
+    assert captured.err.strip().startswith("UsageError:")
+    assert "Traceback" not in captured.err + captured.out
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+# -- %load_model ------------------------------------------------------------------------------
+
+
+def test_load_model_passes_its_options_to_the_engine(ip):
+    run(ip, "%load_model default --parallel 2 --block-size 16 --disk-budget 1GiB --dtype float32")
+    assert engine().model == "default"
+    assert engine().options == {
+        "parallel": 2,
+        "block_size": 16,
+        "disk_budget": 2**30,
+        "dtype": "float32",
+    }
+
+
+def test_loading_another_model_closes_the_first(ip):
+    run(ip, "%load_model default")
+    first = engine()
+    run(ip, "%load_model other")
+    assert first.closed
+    assert engine().model == "other" and not engine().closed
+
+
+def test_unload_model_closes_the_engine_and_forgets_it(ip):
+    run(ip, "%load_model default")
+    first = engine()
+    assert error_of(run(ip, "%unload_model")) is None
+    assert first.closed
+    assert isinstance(error_of(run(ip, "%%llm\nHi")), UsageError)
+    assert isinstance(error_of(run(ip, "%unload_model")), UsageError)
+
+
+# -- %%llm --------------------------------------------------------------------------------------
+
+
+def test_llm_sends_chat_messages_and_stores_the_completion_with_o(ip):
+    run(ip, "%load_model default")
+    result = run(ip, '%%llm -o answer --system "Be brief." --max-tokens 8\nWhat is 2+2?\n')
+    assert error_of(result) is None
+    prompt, sampling = engine().submitted[-1]
+    assert prompt == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    assert sampling == {"max_tokens": 8}  # unset options keep the engine's defaults
+    assert ip.user_ns["answer"].text == "Hello, world"
+
+
+def test_raw_sends_the_text_itself_and_stop_repeats(ip):
+    run(ip, "%load_model default")
+    run(ip, "%%llm --raw --stop END --stop STOP --seed 3 --temperature 0.7\nOnce upon")
+    prompt, sampling = engine().submitted[-1]
+    assert prompt == "Once upon"
+    assert sampling == {"stop": ["END", "STOP"], "seed": 3, "temperature": 0.7}
+
+
+def test_interpolate_fills_names_from_the_user_namespace(ip):
+    run(ip, "%load_model default")
+    ip.user_ns["topic"] = "caching"
+    run(ip, "%%llm --raw --interpolate\nWrite about {topic}.")
+    run(ip, "%%llm --raw\nKeep {topic} as is.")
+    assert engine().submitted[-2][0] == "Write about caching."
+    assert engine().submitted[-1][0] == "Keep {topic} as is."
+
+
+def test_streamed_answer_ends_with_the_summary_line(ip, capsys):
+    run(ip, "%load_model default")
+    run(ip, "%%llm\nHi")
+    out = capsys.readouterr().out
+    assert "Hello, world" in out
+    assert "10 prompt tokens: 0 restored, 0 computed; first token 0.50 s; 40 tok/s" in out
+
+
+def test_background_request_returns_a_handle_at_once(ip):
+    run(ip, "%load_model default")
+    engine().hold = True
+    result = run(ip, "%%llm --bg -o job\nHi")
+    assert error_of(result) is None
+    job = ip.user_ns["job"]
+    assert isinstance(job, magics_mod.BackgroundAnswer)
+    assert not job.done()
+    job.cancel()
+    assert job.result(timeout=10).finish_reason == "cancelled"
+    assert job.text == "Hello, world"
+
+
+def test_interrupt_cancels_the_request_and_keeps_the_partial_answer(ip):
+    run(ip, "%load_model default")
+    engine().hold = True
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = run(ip, "%%llm -o partial\nTell me a long story")
+    finally:
+        timer.cancel()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert engine().requests[-1].cancelled.is_set()
+    assert ip.user_ns["partial"].text == "Hello, world"
+    assert ip.user_ns["partial"].finish_reason == "cancelled"
+
+
+# -- chat turns ---------------------------------------------------------------------------------
+
+
+def test_chat_keeps_history_across_cells(ip):
+    run(ip, "%load_model default")
+    run(ip, "%%llm --chat c\nFirst question")
+    run(ip, "%%llm --chat c\nSecond question")
+    prompt, _ = engine().submitted[-1]
+    assert prompt == [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "Hello, world"},
+        {"role": "user", "content": "Second question"},
+    ]
+
+
+def test_rerunning_an_identical_cell_without_cell_id_replaces_its_turn(ip):
+    run(ip, "%load_model default")
+    run(ip, "%%llm --chat c\nFirst question")
+    run(ip, "%%llm --chat c\nSecond question")
+    run(ip, "%%llm --chat c\nFirst question")
+    prompt, _ = engine().submitted[-1]
+    assert prompt == [{"role": "user", "content": "First question"}]
+
+
+def test_rerunning_an_edited_cell_with_the_same_cell_id_replaces_that_turn_and_later_ones(ip):
+    run(ip, "%load_model default")
+    ip.run_cell("%%llm --chat c\nFirst question", cell_id="cell-1")
+    ip.run_cell("%%llm --chat c\nSecond question", cell_id="cell-2")
+    ip.run_cell("%%llm --chat c\nFirst question, edited", cell_id="cell-1")
+    prompt, _ = engine().submitted[-1]
+    assert prompt == [{"role": "user", "content": "First question, edited"}]
+
+
+def test_chat_system_message_is_kept_for_later_turns():
+    conv = Conversation("c")
+    turn, _ = conv.begin("a", "Q1", system="S")
+    conv.finish(turn, "A1")
+    _, messages = conv.begin("b", "Q2")
+    assert messages[0] == {"role": "system", "content": "S"}
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+
+
+def test_a_new_turn_while_an_earlier_one_runs_is_refused():
+    conv = Conversation("c")
+    conv.begin("a", "Q1")
+    with pytest.raises(PendingTurnError, match="still has a turn running"):
+        conv.begin("b", "Q2")
+
+
+def test_turn_key_prefers_the_cell_id_and_falls_back_to_the_source():
+    assert turn_key(cell_id="x", source="a") == turn_key(cell_id="x", source="b")
+    assert turn_key(cell_id=None, source="a") != turn_key(cell_id=None, source="b")
+    assert turn_key(cell_id=None, source="a") == turn_key(cell_id=None, source="a")
+
+
+# -- %llm_cache and %llm_status ---------------------------------------------------------------
+
+
+def test_llm_cache_shows_stats_and_clear_empties_the_store(ip, capsys):
+    run(ip, "%load_model default")
+    run(ip, "%llm_cache")
+    assert "disk_bytes" in capsys.readouterr().out
+    run(ip, "%llm_cache clear")
+    assert engine().cleared
+    assert isinstance(error_of(run(ip, "%llm_cache wipe")), UsageError)
+
+
+def test_llm_status_names_the_model_and_the_requests(ip, capsys):
+    run(ip, "%load_model default --parallel 3")
+    run(ip, "%llm_status")
+    out = capsys.readouterr().out
+    assert "default" in out and "parallel" in out and "active requests" in out
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def test_summary_line_tells_the_block_story():
+    blocks = [Block(i, i * 256, (i + 1) * 256, "disk") for i in range(7)]
+    blocks.append(Block(7, 1792, 2048, "computed"))
+    report = Report(blocks, restored_tokens=1792, computed_tokens=256, ttft_s=0.41, tokens_per_s=38)
+    done = Completion("x", [1], 2048, "stop", report)
+    assert summary_line(done) == (
+        "2,048 prompt tokens: 1,792 restored (7 blocks from disk), 256 computed; "
+        "first token 0.41 s; 38 tok/s"
+    )
+
+
+def test_summary_line_counts_memory_and_disk_blocks_separately():
+    blocks = [Block(0, 0, 16, "memory"), Block(1, 16, 32, "memory"), Block(2, 32, 48, "disk")]
+    report = Report(blocks, restored_tokens=48, computed_tokens=2, ttft_s=None, tokens_per_s=None)
+    done = Completion("x", [], 50, "length", report)
+    assert summary_line(done) == (
+        "50 prompt tokens: 48 restored (2 blocks from memory, 1 from disk), 2 computed; "
+        "stopped at max tokens (0)"
+    )
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.updates: list[dict] = []
+
+    def update(self, bundle, **kwargs) -> None:
+        self.updates.append(bundle)
+
+
+def test_answer_view_updates_one_handle_at_most_every_interval():
+    handle, shown = FakeHandle(), []
+    now = [0.0]
+
+    def display(bundle, **kwargs):
+        shown.append(bundle)
+        return handle
+
+    view = AnswerView(interval=0.1, display=display, clock=lambda: now[0])
+    view.show()
+    for i in range(10):
+        now[0] += 0.02
+        view.apply(TextDelta(str(i)))
+        view.refresh()
+    assert len(shown) == 1
+    assert 1 <= len(handle.updates) <= 2  # 0.2 s of deltas at 0.1 s intervals
+    view.refresh(force=True)
+    assert handle.updates[-1]["text/plain"].startswith("0123456789")
+    assert set(handle.updates[-1]) == {"text/plain", "text/markdown"}
+
+
+def test_answer_view_closes_an_open_code_fence_before_the_status():
+    view = AnswerView(display=lambda *a, **k: FakeHandle())
+    view.apply(TextDelta("```python\nprint(1)\n"))
+    view.mark_interrupted()
+    markdown = view.bundle()["text/markdown"]
+    assert markdown.count("```") == 2
+    assert markdown.endswith("*[interrupted]*")
