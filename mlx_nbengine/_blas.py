@@ -1,0 +1,161 @@
+"""Give MLX on Linux CPU an optimized BLAS, without the user knowing.
+
+The ``mlx[cpu]`` wheel links its matmuls (``cblas_sgemm``...) against a bundled
+reference BLAS that runs at a few GFLOP/s. OpenBLAS, from the ``cmeel-openblas``
+wheel we depend on, runs them 30-100x faster. The dynamic linker resolves an
+undefined symbol in the *global scope* before a library's own dependencies, so
+loading OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported makes
+MLX's BLAS calls land in OpenBLAS. After MLX is imported it is too late: its
+symbols are already bound.
+
+The cmeel wheel's ``libopenblas.so.0`` needs ``libgfortran.so.5``, which many
+machines lack. The mlx-cpu wheel ships a libgfortran under a mangled name; when
+the system has none, we write a copy whose SONAME reads ``libgfortran.so.5``
+into ``$MLX_NBENGINE_HOME/blas`` (default ``~/.cache/mlx_nbengine/blas``) and
+load it first, so OpenBLAS's dependency is already satisfied.
+
+Set ``MLX_NBENGINE_BLAS=reference`` to keep the bundled reference BLAS (the
+benchmark's baseline). macOS (Accelerate) and non-Linux systems are left alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BlasStatus", "ensure_fast_blas", "blas_status"]
+
+_ENV = "MLX_NBENGINE_BLAS"
+
+
+@dataclass(frozen=True)
+class BlasStatus:
+    """What `ensure_fast_blas` did: ``active`` is True when OpenBLAS serves MLX."""
+
+    active: bool
+    reason: str
+    library: str | None = None
+
+
+_status: BlasStatus | None = None
+_handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symbols
+
+
+def _site_dirs() -> list[Path]:
+    return [Path(p) for p in sys.path if p and Path(p).is_dir()]
+
+
+def _find_in_site(relative: str) -> Path | None:
+    for d in _site_dirs():
+        candidate = d / relative
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _find_mlx_gfortran() -> Path | None:
+    for d in _site_dirs():
+        libs = d / "mlx_cpu.libs"
+        if libs.is_dir():
+            found = sorted(libs.glob("libgfortran-*.so*"))
+            if found:
+                return found[0]
+    return None
+
+
+def _home() -> Path:
+    return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
+
+
+def _soname(data: bytes, name: bytes) -> int:
+    # The mangled SONAME appears once, in .dynstr; renaming it in place keeps every offset valid.
+    return data.find(name + b"\0")
+
+
+def _gfortran_shim(source: Path) -> Path:
+    """A copy of mlx-cpu's libgfortran whose SONAME is ``libgfortran.so.5`` (cached)."""
+    data = source.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    directory = _home() / "blas" / digest
+    target = directory / "libgfortran.so.5"
+    if target.exists():
+        return target
+    old = source.name.encode()
+    at = _soname(data, old)
+    new = b"libgfortran.so.5"
+    if at < 0 or len(new) > len(old):
+        raise OSError(f"cannot rename SONAME of {source}")
+    patched = bytearray(data)
+    patched[at : at + len(old)] = new.ljust(len(old), b"\0")
+    directory.mkdir(parents=True, exist_ok=True)
+    # Its own dependency (libquadmath, mangled) is found through RPATH $ORIGIN: link it beside.
+    for dep in source.parent.glob("libquadmath-*"):
+        link = directory / dep.name
+        if not link.exists():
+            try:
+                link.symlink_to(dep)
+            except FileExistsError:
+                pass
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".libgfortran-")
+    os.fchmod(fd, 0o755)
+    with os.fdopen(fd, "wb") as f:
+        f.write(patched)
+    os.replace(tmp, target)  # atomic: concurrent processes never see a half-written library
+    return target
+
+
+def _load_global(path: Path | str) -> ctypes.CDLL:
+    handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    _handles.append(handle)
+    return handle
+
+
+def ensure_fast_blas() -> BlasStatus:
+    """Load OpenBLAS globally so MLX uses it; call before the first ``import mlx``.
+
+    Safe to call many times and on any platform; never raises. Returns (and
+    remembers) what happened.
+    """
+    global _status
+    if _status is not None:
+        return _status
+    _status = _ensure()
+    return _status
+
+
+def _ensure() -> BlasStatus:
+    if not sys.platform.startswith("linux"):
+        return BlasStatus(False, "not Linux: MLX uses the platform BLAS")
+    if os.environ.get(_ENV, "").lower() in {"reference", "off", "0", "none"}:
+        return BlasStatus(False, f"{_ENV} asks for the reference BLAS")
+    if "mlx.core" in sys.modules:
+        return BlasStatus(False, "mlx.core was imported first; its BLAS is already bound")
+    openblas = _find_in_site("cmeel.prefix/lib/libopenblas.so.0")
+    if openblas is None:
+        return BlasStatus(False, "cmeel-openblas is not installed")
+    try:
+        _load_global(openblas)
+        return BlasStatus(True, "OpenBLAS loaded", str(openblas))
+    except OSError as first:
+        if "gfortran" not in str(first):
+            return BlasStatus(False, f"OpenBLAS did not load: {first}")
+    try:
+        # The first try failed, so the system has no libgfortran.so.5: bring our own.
+        source = _find_mlx_gfortran()
+        if source is None:
+            return BlasStatus(False, "no libgfortran.so.5 for OpenBLAS")
+        _load_global(_gfortran_shim(source))
+        _load_global(openblas)
+    except OSError as e:
+        return BlasStatus(False, f"OpenBLAS did not load: {e}")
+    return BlasStatus(True, "OpenBLAS loaded with a libgfortran shim", str(openblas))
+
+
+def blas_status() -> BlasStatus | None:
+    """What `ensure_fast_blas` did in this process, or None if it was never called."""
+    return _status

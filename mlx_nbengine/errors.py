@@ -1,0 +1,51 @@
+"""The exceptions a user of mlx_nbengine can see, in one place.
+
+Every class here is raised for a problem the user can fix, and its message says
+what to do next. Internal bugs stay ordinary exceptions.
+
+- `EngineError`: base of every mlx_nbengine error; catch it to catch them all.
+- `ModelError`: a model could not be found, recognised, converted or loaded.
+- `CacheError`: the prefix cache could not do what was asked (store, budget, scratch file).
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error mlx_nbengine raises on purpose."""
+
+
+class ModelError(EngineError):
+    """A model could not be resolved or loaded; the message names the problem."""
+
+
+class ModelNotFoundError(ModelError):
+    """The path or name given to `load` does not exist."""
+
+
+class ModelConfigError(ModelError):
+    """The model directory has no usable `config.json`."""
+
+
+class UnsupportedModelError(ModelError):
+    """The `model_type` (or GGUF architecture / tensor type) is not one we can run."""
+
+
+class ModelWeightsError(ModelError):
+    """The weight files are missing, truncated or do not match the architecture."""
+
+
+class TokenizerError(ModelError):
+    """The tokenizer files are missing or unreadable."""
+
+
+class GGUFError(ModelError):
+    """A GGUF file could not be read or converted."""
+
+
+class DefaultModelMissingError(ModelError):
+    """The package that embeds the default model is not installed."""
+
+
+class CacheError(EngineError):
+    """The prefix cache could not do what was asked."""

