@@ -1,0 +1,35 @@
+"""Prefix cache: whole-block keys, per-layer-kind records, disk LRU store, restore planning.
+
+See `blocks` (keys), `records` (what a block keeps per layer kind), `planner`
+(`PrefixCache`, `RestorePlan`, `prefill_steps`), `assembly` (rebuilding live
+caches), `store` (`BlockStore`, the LRU over one scratch file) and `blobfile`.
+"""
+
+from mlx_nbengine.cache.blocks import ImageSpan, block_keys
+from mlx_nbengine.cache.planner import PrefixCache, RestorePlan, prefill_steps
+from mlx_nbengine.cache.records import (
+    Record,
+    RecordError,
+    RecordKind,
+    extract_block_records,
+    layer_kinds,
+    layer_windows,
+    record_from_bytes,
+    record_to_bytes,
+)
+
+__all__ = [
+    "ImageSpan",
+    "PrefixCache",
+    "Record",
+    "RecordError",
+    "RecordKind",
+    "RestorePlan",
+    "block_keys",
+    "extract_block_records",
+    "layer_kinds",
+    "layer_windows",
+    "prefill_steps",
+    "record_from_bytes",
+    "record_to_bytes",
+]

@@ -1,0 +1,300 @@
+"""Restore planning: the longest prefix of a prompt that the store can rebuild.
+
+A *chain* is the list of block keys of a prompt (`block_keys`). Restoring ``n``
+blocks (boundary ``b = n*B``) *needs*:
+
+- the ``"kv"`` record of every block ``0..n-1`` (if the model has kv layers),
+- the ``"window"`` records of the blocks overlapping ``[b - W, b)`` for the
+  largest window ``W`` (if it has window layers),
+- the ``"state"`` record of block ``n-1`` (if it has state layers).
+
+The *plan* is the largest ``n`` whose needed records all exist, with
+``b <= len(tokens) - 1`` (the last prompt token is always computed, since its
+logits start generation) and, for models that attend bidirectionally within an
+image, ``b`` not strictly inside an image's tokens.
+
+`PrefixCache` ties keys, records, the `BlockStore`, the planner and assembly
+together for one model. It is not thread-safe: the engine calls it from its
+cache-I/O thread (plan/load/save/touch) and the generation thread (assemble).
+
+*Recency*: the store evicts the least recently touched record first. Touching
+a chain puts, oldest first, the records not needed at its boundary (earlier
+boundaries' state checkpoints, window slices that fell out of the window),
+then the needed records from the last block back to the first; so a flood of
+other prompts evicts suffixes before prefixes, and a prefix shared by many
+prompts stays longest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_nbengine.cache.assembly import assemble, window_blocks
+from mlx_nbengine.cache.blocks import ImageSpan, block_keys
+from mlx_nbengine.cache.records import (
+    KINDS,
+    Record,
+    RecordError,
+    RecordKind,
+    layer_kinds,
+    layer_windows,
+    record_from_bytes,
+    record_to_bytes,
+)
+
+__all__ = ["PrefixCache", "RestorePlan", "prefill_steps"]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What to restore for one prompt.
+
+    ``keys`` are the keys of all whole blocks of the prompt (restored or not; the
+    engine stores computed blocks under them); ``n_blocks`` blocks, i.e. the first
+    ``tokens`` tokens, are restored; ``needed`` lists the ``(key, kind)`` records
+    that takes, in block order. ``limit`` and ``allowed`` are the planner's
+    constraints (at most ``limit`` blocks; boundaries where ``allowed[n]`` is
+    false are never used), kept so `PrefixCache.load` can fall back to a shorter chain.
+    """
+
+    keys: tuple[str, ...]
+    n_blocks: int
+    block_size: int
+    needed: tuple[tuple[str, RecordKind], ...]
+    limit: int
+    allowed: tuple[bool, ...] = field(repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return self.n_blocks * self.block_size
+
+
+def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple[int, int]]:
+    """Split prefill of tokens ``[start, end)`` into model calls that end on block boundaries.
+
+    `start` must be a boundary. Every step but the last spans a multiple of
+    `block_size` tokens (the largest not above `max_step`, at least one block);
+    the last ends at `end`, and no step crosses the last boundary before `end`.
+    Every step end is a boundary (or `end`), where the state checkpoint of the
+    block before it can be taken; with ``max_step == block_size`` every
+    boundary gets one.
+    """
+    if start % block_size:
+        raise ValueError(f"prefill must start on a block boundary, got {start}")
+    if end < start:
+        raise ValueError(f"empty or negative range {start}..{end}")
+    step = max(block_size, max_step // block_size * block_size)
+    last_boundary = end // block_size * block_size
+    steps = []
+    pos = start
+    while pos < end:
+        # Whole-block steps up to the last boundary, then one partial step to `end`.
+        nxt = min(pos + step, last_boundary) if pos < last_boundary else end
+        steps.append((pos, nxt))
+        pos = nxt
+    return steps
+
+
+class PrefixCache:
+    """Keys, records, store, planner and assembly for one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        fingerprint: str,
+        layer_kinds: Sequence[RecordKind],
+        windows: Sequence[int | None],
+        block_size: int = 256,
+        store: Any,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if len(windows) != len(layer_kinds):
+            raise ValueError("windows needs one entry per layer")
+        self.fingerprint = fingerprint
+        self.layer_kinds = list(layer_kinds)
+        self.windows = list(windows)
+        self.block_size = block_size
+        self.store = store
+        self.kinds: tuple[RecordKind, ...] = tuple(k for k in KINDS if k in self.layer_kinds)
+        present = [w for w, k in zip(self.windows, self.layer_kinds, strict=True) if k == "window"]
+        if any(w is None or w <= 0 for w in present):
+            raise ValueError("every window layer needs a positive window size")
+        self.max_window = max(present, default=0)
+
+    @classmethod
+    def for_cache(
+        cls, template_cache: list, *, fingerprint: str, store: Any, block_size: int = 256
+    ) -> PrefixCache:
+        """A PrefixCache for the layer layout of `template_cache` (a fresh model cache)."""
+        return cls(
+            fingerprint=fingerprint,
+            layer_kinds=layer_kinds(template_cache),
+            windows=layer_windows(template_cache),
+            block_size=block_size,
+            store=store,
+        )
+
+    # --- keys and plans ----------------------------------------------------------------------
+
+    def keys(self, tokens: Sequence[int], images: Iterable[ImageSpan] = ()) -> list[str]:
+        return block_keys(
+            tokens, fingerprint=self.fingerprint, block_size=self.block_size, images=images
+        )
+
+    def needed(self, keys: Sequence[str], n_blocks: int) -> list[tuple[str, RecordKind]]:
+        """The records restoring the first `n_blocks` blocks of chain `keys` needs."""
+        if n_blocks <= 0:
+            return []
+        out: list[tuple[str, RecordKind]] = []
+        windowed = (
+            set(window_blocks(n_blocks, window=self.max_window, block_size=self.block_size))
+            if "window" in self.kinds
+            else set()
+        )
+        for j in range(n_blocks):
+            if "kv" in self.kinds:
+                out.append((keys[j], "kv"))
+            if j in windowed:
+                out.append((keys[j], "window"))
+        if "state" in self.kinds:
+            out.append((keys[n_blocks - 1], "state"))
+        return out
+
+    def plan(
+        self,
+        tokens: Sequence[int],
+        images: Iterable[ImageSpan] = (),
+        *,
+        bidirectional_images: bool = False,
+    ) -> RestorePlan:
+        """The longest restorable prefix of `tokens` given what the store holds now."""
+        images = tuple(images)
+        keys = tuple(self.keys(tokens, images))
+        limit = min(len(keys), max(0, len(tokens) - 1) // self.block_size)
+        allowed = tuple(
+            not (bidirectional_images and any(s.cuts(n * self.block_size) for s in images))
+            for n in range(limit + 1)
+        )
+        return self._plan(keys, limit=limit, allowed=allowed)
+
+    def _plan(self, keys: tuple[str, ...], *, limit: int, allowed: tuple[bool, ...]) -> RestorePlan:
+        has = self.store.has
+        # kv slices must form an unbroken prefix, so only n up to the first gap qualify.
+        top = limit
+        if "kv" in self.kinds:
+            top = next((j for j in range(limit) if not has(keys[j], "kv")), limit)
+        n = 0
+        for cand in range(top, 0, -1):
+            if allowed[cand] and all(has(k, kind) for k, kind in self.needed(keys, cand)):
+                n = cand
+                break
+        return RestorePlan(
+            keys=keys,
+            n_blocks=n,
+            block_size=self.block_size,
+            needed=tuple(self.needed(keys, n)),
+            limit=limit,
+            allowed=allowed,
+        )
+
+    # --- load, assemble ----------------------------------------------------------------------
+
+    def _check(self, rec: Record, block: int, kind: RecordKind) -> None:
+        if rec.kind != kind or rec.block != block or rec.block_size != self.block_size:
+            raise RecordError(f"record under block {block} {kind} is another block's")
+        want = {i for i, k in enumerate(self.layer_kinds) if k == kind}
+        if set(rec.layers) != want:
+            raise RecordError(f"{kind} record of block {block} has layers {sorted(rec.layers)}")
+
+    def load(self, plan: RestorePlan) -> tuple[RestorePlan, dict[int, dict[RecordKind, Record]]]:
+        """Read and decode the plan's records (arrays evaluated).
+
+        A record that is gone or does not decode is deleted from the store and
+        the plan falls back to the longest shorter chain still complete (or to
+        nothing). Returns the plan actually served and its records by block.
+        On success the chain is touched (see `touch`).
+        """
+        loaded: dict[tuple[str, RecordKind], Record] = {}
+        while plan.n_blocks > 0:
+            bad = None
+            for block, (key, kind) in self._blocks_of(plan):
+                if (key, kind) in loaded:
+                    continue
+                data = self.store.get(key, kind)
+                try:
+                    if data is None:
+                        raise RecordError("record is gone")
+                    rec = record_from_bytes(data)
+                    self._check(rec, block, kind)
+                except RecordError:
+                    bad = (key, kind)
+                    break
+                loaded[(key, kind)] = rec
+            if bad is None:
+                break
+            self.store.delete(*bad)
+            plan = self._plan(plan.keys, limit=plan.n_blocks, allowed=plan.allowed)
+        by_block: dict[int, dict[RecordKind, Record]] = {}
+        for block, (key, kind) in self._blocks_of(plan):
+            by_block.setdefault(block, {})[kind] = loaded[(key, kind)]
+        if plan.n_blocks:
+            self.touch(plan.keys[: plan.n_blocks])
+        return plan, by_block
+
+    def _blocks_of(self, plan: RestorePlan) -> list[tuple[int, tuple[str, RecordKind]]]:
+        index = {k: j for j, k in enumerate(plan.keys[: plan.n_blocks])}
+        return [(index[key], (key, kind)) for key, kind in plan.needed]
+
+    def assemble(
+        self,
+        records_by_block: dict[int, dict[RecordKind, Record]],
+        *,
+        n_blocks: int,
+        template_cache: list,
+    ) -> list:
+        """Fill a fresh model cache with `n_blocks` restored blocks (see `assembly.assemble`)."""
+        return assemble(
+            records_by_block,
+            n_blocks=n_blocks,
+            block_size=self.block_size,
+            template_cache=template_cache,
+        )
+
+    # --- store -------------------------------------------------------------------------------
+
+    def save(self, key: str, records: dict[RecordKind, Record]) -> bool:
+        """Store one block's records under its key; False when any was not stored.
+
+        Records already held are kept as they are (equal keys mean equal prefixes).
+        Call `touch` with the chain afterwards so the recency order is right.
+        """
+        ok = True
+        for kind, rec in records.items():
+            if self.store.has(key, kind):
+                continue
+            ok = self.store.put(key, kind, record_to_bytes(rec)) and ok
+        return ok
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark chain `keys` (a prompt's first blocks) as just used, suffix-first.
+
+        Oldest first: records not needed to restore the whole chain (state
+        checkpoints of earlier boundaries, window slices outside the final
+        window), then the needed ones from the last block to the first.
+        """
+        n = len(keys)
+        needed = self.needed(keys, n)
+        needed_set = set(needed)
+        others = [
+            (keys[j], kind)
+            for j in range(n - 1, -1, -1)
+            for kind in self.kinds
+            if (keys[j], kind) not in needed_set
+        ]
+        order = [item for item in others if self.store.has(*item)]
+        order += [item for item in reversed(needed) if self.store.has(*item)]
+        if order:
+            self.store.touch(order)

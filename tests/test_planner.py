@@ -1,0 +1,277 @@
+"""Planner: prefill schedule, longest restorable prefix, fallback on bad records, recency.
+
+The cache is driven with random keys/values (no model): one full-attention
+layer, one sliding-window layer (W=24 over blocks of 16) and one recurrent
+(state) layer, so a plan needs all three record kinds. Records go through the
+real `BlockStore` (a scratch file in the test's temp folder).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as lm_cache
+
+from mlx_nbengine.cache.blocks import ImageSpan
+from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
+from mlx_nbengine.cache.records import extract_block_records
+from mlx_nbengine.cache.store import BlockStore
+
+B = 16
+W = 24
+
+
+def make_layers():
+    return [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=W), lm_cache.ArraysCache(2)]
+
+
+def feed(layers, n: int, seed: int) -> None:
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, 2, n, 8), key=k1)
+    for c in layers:
+        if isinstance(c, lm_cache.ArraysCache):
+            c[0] = keys[0, :, -1]
+            c[1] = mx.random.normal((1, 4), key=k2)
+        else:
+            c.update_and_fetch(keys, keys * 2)
+    mx.eval([c.state for c in layers])
+
+
+@pytest.fixture
+def store(tmp_path):
+    with BlockStore(budget_bytes=1 << 26, directory=tmp_path) as s:
+        yield s
+
+
+def prefix_cache(store, *, fingerprint="model-a") -> PrefixCache:
+    return PrefixCache.for_cache(make_layers(), fingerprint=fingerprint, store=store, block_size=B)
+
+
+def prefill_and_save(pc: PrefixCache, tokens, images=()) -> list:
+    """Prefill block by block, saving every completed block; returns the live cache."""
+    layers = make_layers()
+    keys = pc.keys(tokens, images)
+    for i, (start, end) in enumerate(prefill_steps(0, len(tokens), block_size=B, max_step=B)):
+        feed(layers, end - start, seed=i)
+        if end % B == 0:
+            recs = extract_block_records(layers, block=end // B - 1, block_size=B)
+            assert pc.save(keys[end // B - 1], recs)
+    pc.touch(keys)
+    return layers
+
+
+TOKENS = list(range(6 * B + 3))  # six whole blocks and a tail
+
+
+# --- prefill_steps ---------------------------------------------------------------------------
+
+
+def test_prefill_steps_end_on_boundaries_and_the_last_at_the_end():
+    assert prefill_steps(0, 40, block_size=16, max_step=16) == [(0, 16), (16, 32), (32, 40)]
+    assert prefill_steps(32, 40, block_size=16, max_step=16) == [(32, 40)]
+    assert prefill_steps(16, 48, block_size=16, max_step=16) == [(16, 32), (32, 48)]
+
+
+def test_prefill_steps_use_multiples_of_the_block_and_stop_at_the_last_boundary():
+    assert prefill_steps(0, 100, block_size=16, max_step=40) == [
+        (0, 32),
+        (32, 64),
+        (64, 96),
+        (96, 100),
+    ]
+    assert prefill_steps(0, 20, block_size=16, max_step=8) == [(0, 16), (16, 20)]
+    assert prefill_steps(16, 16, block_size=16, max_step=16) == []
+
+
+def test_prefill_steps_refuse_a_start_off_a_boundary():
+    with pytest.raises(ValueError, match="boundary"):
+        prefill_steps(5, 40, block_size=16, max_step=16)
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def test_plan_restores_every_whole_block_and_leaves_the_last_token(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    assert pc.plan(TOKENS).n_blocks == 6
+    assert pc.plan(TOKENS[: 6 * B + 1]).n_blocks == 6
+    # A prompt ending exactly on a boundary keeps its last block to compute.
+    assert pc.plan(TOKENS[: 6 * B]).n_blocks == 5
+    assert pc.plan(TOKENS[:B]).n_blocks == 0
+
+
+def test_plan_needs_kv_of_all_blocks_window_blocks_and_the_boundary_state(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    plan = pc.plan(TOKENS)
+    k = plan.keys
+    # Boundary 96, window 24: blocks 4 and 5 overlap [72, 96).
+    assert plan.needed == (
+        *[(k[j], "kv") for j in range(4)],
+        (k[4], "kv"),
+        (k[4], "window"),
+        (k[5], "kv"),
+        (k[5], "window"),
+        (k[5], "state"),
+    )
+    assert plan.tokens == 6 * B
+
+
+def test_window_records_outside_the_window_are_not_needed(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    keys = pc.keys(TOKENS)
+    store.delete(keys[2], "window")
+    assert pc.plan(TOKENS).n_blocks == 6
+
+
+def test_a_missing_window_record_falls_back_to_a_boundary_whose_window_is_complete(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    keys = pc.keys(TOKENS)
+    store.delete(keys[2], "window")
+    store.delete(keys[4], "window")
+    # Boundaries 96, 80 need block 4; 64 and 48 need block 2; 32 needs blocks 0 and 1.
+    assert pc.plan(TOKENS).n_blocks == 2
+
+
+def test_a_missing_state_checkpoint_falls_back_one_boundary(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    store.delete(pc.keys(TOKENS)[5], "state")
+    assert pc.plan(TOKENS).n_blocks == 5
+
+
+def test_a_missing_kv_slice_caps_the_chain_before_it(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    store.delete(pc.keys(TOKENS)[3], "kv")
+    assert pc.plan(TOKENS).n_blocks == 3
+
+
+def test_an_edit_restores_the_blocks_before_it(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    edited = list(TOKENS)
+    edited[3 * B + 5] = 999
+    assert pc.plan(edited).n_blocks == 3
+
+
+def test_a_different_fingerprint_never_hits(store):
+    prefill_and_save(prefix_cache(store), TOKENS)
+    assert prefix_cache(store, fingerprint="model-b").plan(TOKENS).n_blocks == 0
+
+
+def test_bidirectional_images_forbid_a_boundary_inside_the_image(store):
+    pc = prefix_cache(store)
+    tokens = TOKENS[:50]  # the last token keeps boundaries up to 48
+    images = [ImageSpan(40, 50, "photo")]
+    prefill_and_save(pc, tokens, images)
+    assert pc.plan(tokens, images).n_blocks == 3  # causal over the image: 48 is fine
+    assert pc.plan(tokens, images, bidirectional_images=True).n_blocks == 2
+    assert pc.plan(tokens, [ImageSpan(40, 50, "other photo")]).n_blocks == 2
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def test_load_returns_the_needed_records_and_assembly_rebuilds_the_cache(store):
+    pc = prefix_cache(store)
+    live = prefill_and_save(pc, TOKENS[: 4 * B])
+    plan, records = pc.load(pc.plan(TOKENS))
+    assert plan.n_blocks == 4
+    assert sorted(records) == [0, 1, 2, 3]
+    assert set(records[3]) == {"kv", "window", "state"}
+    restored = pc.assemble(records, n_blocks=4, template_cache=make_layers())
+    assert restored[0].offset == restored[1].offset == 4 * B
+    assert mx.array_equal(restored[0].keys, live[0].keys[..., : 4 * B, :]).item()
+    assert mx.array_equal(restored[2][1], live[2][1]).item()
+
+
+def test_a_corrupt_record_is_deleted_and_load_falls_back_to_a_shorter_chain(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    keys = pc.keys(TOKENS)
+    store.delete(keys[5], "state")
+    store.put(keys[5], "state", b"\x00garbage that is not safetensors")
+    plan, records = pc.load(pc.plan(TOKENS))
+    assert plan.n_blocks == 5
+    assert not store.has(keys[5], "state")
+    assert set(records) == set(range(5))
+
+
+def test_a_record_of_another_block_under_a_key_is_rejected(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    keys = pc.keys(TOKENS)
+    wrong = store.get(keys[2], "kv")
+    store.delete(keys[3], "kv")
+    store.put(keys[3], "kv", wrong)
+    plan, _ = pc.load(pc.plan(TOKENS))
+    assert plan.n_blocks == 3
+    assert not store.has(keys[3], "kv")
+
+
+def test_a_record_that_vanished_after_planning_falls_back(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    plan = pc.plan(TOKENS)
+    store.delete(plan.keys[0], "kv")
+    plan, records = pc.load(plan)
+    assert plan.n_blocks == 0 and records == {}
+
+
+# --- storing and recency --------------------------------------------------------------------
+
+
+def test_touch_orders_the_chain_suffix_first_after_records_not_needed(store):
+    pc = prefix_cache(store)
+    prefill_and_save(pc, TOKENS)
+    keys = pc.keys(TOKENS)
+    pc.touch(keys)
+    order = store.items()  # least recently used first
+    needed = list(pc.needed(keys, 6))
+    not_needed = [item for item in order if item not in set(needed)]
+    # Earlier boundaries' checkpoints and out-of-window slices are oldest...
+    assert order[: len(not_needed)] == not_needed
+    assert (keys[4], "state") in not_needed and (keys[0], "window") in not_needed
+    # ...then the needed records, the last block's first, block 0's kv most recent.
+    assert order[len(not_needed) :] == needed[::-1]
+    assert order[-1] == (keys[0], "kv")
+
+
+def test_eviction_under_pressure_takes_unneeded_records_then_suffixes(tmp_path):
+    with BlockStore(budget_bytes=1 << 26, directory=tmp_path) as big:
+        prefill_and_save(prefix_cache(big), TOKENS)
+        held = big.stats().bytes_held
+    evicted = []
+
+    def on_event(name, key, kind, nbytes):
+        if name == "evicted":
+            evicted.append((key, kind))
+
+    with BlockStore(budget_bytes=held, directory=tmp_path, on_event=on_event) as s:
+        pc = prefix_cache(s)
+        prefill_and_save(pc, TOKENS)
+        order = s.items()
+        prefill_and_save(prefix_cache(s, fingerprint="another model"), TOKENS[: 2 * B])
+        # A little pressure takes only records this chain's full restore does not need.
+        assert pc.plan(TOKENS).n_blocks == 6
+        prefill_and_save(prefix_cache(s, fingerprint="a third model"), TOKENS[:B])
+        ours = [item for item in evicted if item in set(order)]
+        assert ours == order[: len(ours)]  # least recently used first, i.e. suffix-first
+        needed = pc.needed(pc.keys(TOKENS), 6)
+        gone = [item for item in needed[::-1] if item in ours]
+        assert 0 < len(gone) < len(needed) and gone == needed[::-1][: len(gone)]
+        assert s.has(pc.keys(TOKENS)[0], "kv")
+
+
+def test_save_reports_a_record_the_store_could_not_take(tmp_path):
+    with BlockStore(budget_bytes=0, memory_budget_bytes=64) as tiny:
+        pc = prefix_cache(tiny)
+        layers = make_layers()
+        feed(layers, B, seed=0)
+        recs = extract_block_records(layers, block=0, block_size=B)
+        assert pc.save(pc.keys(TOKENS)[0], recs) is False
+        assert pc.plan(TOKENS).n_blocks == 0

@@ -1,0 +1,200 @@
+"""Records: layer kinds, extraction, bytes round trip, and rebuilding live caches.
+
+The caches here are driven directly with random keys/values (no model), for
+both mlx-lm's and mlx-vlm's cache classes, so every layer kind and both
+RotatingKVCache update paths (multi-token concat, single-token in place) are
+covered in milliseconds.
+"""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as lm_cache
+from mlx_vlm.models import cache as vlm_cache
+
+from mlx_nbengine.cache.assembly import assemble
+from mlx_nbengine.cache.records import (
+    RecordError,
+    extract_block_records,
+    layer_kinds,
+    layer_windows,
+    record_from_bytes,
+    record_to_bytes,
+)
+
+B = 16  # block size: small so windows both smaller and larger than a block fit in a test
+
+
+def make_layers(lib, *, window: int = 24):
+    """A cache with one layer of every kind: kv, window (keep 0), state (arrays, keep > 0)."""
+    return [
+        lib.KVCache(),
+        lib.RotatingKVCache(max_size=window),
+        lib.ArraysCache(size=2),
+        lib.RotatingKVCache(max_size=window, keep=4),
+    ]
+
+
+def feed(layers, n: int, *, seed: int) -> list:
+    """Advance every layer by `n` tokens of random data; returns what the attention layers saw."""
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    keys = mx.random.normal((1, 2, n, 8), key=k1)
+    values = mx.random.normal((1, 2, n, 8), key=k2)
+    seen = []
+    for c in layers:
+        if type(c).__name__ == "ArraysCache":
+            # A recurrent layer: its new state depends on the old one and the input.
+            old = c[1] if c[1] is not None else mx.zeros((1, 4))
+            c[0] = mx.random.normal((1, 3, 4), key=k3)
+            c[1] = old * 0.5 + keys.sum(axis=(1, 2))[:, :4]
+            seen.append((c[0], c[1]))
+        else:
+            seen.append(c.update_and_fetch(keys, values))
+    mx.eval(seen)
+    return seen
+
+
+def run(layers, steps, *, seed: int = 0):
+    out = []
+    for i, n in enumerate(steps):
+        out = feed(layers, n, seed=seed + i)
+    return out
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(x, y, strict=True):
+            assert u.shape == v.shape
+            assert mx.array_equal(u, v).item()
+
+
+def test_layer_kinds_by_class_for_mlx_lm_and_mlx_vlm_caches():
+    for lib in (lm_cache, vlm_cache):
+        layers = make_layers(lib, window=24)
+        assert layer_kinds(layers) == ["kv", "window", "state", "state"]
+        assert layer_windows(layers) == [None, 24, None, None]
+
+
+def test_unknown_cache_class_is_checkpointed_as_state():
+    class Custom:
+        def __init__(self):
+            self.state = [mx.zeros((2,)), 3]
+
+    assert layer_kinds([Custom()]) == ["state"]
+
+
+@pytest.mark.parametrize("lib", [lm_cache, vlm_cache], ids=["mlx_lm", "mlx_vlm"])
+def test_each_record_kind_round_trips_through_bytes(lib):
+    layers = make_layers(lib)
+    run(layers, [B, B])
+    records = extract_block_records(layers, block=1, block_size=B)
+    assert set(records) == {"kv", "window", "state"}
+    for kind, rec in records.items():
+        back = record_from_bytes(record_to_bytes(rec))
+        assert back.kind == kind and back.block == 1 and back.block_size == B
+        assert back.meta == rec.meta
+        assert set(back.arrays) == set(rec.arrays)
+        for name, arr in rec.arrays.items():
+            assert back.arrays[name].dtype == arr.dtype
+            assert mx.array_equal(back.arrays[name], arr).item()
+
+
+def test_kv_and_window_records_hold_the_block_slice_in_temporal_order():
+    layers = make_layers(lm_cache, window=24)
+    seen = run(layers, [B, B, B])  # 48 tokens; the window layer holds 23 + 16 of them
+    recs = extract_block_records(layers, block=2, block_size=B)
+    full_k = seen[0][0]  # the kv layer returns all 48 keys in order
+    assert mx.array_equal(recs["kv"].arrays["L0.k"], full_k[..., 2 * B : 3 * B, :]).item()
+    # W=24 > B: the whole block [32, 48) is in the window record.
+    assert recs["window"].layers[1]["start"] == 2 * B
+    assert mx.array_equal(recs["window"].arrays["L1.k"], full_k[..., 2 * B : 3 * B, :]).item()
+
+
+def test_window_record_after_single_token_steps_uses_the_rotated_buffer():
+    layers = make_layers(lm_cache, window=8)  # W=8 < B: the record is the block's last 8 tokens
+    seen = None
+    keys = []
+    run(layers, [B])
+    for i in range(B):  # single-token decode steps rotate the buffer
+        seen = feed(layers, 1, seed=100 + i)
+        keys.append(seen[0][0][..., -1:, :])
+    recs = extract_block_records(layers, block=1, block_size=B)
+    want = mx.concatenate(keys, axis=2)[..., -8:, :]
+    assert recs["window"].layers[1]["start"] == 2 * B - 8
+    assert mx.array_equal(recs["window"].arrays["L1.k"], want).item()
+
+
+def test_state_record_only_exactly_at_the_boundary():
+    layers = make_layers(lm_cache)
+    run(layers, [B, 5])
+    assert "state" not in extract_block_records(layers, block=0, block_size=B)
+
+
+def test_window_record_raises_once_the_window_dropped_the_block():
+    layers = make_layers(lm_cache, window=8)
+    run(layers, [B, B, 1, 1])  # window now holds only tokens [26, 34)
+    with pytest.raises(RecordError, match="window layer 1"):
+        extract_block_records(layers, block=0, block_size=B)
+
+
+def test_records_do_not_change_when_the_live_cache_is_updated_in_place():
+    layers = make_layers(lm_cache, window=24)
+    run(layers, [B, B])
+    recs = extract_block_records(layers, block=1, block_size=B)
+    before = {k: record_to_bytes(r) for k, r in recs.items()}
+    run(layers, [1, 1, B, 1], seed=50)
+    assert {k: record_to_bytes(r) for k, r in recs.items()} == before
+
+
+def test_garbage_bytes_raise_record_error():
+    with pytest.raises(RecordError):
+        record_from_bytes(b"not a safetensors blob")
+    foreign = io.BytesIO()
+    mx.save_safetensors(foreign, {"x": mx.zeros((2,))}, metadata={"kind": "kv"})
+    with pytest.raises(RecordError, match="not an mlx_nbengine record"):
+        record_from_bytes(foreign.getvalue())
+
+
+def restore_at(layers_lib, history: list[int], n_blocks: int, *, window: int):
+    """Records of every block taken during `history` (steps ending on boundaries), assembled."""
+    live = make_layers(layers_lib, window=window)
+    records: dict[int, dict] = {}
+    pos = 0
+    for i, n in enumerate(history):
+        feed(live, n, seed=i)
+        pos += n
+        if pos % B == 0:
+            records[pos // B - 1] = {
+                k: record_from_bytes(record_to_bytes(r))
+                for k, r in extract_block_records(live, block=pos // B - 1, block_size=B).items()
+            }
+    restored = assemble(
+        records,
+        n_blocks=n_blocks,
+        block_size=B,
+        template_cache=make_layers(layers_lib, window=window),
+    )
+    return live, restored
+
+
+@pytest.mark.parametrize("lib", [lm_cache, vlm_cache], ids=["mlx_lm", "mlx_vlm"])
+@pytest.mark.parametrize("window", [8, 16, 24, 100])
+@pytest.mark.parametrize("next_steps", [[B], [1, 1, 1], [5, 1, B], [1, B]])
+def test_restored_cache_continues_exactly_like_the_live_one(lib, window, next_steps):
+    history = [B, B, B, B]
+    live, restored = restore_at(lib, history, n_blocks=4, window=window)
+    for i, n in enumerate(next_steps):
+        assert_same(feed(live, n, seed=1000 + i), feed(restored, n, seed=1000 + i))
+    assert [c.offset for c in (restored[0], restored[1])] == [4 * B + sum(next_steps)] * 2
+
+
+def test_assembly_at_an_earlier_boundary_than_the_live_cache_reached():
+    live, _ = restore_at(lm_cache, [B, B, B], n_blocks=0, window=24)
+    reference = make_layers(lm_cache, window=24)
+    run(reference, [B, B])
+    _, restored = restore_at(lm_cache, [B, B, B], n_blocks=2, window=24)
+    assert_same(feed(reference, 7, seed=9), feed(restored, 7, seed=9))
