@@ -184,14 +184,19 @@ def _default_dtype() -> str | None:
     return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
 
 
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelError(f"Unknown dtype '{dtype}'; use one of {', '.join(_DTYPES)} (or None).")
+
+
 def _cast(model: Any, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    try:
-        target = getattr(mx, dtype)
-    except AttributeError:
-        raise ModelError(f"Unknown dtype '{dtype}'; use float32, float16 or bfloat16.") from None
+    target = getattr(mx, dtype)
     keep = getattr(model, "cast_predicate", None) or (lambda _path: True)
     changed = [
         (k, v.astype(target))
@@ -226,8 +231,9 @@ def _load_text(path: Path, config: dict) -> tuple[Any, Any]:
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # tokenizer loaders raise many types; the user needs one message
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TokenizerError(
-            f"The tokenizer in '{path}' could not be loaded ({type(e).__name__}: {e}); "
+            f"The tokenizer in '{path}' could not be loaded ({type(e).__name__}: {first_line}); "
             "the directory needs tokenizer.json or tokenizer.model with tokenizer_config.json."
         ) from e
     return model, tokenizer
@@ -261,6 +267,7 @@ def load(
     ``$MLX_NBENGINE_HOME`` or ``~/.cache/mlx_nbengine``); `progress(done, total)`
     is called during a conversion. Raises a `ModelError` subclass naming the problem.
     """
+    _check_dtype(dtype)
     path = resolve(path_or_name, cache_dir=cache_dir, progress=progress)
     config = _read_config(path)
     model_type = config["model_type"]
