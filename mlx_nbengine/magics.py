@@ -184,6 +184,11 @@ class BackgroundAnswer:
         state = "done" if self.done() else "running"
         return f"<BackgroundAnswer {self.label!r} {state}, {len(self.text):,} chars>"
 
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        # Showing the handle (e.g. after `handle.result()`) shows the answer as it stands:
+        # what a headless run records, since it misses updates sent after the --bg cell.
+        return self.view.bundle()
+
 
 # -- driving a request -----------------------------------------------------------------------
 
@@ -267,10 +272,19 @@ def _short_error(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# Keys of Engine.stats() that describe the engine, not its block store (%llm_status shows them).
+_ENGINE_STAT_KEYS = frozenset(
+    {"model", "parallel", "block_size", "active", "queued", "failures", "save_errors", "closed"}
+)
+
 # -- the magics ------------------------------------------------------------------------------
 
 
 def _default_engine_factory(model: str, **options: Any) -> Any:
+    from mlx_nbengine._blas import ensure_fast_blas
+
+    # Before MLX is first imported in this kernel (see _blas); a no-op afterwards.
+    ensure_fast_blas()
     from mlx_nbengine.engine import Engine
 
     if "progress" in options and "progress" not in inspect.signature(Engine.load).parameters:
@@ -416,7 +430,9 @@ class LLMMagics(Magics):
                 raise UsageError(f"could not load {model}: {_short_error(error)}") from None
             raise error
         engine = result["engine"]
-        done = f"loaded {model} in {elapsed:.1f} s"
+        loaded = getattr(engine, "model", None)
+        what_kind = f" ({loaded.model_type}, {loaded.kind})" if hasattr(loaded, "kind") else ""
+        done = f"loaded {model}{what_kind} in {elapsed:.1f} s"
         handle.update({"text/plain": done, "text/markdown": done}, raw=True)
         return engine
 
@@ -577,9 +593,17 @@ class LLMMagics(Magics):
         args = _parse(self.llm_cache, line, "%llm_cache")
         engine = self._require_engine()
         if args.action == "clear":
-            engine.clear_cache()
-        stats = engine.stats()
-        stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
+            clear = getattr(engine, "clear_cache", None)
+            if clear is None:
+                raise UsageError(
+                    "this engine cannot empty its store while loaded; `%unload_model` then "
+                    "`%load_model` starts with an empty one"
+                )
+            clear()
+        stats = {k: v for k, v in engine.stats().items() if k not in _ENGINE_STAT_KEYS}
+        hits, misses = stats.get("hits"), stats.get("misses")
+        if isinstance(hits, int) and isinstance(misses, int) and hits + misses:
+            stats["hit rate"] = f"{hits / (hits + misses):.0%}"
         title = "block store (cleared)" if args.action == "clear" else "block store"
         self._display(key_value_bundle(title, stats_rows(stats)))
 
@@ -594,7 +618,6 @@ class LLMMagics(Magics):
             self._display({"text/plain": "no model loaded; run `%load_model default`"})
             return
         stats = session.engine.stats()
-        stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
         running = sum(1 for handle in session.background if not handle.done())
         rows: list[tuple[str, Any]] = [("model", session.model)]
         for name, value in session.options.items():
@@ -604,6 +627,7 @@ class LLMMagics(Magics):
             ("active requests", stats.get("active", "-")),
             ("queued requests", stats.get("queued", "-")),
             ("background cells running", running),
+            ("failed requests", stats.get("failures", "-")),
             ("conversations", ", ".join(session.chats.names()) or "-"),
         ]
         self._display(key_value_bundle("mlx_nbengine", rows))

@@ -59,10 +59,14 @@ def summary_line(completion: Any) -> str:
     restored = f"{report.restored_tokens:,} restored"
     if restored_blocks:
         restored += f" ({', '.join(restored_blocks)})"
-    parts = [
-        f"{completion.prompt_tokens:,} prompt tokens: {restored}, "
-        f"{report.computed_tokens:,} computed"
-    ]
+    elif report.restored_tokens and getattr(report, "restore_source", None):
+        # Restored tokens that end inside a block: the block itself counts as computed.
+        restored += f" (from {report.restore_source})"
+    # `prompt_tokens` is the list of prompt ids (an int is accepted too).
+    n_prompt = completion.prompt_tokens
+    if not isinstance(n_prompt, int):
+        n_prompt = len(n_prompt)
+    parts = [f"{n_prompt:,} prompt tokens: {restored}, {report.computed_tokens:,} computed"]
     if report.ttft_s is not None:
         parts.append(f"first token {report.ttft_s:.2f} s")
     if report.tokens_per_s:
@@ -237,7 +241,7 @@ def stats_rows(stats: Mapping[str, Any]) -> list[tuple[str, Any]]:
     for key, value in stats.items():
         if isinstance(value, Mapping):
             rows.extend((f"{key}.{k}", v) for k, v in stats_rows(value))
-        elif isinstance(value, int | float) and "bytes" in key and not isinstance(value, bool):
+        elif _is_byte_count(key, value):
             rows.append((key, f"{format_bytes(value)} ({int(value):,} B)"))
         elif isinstance(value, float):
             rows.append((key, f"{value:.3g}"))
@@ -246,6 +250,11 @@ def stats_rows(stats: Mapping[str, Any]) -> list[tuple[str, Any]]:
         else:
             rows.append((key, value))
     return rows
+
+
+def _is_byte_count(key: str, value: Any) -> bool:
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    return numeric and ("bytes" in key or key == "file_size")
 
 
 def progress_bundle(what: str, *, elapsed: float, done: int | None = None, total=None) -> Bundle:

@@ -65,7 +65,7 @@ class Report:
 class Completion:
     text: str
     tokens: list
-    prompt_tokens: int
+    prompt_tokens: list
     finish_reason: str
     report: Report
 
@@ -85,7 +85,9 @@ class FakeRequest:
         if self.hold:
             self.cancelled.wait(30)
         reason = "cancelled" if self.cancelled.is_set() else "stop"
-        self.completion = Completion(text, list(range(len(self.pieces))), 10, reason, Report())
+        self.completion = Completion(
+            text, list(range(len(self.pieces))), [2] * 10, reason, Report()
+        )
         yield Finished(self.completion)
 
     def result(self, timeout=None):
@@ -429,7 +431,7 @@ def test_summary_line_tells_the_block_story():
     blocks = [Block(i, i * 256, (i + 1) * 256, "disk") for i in range(7)]
     blocks.append(Block(7, 1792, 2048, "computed"))
     report = Report(blocks, restored_tokens=1792, computed_tokens=256, ttft_s=0.41, tokens_per_s=38)
-    done = Completion("x", [1], 2048, "stop", report)
+    done = Completion("x", [1], [7] * 2048, "stop", report)
     assert summary_line(done) == (
         "2,048 prompt tokens: 1,792 restored (7 blocks from disk), 256 computed; "
         "first token 0.41 s; 38 tok/s"
