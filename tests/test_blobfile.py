@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import sys
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -262,3 +263,13 @@ def test_a_missing_directory_is_a_cache_error_that_says_what_to_do(tmp_path):
 def test_empty_blobs_are_refused(bf):
     with pytest.raises(ValueError):
         bf.write("a", b"")
+
+
+def test_without_xxhash_crc32_guards_the_blobs(bf, monkeypatch):
+    monkeypatch.setattr(blobfile_module, "xxhash", None)
+    bf.write("a", blob(5000))
+    assert bf.entry("a").checksum == zlib.crc32(blob(5000))
+    assert bf.read("a") == blob(5000)
+    os.pwrite(bf.fileno(), b"\x00\x01", bf.entry("a").offset)
+    with pytest.raises(CorruptBlobError):
+        bf.read("a")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -278,3 +281,47 @@ def test_stats_read_from_another_thread_are_consistent_snapshots(store):
     for s in snapshots:
         assert s.file_size == s.bytes_held + s.free_bytes
         assert s.bytes_held <= s.budget_bytes
+
+
+def fds_into(directory) -> int:
+    """How many of this process's descriptors point into `directory` (Linux /proc)."""
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue
+    return sum(link.startswith(str(directory)) for link in links)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see open files")
+def test_a_garbage_collected_store_leaves_no_file(tmp_path):
+    s = BlockStore(budget_bytes=10 * KB, directory=tmp_path)
+    s.put("a", "kv", blob(KB))
+    assert fds_into(tmp_path) == 1
+    del s
+    gc.collect()
+    assert fds_into(tmp_path) == 0 and os.listdir(tmp_path) == []
+
+
+def test_a_process_that_exits_without_close_leaves_no_file(tmp_path):
+    script = (
+        "import os, sys\n"
+        "from mlx_nbengine.cache.store import BlockStore\n"
+        "s = BlockStore(budget_bytes=1 << 20, directory=sys.argv[1])\n"
+        "assert s.put('a', 'kv', b'x' * 1000)\n"
+        "print(len(os.listdir(sys.argv[1])), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+    assert os.listdir(tmp_path) == []
