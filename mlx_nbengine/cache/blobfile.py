@@ -13,7 +13,8 @@ Terms:
 - *checksum*: a 64-bit XXH3 of the blob (`xxhash`, installed with mlx-vlm), checked on every
   read; `zlib.crc32` where xxhash is missing. Measured on one 10 MiB blob
   (bench/bench_blobfile.py): XXH3 ~20 GB/s, CRC-32 ~3.6 GB/s, BLAKE2b ~0.6 GB/s. Only XXH3
-  keeps a read near page-cache bandwidth (pread alone ~7 GB/s; pread + CRC-32 ~1.3 GB/s).
+  keeps a read near page-cache bandwidth (2-core Linux: pread alone ~3-7 GB/s, pread + CRC-32
+  ~1.3 GB/s, pread + XXH3 ~0.85x of pread).
   The checksum guards against torn or stray writes, not against an attacker (the file is
   private: mode 0600, and unlinked).
 
