@@ -28,7 +28,6 @@ no traceback.
 
 from __future__ import annotations
 
-import inspect
 import queue
 import re
 import string
@@ -287,8 +286,6 @@ def _default_engine_factory(model: str, **options: Any) -> Any:
     ensure_fast_blas()
     from mlx_nbengine.engine import Engine
 
-    if "progress" in options and "progress" not in inspect.signature(Engine.load).parameters:
-        options.pop("progress")
     return Engine.load(model, **options)
 
 
@@ -364,7 +361,6 @@ class LLMMagics(Magics):
         `default` (the embedded Gemma 3 270M). Shows load progress. Loading another model
         replaces the current one and frees its block store.
         """
-        __tracebackhide__ = True
         args = _parse(self.load_model, line, "%load_model")
         if args.parallel < 1 or args.block_size < 1:
             raise UsageError("--parallel and --block-size must be at least 1")
@@ -385,19 +381,15 @@ class LLMMagics(Magics):
         self.session.options = options
 
     def _load_with_progress(self, model: str, options: dict[str, Any]) -> Any:
-        # Engine.load blocks; it runs on a helper thread while the main thread redraws the
-        # progress line, and stays interruptible (an interrupted load is closed when done).
-        state: dict[str, Any] = {"done": None, "total": None}
-
-        def progress(done: int, total: int) -> None:
-            state["done"], state["total"] = done, total
-
+        # Engine.load blocks and reports no progress; it runs on a helper thread while the
+        # main thread redraws an elapsed-time line and stays interruptible (an interrupted
+        # load is closed when it completes).
         result: dict[str, Any] = {}
         discard = threading.Event()
 
         def work() -> None:
             try:
-                result["engine"] = self.engine_factory(model, progress=progress, **options)
+                result["engine"] = self.engine_factory(model, **options)
             except BaseException as exc:  # noqa: BLE001 - reported on the main thread
                 result["error"] = exc
             if discard.is_set() and "engine" in result:
@@ -412,12 +404,7 @@ class LLMMagics(Magics):
             while worker.is_alive():
                 worker.join(0.1)
                 elapsed = time.monotonic() - started
-                handle.update(
-                    progress_bundle(
-                        what, elapsed=elapsed, done=state["done"], total=state["total"]
-                    ),
-                    raw=True,
-                )
+                handle.update(progress_bundle(what, elapsed=elapsed), raw=True)
         except KeyboardInterrupt:
             discard.set()
             handle.update({"text/plain": f"loading {model} interrupted"}, raw=True)
@@ -441,7 +428,6 @@ class LLMMagics(Magics):
     @line_magic
     def unload_model(self, line: str = "") -> None:
         """Stop the engine and free the model, its block store and the scratch file."""
-        __tracebackhide__ = True
         if line.strip():
             raise UsageError("%unload_model takes no arguments")
         model = self.close_engine()
@@ -479,7 +465,6 @@ class LLMMagics(Magics):
         JupyterLab sends, or, where there is none (nbclient, terminal), by identical
         source text.
         """
-        __tracebackhide__ = True
         args = _parse(self.llm, line, "%%llm")
         engine = self._require_engine()
         text = cell.strip()
@@ -589,7 +574,6 @@ class LLMMagics(Magics):
     @line_magic
     def llm_cache(self, line: str) -> None:
         """Show the block store's statistics; `%llm_cache clear` empties it."""
-        __tracebackhide__ = True
         args = _parse(self.llm_cache, line, "%llm_cache")
         engine = self._require_engine()
         if args.action == "clear":
@@ -610,7 +594,6 @@ class LLMMagics(Magics):
     @line_magic
     def llm_status(self, line: str = "") -> None:
         """Show the loaded model, its parallel slots, and active and queued requests."""
-        __tracebackhide__ = True
         if line.strip():
             raise UsageError("%llm_status takes no arguments")
         session = self.session

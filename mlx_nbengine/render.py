@@ -257,12 +257,7 @@ def _is_byte_count(key: str, value: Any) -> bool:
     return numeric and ("bytes" in key or key == "file_size")
 
 
-def progress_bundle(what: str, *, elapsed: float, done: int | None = None, total=None) -> Bundle:
-    """The line shown while a model loads: percentage when known, else elapsed time."""
-    if total:
-        text = (
-            f"{what}: {done or 0:,}/{total:,} ({100 * (done or 0) / total:.0f}%), {elapsed:.1f} s"
-        )
-    else:
-        text = f"{what}… {elapsed:.1f} s"
+def progress_bundle(what: str, *, elapsed: float) -> Bundle:
+    """The line shown while something runs without progress reports: what, and for how long."""
+    text = f"{what}… {elapsed:.1f} s"
     return {"text/plain": text, "text/markdown": _escape_md(text)}

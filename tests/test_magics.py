@@ -129,11 +129,9 @@ class FakeEngine:
         self.closed = True
 
 
-def fake_factory(model: str, *, progress=None, **options):
+def fake_factory(model: str, **options):
     if model == "missing":
         raise ModelNotFoundError("no model at 'missing'; give a model directory or `default`")
-    if progress is not None:
-        progress(1, 2)
     return FakeEngine(model, **options)
 
 
