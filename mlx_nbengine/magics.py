@@ -45,6 +45,7 @@ from mlx_nbengine.chat import ChatBook, PendingTurnError, turn_key
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.render import (
     AnswerView,
+    TerminalView,
     format_bytes,
     key_value_bundle,
     progress_bundle,
@@ -263,7 +264,7 @@ def _drive(request: Any, view: AnswerView) -> tuple[Any, bool]:
         view.finish(completion, interrupted=interrupted)
     elif interrupted:
         view.mark_interrupted()
-    view.refresh(force=True)
+    view.close()
     return completion, interrupted
 
 
@@ -514,7 +515,9 @@ class LLMMagics(Magics):
                 conversation.abandon(turn)
             raise UsageError(_short_error(exc)) from None
 
-        view = AnswerView(title=args.chat or "")
+        # A kernel's front end updates the display in place; a terminal only appends.
+        in_kernel = hasattr(self.shell, "kernel")
+        view = (AnswerView if in_kernel else TerminalView)(title=args.chat or "")
         view.show()
         if args.bg:
             self._start_background(request, view, args, conversation, turn)
@@ -523,7 +526,7 @@ class LLMMagics(Magics):
             completion, interrupted = _drive(request, view)
         except EngineError as exc:
             view.fail(_short_error(exc))
-            view.refresh(force=True)
+            view.close()
             if turn is not None:
                 conversation.abandon(turn)
             raise UsageError(_short_error(exc)) from None
@@ -553,7 +556,7 @@ class LLMMagics(Magics):
             except BaseException as exc:  # noqa: BLE001 - kept for handle.result()
                 handle.error = exc
                 view.fail(_short_error(exc))
-                view.refresh(force=True)
+                view.close()
                 if turn is not None:
                     conversation.abandon(turn)
             finally:

@@ -26,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "AnswerView",
+    "TerminalView",
     "format_bytes",
     "key_value_bundle",
     "progress_bundle",
@@ -219,6 +220,48 @@ class AnswerView:
         self._last = now
         self.updates += 1
         return True
+
+    def close(self) -> None:
+        """The request ended: send the final state now."""
+        self.refresh(force=True)
+
+
+class TerminalView(AnswerView):
+    """An `AnswerView` for a shell without a front end that updates displays (terminal IPython).
+
+    Re-printing the whole answer every 100 ms would flood a terminal, so this view writes
+    only the new text as it arrives, then the status line once at the end.
+    """
+
+    def __init__(self, *, write: Callable[[str], Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(display=lambda *a, **k: None, **kwargs)
+        if write is None:
+            import sys
+
+            write = sys.stdout.write
+        self._write = write
+        self._written = 0
+        self._closed = False
+
+    def show(self) -> None:
+        if self.title:
+            self._write(f"[{self.title}]\n")
+        self._handle = self
+
+    def refresh(self, *, force: bool = False) -> bool:
+        if self._handle is None:
+            self.show()
+        if self._closed or len(self.text) <= self._written:
+            return False
+        self._write(self.text[self._written :])
+        self._written = len(self.text)
+        return True
+
+    def close(self) -> None:
+        self.refresh()
+        if not self._closed:
+            self._write(f"\n\n{self.status_line()}\n")
+            self._closed = True
 
 
 def _escape_md(text: str) -> str:

@@ -19,7 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from mlx_nbengine import magics as magics_mod
 from mlx_nbengine.chat import Conversation, PendingTurnError, turn_key
 from mlx_nbengine.errors import ModelNotFoundError
-from mlx_nbengine.render import AnswerView, summary_line
+from mlx_nbengine.render import AnswerView, TerminalView, summary_line
 
 # -- a fake engine with the public shape of mlx_nbengine.engine (events by class name) ------
 
@@ -482,3 +482,16 @@ def test_answer_view_closes_an_open_code_fence_before_the_status():
     markdown = view.bundle()["text/markdown"]
     assert markdown.count("```") == 2
     assert markdown.endswith("*[interrupted]*")
+
+
+def test_terminal_view_appends_new_text_and_the_status_once():
+    written: list[str] = []
+    view = TerminalView(write=written.append, interval=0.0)
+    view.show()
+    for piece in ("Hel", "lo", ", world"):
+        view.apply(TextDelta(piece))
+        view.refresh()
+    view.mark_interrupted()
+    view.close()
+    view.close()
+    assert written == ["Hel", "lo", ", world", "\n\n[interrupted]\n"]
