@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "VOCAB_SIZE", "make_tiny_model", "make_tiny_tokenizer"]
+__all__ = ["FAMILIES", "VOCAB_SIZE", "make_tiny_gguf", "make_tiny_model", "make_tiny_tokenizer"]
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 VOCAB_SIZE = 512
@@ -205,3 +205,135 @@ def make_tiny_model(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(directory)
     return directory
+
+
+def _llama_cpp_permute(w, n_head: int):
+    # What llama.cpp's converter does to llama Q/K rows (interleaves the rotary halves).
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def make_tiny_gguf(
+    family: str,
+    path: str | Path,
+    *,
+    source: str | Path | None = None,
+    quant: str = "Q8_0",
+    seed: int = 0,
+) -> Path:
+    """Write a tiny model as a llama.cpp-style GGUF file at `path` and return it.
+
+    `family` is ``"llama"`` or ``"gemma3_text"`` (written as GGUF arch ``gemma3``,
+    six layers in Gemma 3's fixed 5-sliding-1-global layout). The weights come
+    from `source` (a `make_tiny_model` directory of that family) or a fresh one;
+    2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
+    as F32, with llama.cpp's own rewrites (llama Q/K row permutation, Gemma norms
+    stored as ``1 + w``). The tokenizer goes in as GGUF ``gpt2`` (byte-level BPE)
+    metadata.
+    """
+    import tempfile
+
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+    from gguf.quants import quantize
+
+    path = Path(path)
+    if family not in ("llama", "gemma3_text"):
+        raise ValueError(f"make_tiny_gguf supports 'llama' and 'gemma3_text', not {family!r}")
+    if source is None:
+        kw = {"num_layers": 6} if family == "gemma3_text" else {}
+        source = make_tiny_model(family, tempfile.mkdtemp(prefix="tiny-gguf-src-"), seed=seed, **kw)
+    source = Path(source)
+    config = json.loads((source / "config.json").read_text())
+    if family == "gemma3_text":
+        # GGUF has no field for these; llama.cpp assumes Gemma 3's values, so the source must too.
+        config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
+        (source / "config.json").write_text(json.dumps(config, indent=2))
+    arch = "gemma3" if family == "gemma3_text" else "llama"
+    weights = {
+        k: np.array(v.astype(mx.float32))
+        for k, v in mx.load(str(source / "model.safetensors")).items()
+    }
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    writer.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
+    writer.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    if arch == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for token, idx in vocab.items():
+        tokens[idx] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
+    writer.add_token_types([control if t in SPECIAL_TOKENS else normal for t in tokens])
+    writer.add_bos_token_id(vocab["<bos>"])
+    writer.add_eos_token_id(vocab["<eos>"])
+    writer.add_pad_token_id(vocab["<pad>"])
+    writer.add_add_bos_token(True)
+
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    for name, w in weights.items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            gguf_name = f"blk.{layer}.{layer_names[module]}.{kind}"
+        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+            w = _llama_cpp_permute(w, config["num_attention_heads"])
+        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
+            w = _llama_cpp_permute(w, config["num_key_value_heads"])
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            w = w + 1.0
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,441 @@
+"""GGUF import: convert a llama.cpp GGUF file into an MLX model directory, once.
+
+Terms:
+- *GGUF*: llama.cpp's single-file format; metadata (architecture hyper-parameters,
+  tokenizer vocabulary) plus tensors, many of them block-quantized (Q4_K, Q8_0...).
+- *conversion*: every tensor is dequantized with the `gguf` package
+  (`gguf.quants.dequantize`), renamed to the Hugging Face / mlx-lm names, undone
+  where llama.cpp rewrote it (llama's Q/K row permutation; Gemma's norm weights,
+  stored as ``w + 1``, while mlx-lm's Gemma adds the 1 itself), and written as
+  ``model.safetensors`` with ``config.json``, ``tokenizer.json`` (rebuilt from the
+  metadata with transformers' GGUF tokenizer builders, no torch needed) and
+  ``tokenizer_config.json``.
+- *conversion cache*: converted directories live under
+  ``$MLX_NBENGINE_HOME/gguf`` (default ``~/.cache/mlx_nbengine/gguf``), one per
+  source file, keyed by the file's size, mtime and sampled content plus the
+  converter version, so the second `convert` of the same file is instant.
+  A conversion writes into a temporary directory renamed into place at the end:
+  an interrupted one leaves nothing behind that looks finished.
+
+Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``; tensor types:
+whatever `gguf.quants.dequantize` handles (F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_nbengine.errors import GGUFError, UnsupportedModelError
+
+__all__ = ["cache_home", "convert", "conversion_dir", "read_metadata"]
+
+Progress = Callable[[int, int], None]
+
+# Bumped whenever the converter's output changes, so stale conversions are redone.
+CONVERTER_VERSION = "1"
+_SAMPLE_BYTES = 1 << 20
+
+_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# GGUF tensor name (after "blk.N.") -> mlx-lm name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma 3 has four norms per layer; llama.cpp's ffn_norm is its *pre*-feedforward norm.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp keeps for its own use and mlx-lm computes itself.
+_SKIPPED = {"rope_freqs"}
+
+# Chat templates for files that carry none (base models); in the family's own format.
+_FALLBACK_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% set system = messages[0]['content'] + '\\n\\n' "
+        "if messages and messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else 'user' }}\n"
+        "{{ system if loop.first else '' }}{{ message['content'] | trim }}<end_of_turn>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+    "qwen2": (
+        "{% for message in messages %}"
+        "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+}
+_FALLBACK_TEMPLATES["qwen3"] = _FALLBACK_TEMPLATES["qwen2"]
+
+
+def cache_home() -> Path:
+    """Where mlx_nbengine keeps converted models: ``$MLX_NBENGINE_HOME`` or ``~/.cache/...``."""
+    return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{CONVERTER_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    with open(path, "rb") as f:
+        for offset in (0, st.st_size // 2, max(0, st.st_size - _SAMPLE_BYTES)):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:20]
+
+
+def conversion_dir(
+    gguf_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """The directory `convert` writes (or has written) for `gguf_path`."""
+    path = Path(gguf_path)
+    base = Path(cache_dir) if cache_dir is not None else cache_home() / "gguf"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem)
+    return base / f"{stem}-{_file_key(path)}"
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+        raise GGUFError(
+            f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e}). "
+            "Check that the download finished, or re-create the file."
+        ) from e
+
+
+def _field_value(field) -> Any:
+    value = field.contents()
+    return value
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value metadata of an open `gguf.GGUFReader`, as Python values."""
+    return {key: _field_value(field) for key, field in reader.fields.items()}
+
+
+def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if isinstance(n_heads, list):  # per-layer counts; these architectures use one value
+        n_heads = max(n_heads)
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        n_kv = max(n_kv)
+    config: dict[str, Any] = {
+        "model_type": _MODEL_TYPES[arch],
+        "architectures": [_ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": get("attention.key_length", hidden // n_heads),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "max_position_embeddings": get("context_length"),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if arch == "gemma3":
+        config.update(
+            {
+                "query_pre_attn_scalar": config["head_dim"],
+                "sliding_window": get("attention.sliding_window", 512),
+                # llama.cpp fixes Gemma 3's layout at five sliding layers per global one.
+                "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0,
+            }
+        )
+    if arch == "qwen2":
+        config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
+    for name, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{key}" in meta:
+            config[name] = meta[f"tokenizer.ggml.{key}"]
+    eos = [
+        meta[f"tokenizer.ggml.{k}"]
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if f"tokenizer.ggml.{k}" in meta
+    ]
+    if arch == "gemma3":
+        end_of_turn = _token_id(meta, "<end_of_turn>")
+        if end_of_turn is not None:
+            eos.append(end_of_turn)
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return config
+
+
+def _token_id(meta: dict[str, Any], token: str) -> int | None:
+    try:
+        return meta["tokenizer.ggml.tokens"].index(token)
+    except ValueError:
+        return None
+
+
+def _mlx_name(gguf_name: str, arch: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
+    raise UnsupportedModelError(
+        f"GGUF tensor '{gguf_name}' has no counterpart in the {arch} model; "
+        "the file's layout is not one this converter knows."
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves the two rotary halves of each head's Q/K rows; put them back.
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor(tensor, arch: str, config: dict[str, Any]) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        if tensor.tensor_type == GGMLQuantizationType.BF16:
+            raw = np.ascontiguousarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
+            w = raw.view(np.float32)
+        else:
+            w = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(
+            f"GGUF tensor '{tensor.name}' uses type {tensor.tensor_type.name}, which cannot be "
+            f"dequantized here ({e}). Use a file quantized with F16, Q8_0, Q4_K, Q5_0 or Q6_K."
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    w = np.asarray(w, dtype=np.float32).reshape(shape)
+    name = tensor.name
+    if arch == "llama":
+        if name.endswith("attn_q.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stored 1 + w; mlx-lm's Gemma RMSNorm adds the 1 back
+    return w
+
+
+def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
+    from tokenizers import processors
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    tokenizer_dict = {
+        name: meta[f"tokenizer.{key}"]
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+    except Exception as e:  # transformers' builders raise ValueError, KeyError...
+        raise GGUFError(
+            f"The tokenizer in the GGUF metadata could not be rebuilt ({type(e).__name__}: {e})."
+        ) from e
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos = bool(
+        meta.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+    )
+    if arch == "gemma3":
+        add_bos = True  # Gemma's outputs fall apart without BOS; llama.cpp forces it too
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    single, special = "$A", []
+    if add_bos and bos is not None:
+        single = f"{bos} $A"
+        special.append((bos, tokens.index(bos)))
+    if add_eos and eos is not None:
+        single = f"{single} {eos}"
+        special.append((eos, tokens.index(eos)))
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single} $B", special_tokens=special
+    )
+    backend.save(str(directory / "tokenizer.json"))
+
+    template = meta.get("tokenizer.chat_template") or _FALLBACK_TEMPLATES.get(arch)
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "model_max_length": int(meta.get(f"{arch}.context_length") or 131072),
+        "clean_up_tokenization_spaces": False,
+    }
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        if token(key) is not None:
+            tokenizer_config[name] = token(key)
+    if template:
+        tokenizer_config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+class _Bar:
+    """Progress over tensor bytes: a tqdm bar on stderr and/or a ``progress(done, total)`` hook."""
+
+    def __init__(self, total: int, name: str, progress: Progress | None, show_bar: bool):
+        self.total, self.done, self.progress = total, 0, progress
+        self.bar = None
+        if show_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"Converting {name}",
+                file=sys.stderr,
+                leave=False,
+            )
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def convert(
+    gguf_path: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    output_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+    show_bar: bool = True,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Convert `gguf_path` into an MLX model directory and return it; reuse it if done before.
+
+    The result lands in `output_dir` if given, else in `conversion_dir(gguf_path,
+    cache_dir=cache_dir)`. `progress(done, total)` is called as tensor bytes are
+    converted; `show_bar` draws a tqdm bar on stderr. Weights are stored as
+    `dtype` (bfloat16 by default: half the disk of float32 and far below the
+    quantization error; `load` upcasts to float32 on CPU).
+    """
+    import mlx.core as mx
+
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise GGUFError(f"No GGUF file at '{path}'.")
+    target = (
+        Path(output_dir) if output_dir is not None else conversion_dir(path, cache_dir=cache_dir)
+    )
+    if (target / "config.json").is_file():
+        return target
+
+    reader = _reader(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF architecture '{arch}' in '{path}' is not supported; "
+            f"convertible architectures: {', '.join(sorted(_MODEL_TYPES))}."
+        )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise GGUFError(f"'{path}' has no tokenizer in its metadata, so it cannot be used alone.")
+    tensor_names = {t.name for t in reader.tensors}
+    config = _config(meta, arch, tensor_names)
+    if None in (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]):
+        raise GGUFError(f"'{path}' lacks the {arch}.* hyper-parameters needed to build the model.")
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    bar = _Bar(sum(int(t.n_bytes) for t in reader.tensors), path.name, progress, show_bar)
+    try:
+        store = getattr(mx, dtype)
+        weights: dict[str, Any] = {}
+        for tensor in reader.tensors:
+            name = _mlx_name(tensor.name, arch)
+            if name is not None:
+                weights[name] = mx.array(_tensor(tensor, arch, config)).astype(store)
+                mx.eval(weights[name])
+            bar.advance(int(tensor.n_bytes))
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"),
+            weights,
+            metadata={"format": "mlx", "source": path.name},
+        )
+        del weights
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _tokenizer_files(meta, arch, tmp)
+        (tmp / "mlx_nbengine_source.json").write_text(
+            json.dumps(
+                {"gguf": path.name, "size": path.stat().st_size, "converter": CONVERTER_VERSION}
+            )
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; its result is as good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
