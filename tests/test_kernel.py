@@ -71,6 +71,7 @@ class Cell:
 
     @property
     def stdout(self) -> str:
+        """stdout and stderr together."""
         return "".join(m["content"]["text"] for m in self.of_type("stream"))
 
     def final_text(self) -> str:
@@ -256,6 +257,8 @@ def test_interrupt_cancels_a_long_generation_and_the_kernel_stays_usable(kernel)
     # The kernel still answers, and the engine has no request left running.
     kernel.ok("%%llm -o again --max-tokens 4\nHi")
     assert kernel.value("again.finish_reason") in ("stop", "length")
+    engine = "get_ipython()._mlx_nbengine_magics.session.engine"
+    assert kernel.value(f"{engine}.stats()['active'], {engine}.stats()['queued']") == "0 0"
 
 
 def test_background_cells_run_concurrently_into_their_own_cells(kernel):
@@ -327,3 +330,12 @@ def test_unload_model_removes_the_scratch_file(kernel, cache_dir):
     assert list(cache_dir.iterdir()) == []
     cell = kernel.run("%%llm\nHi")
     assert cell.reply["content"]["ename"] == "UsageError"
+
+
+def test_a_model_that_fails_to_load_is_one_short_error(kernel, tmp_path):
+    cell = kernel.run(f"%load_model {tmp_path / 'no-such-model'}")
+    content = cell.reply["content"]
+    assert content["status"] == "error" and content["ename"] == "UsageError"
+    (line,) = cell.stdout.strip().splitlines()  # stdout and stderr
+    assert line.startswith("UsageError: could not load")
+    assert not cell.of_type("error"), "no traceback"
