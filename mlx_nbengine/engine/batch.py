@@ -1,0 +1,77 @@
+"""The decode batch: sequences that generate one token per step, together.
+
+A *layer cache list* is what mlx-lm models take as ``cache=``: one cache object per
+layer. A single sequence uses plain caches (`KVCache`, `RotatingKVCache`,
+`ArraysCache`); several sequences use the batched forms mlx-lm builds with
+``merge`` (`BatchKVCache`, `BatchRotatingKVCache`, a batched `ArraysCache`), which
+left-pad shorter sequences. `DecodeBatch` keeps this invariant: with one member its
+caches are plain (a request alone runs unbatched, at single-sequence speed and with
+single-sequence numerics); with several they are batched, row ``i`` belonging to
+member ``i``. Joining merges (or extends), leaving filters (or extracts back to plain
+caches when one member is left). Owned by the generation thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def merge_caches(singles: list[list[Any]]) -> list[Any]:
+    """Batched layer caches from single-sequence ones (row i = singles[i])."""
+    return [layer[0].merge(list(layer)) for layer in zip(*singles, strict=True)]
+
+
+class DecodeBatch:
+    """Members decoding together and their layer caches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.members: list[Any] = []
+        self.caches: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def batched(self) -> bool:
+        return len(self.members) > 1
+
+    def add(self, member: Any, cache: list[Any]) -> None:
+        """Let `member` join with its single-sequence `cache` (consumed)."""
+        if not self.members:
+            self.caches = cache
+        elif len(self.members) == 1:
+            self.caches = merge_caches([self.caches, cache])
+        else:
+            for batched, single in zip(self.caches, cache, strict=True):
+                batched.extend(single.merge([single]))
+        self.members.append(member)
+
+    def single_cache(self, index: int) -> list[Any]:
+        """A single-sequence copy of member `index`'s caches (the caches themselves if alone)."""
+        if not self.batched:
+            return self.caches
+        return [c.extract(index) for c in self.caches]
+
+    def remove(self, indices: list[int]) -> None:
+        """Drop the members at `indices`; the rest keep their rows (or go back to plain)."""
+        drop = set(indices)
+        keep = [i for i in range(len(self.members)) if i not in drop]
+        if not keep:
+            self.members, self.caches = [], None
+            return
+        if len(keep) == 1:
+            self.caches = [c.extract(keep[0]) for c in self.caches] if self.batched else self.caches
+        elif len(keep) < len(self.members):
+            for c in self.caches:
+                c.filter(keep)
+        self.members = [self.members[i] for i in keep]
+
+    def clear(self) -> None:
+        self.members, self.caches = [], None
+
+    def forward(self, model, tokens: list[int]) -> mx.array:
+        """One decode step: feed ``tokens[i]`` to member i; return last logits (B, vocab)."""
+        inputs = mx.array(tokens, dtype=mx.uint32)[:, None]
+        return model(inputs, cache=self.caches)[:, -1, :]

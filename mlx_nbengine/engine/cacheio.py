@@ -1,0 +1,137 @@
+"""The cache-I/O thread: the only thread that touches the block store.
+
+A *job* is a function run on this thread with its result delivered through a
+`concurrent.futures.Future`. Jobs come in three priorities, served in this order:
+control (open the store, stats), *restores* (plan and load the records of a prompt's
+prefix, which a waiting request needs now), then *saves* (serialize a finished block's
+records into the scratch file, which nobody waits for). Within a priority, jobs run in
+the order they were given.
+
+Threading rules kept here: the `PrefixCache` (and its `BlockStore`) is created, used
+and closed on this thread only; records handed to `save` were evaluated on the
+generation thread before crossing; records returned by `restore` are evaluated here
+before crossing back. A failed save is counted and dropped (a missing record is a
+cache miss, never a wrong answer); a failed restore fails that future.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import mlx.core as mx
+
+CONTROL, RESTORE, SAVE = 0, 1, 2
+
+
+class CacheIO:
+    """Runs store jobs on its own daemon thread; see the module docstring."""
+
+    def __init__(self, *, name: str = "mlx-nbengine-cache-io") -> None:
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._closing = False
+        self.prefix: Any = None  # PrefixCache, set by `open` on this thread
+        self.save_errors = 0
+        self.saves_dropped = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any], *, priority: int = CONTROL) -> Future:
+        """Run `fn()` on the I/O thread; its result or exception lands in the future."""
+        fut: Future = Future()
+        if self._closing:
+            fut.set_exception(RuntimeError("the cache-I/O thread is closed"))
+            return fut
+        self._jobs.put((priority, next(self._order), fn, fut))
+        return fut
+
+    def open(self, factory: Callable[[], Any]) -> None:
+        """Create the prefix cache on the I/O thread (it owns the store's file)."""
+
+        def build():
+            self.prefix = factory()
+
+        self.call(build).result()
+
+    def restore(self, tokens: list[int], *, better_than: int) -> Future:
+        """Plan the longest restorable prefix of `tokens`; load it if it beats `better_than`.
+
+        The future's result is ``(plan, records_by_block)``, or ``(plan, None)`` when the
+        plan restores no more than `better_than` tokens (the caller has a better source).
+        """
+
+        def job():
+            prefix = self.prefix
+            if prefix is None:
+                return None, None
+            plan = prefix.plan(tokens)
+            if plan.n_blocks == 0 or plan.tokens <= better_than:
+                return plan, None
+            plan, records = prefix.load(plan)
+            if plan.n_blocks == 0 or plan.tokens <= better_than:
+                return plan, None
+            mx.eval([r.arrays for block in records.values() for r in block.values()])
+            return plan, records
+
+        return self.call(job, priority=RESTORE)
+
+    def save(self, key: str, records: dict) -> None:
+        """Queue one block's (already evaluated) records for the store."""
+
+        def job():
+            if self.prefix is None:
+                return False
+            try:
+                return self.prefix.save(key, records)
+            except Exception:
+                # A lost checkpoint is a future cache miss, not a reason to fail anyone.
+                self.save_errors += 1
+                return False
+
+        self.call(job, priority=SAVE)
+
+    def pending(self) -> int:
+        return self._jobs.qsize()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every job queued so far (saves included) has run."""
+        self.call(lambda: None, priority=SAVE + 1).result(timeout)
+
+    def close(self) -> None:
+        """Drop queued saves, close the store on its thread, join. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        # Priority -1 jumps every queued save: closing must not wait for the disk.
+        self._jobs.put((-1, next(self._order), None, None))
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, fut = self._jobs.get()
+            if fn is None:
+                break
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # delivered to whoever waits on the future
+                    fut.set_exception(exc)
+        while True:  # the jobs left behind are dropped; tell any waiter
+            try:
+                _, _, fn, fut = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            self.saves_dropped += 1
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the cache-I/O thread closed"))
+        if self.prefix is not None:
+            self.prefix.store.close()
+            self.prefix = None
+        # This thread's MLX stream must not outlive it (see GenerationThread._release_streams).
+        mx.synchronize()
+        mx.clear_streams()

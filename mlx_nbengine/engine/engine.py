@@ -1,0 +1,283 @@
+"""`Engine`: the plain-Python face of mlx_nbengine (the magics call it; so can anyone).
+
+An engine is one loaded model served by two daemon threads (see `generation` and
+`cacheio`): the generation thread, which owns the model, and the cache-I/O thread, which
+owns the prefix cache's block store (one scratch file). The caller's thread only checks
+and tokenizes prompts, hands them over and reads results; it never runs the model.
+
+Lifecycle: `Engine.load` starts both threads and returns once the model is loaded on the
+generation thread (a load error is raised in the caller). `close()` cancels what is in
+flight, joins both threads and closes the store, which deletes its scratch file; it is
+idempotent and also runs from an `atexit` hook, so a process that exits without calling
+it leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.generation import GenerationThread
+from mlx_nbengine.engine.request import (
+    EngineClosedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    Request,
+)
+from mlx_nbengine.engine.sampling import validate
+from mlx_nbengine.engine.sequence import Sequence
+from mlx_nbengine.engine.text import TextStream
+
+# Strong references: an engine's threads run until it is closed, dropped or not.
+_open_engines: set[Engine] = set()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Daemon threads die with the interpreter; closing first releases the scratch file.
+    for engine in list(_open_engines):
+        engine.close()
+
+
+class Engine:
+    """A loaded model with continuous batching and a block-level prefix cache.
+
+    Use `Engine.load(...)`; see `submit` for requests, `stats`, `close`. Also a context
+    manager (closes on exit).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        parallel: int = 4,
+        block_size: int = 256,
+        disk_budget: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        max_prefill_step: int = 1024,
+        name: str = "model",
+    ) -> None:
+        if not isinstance(parallel, int) or parallel < 1:
+            raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise InvalidRequestError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if cache_dir is not None and not os.path.isdir(cache_dir):
+            raise InvalidRequestError(
+                f"cache_dir {os.fspath(cache_dir)!r} is not a directory; create it or pass None "
+                "for the system temp folder"
+            )
+        self.parallel = parallel
+        self.block_size = block_size
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._io = CacheIO()
+
+        def prefix_factory(lm: Any) -> Any:
+            from mlx_nbengine.cache import PrefixCache
+            from mlx_nbengine.cache.store import BlockStore
+
+            store = BlockStore(budget_bytes=disk_budget, directory=cache_dir)
+            return PrefixCache.for_cache(
+                lm.make_cache(), fingerprint=lm.fingerprint, store=store, block_size=block_size
+            )
+
+        self._gen = GenerationThread(
+            loader=loader,
+            io=self._io,
+            prefix_factory=prefix_factory,
+            parallel=parallel,
+            block_size=block_size,
+            max_prefill_step=max_prefill_step,
+        )
+        try:
+            self.model = self._gen.start()
+        except BaseException:
+            self._closed = True
+            self._io.close()
+            raise
+        self.model_name = name
+        _open_engines.add(self)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike = "default",
+        *,
+        parallel: int = 4,
+        block_size: int = 256,
+        disk_budget: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        dtype: str | None = None,
+        max_prefill_step: int = 1024,
+    ) -> Engine:
+        """Load `model` ("default", a model directory or a .gguf file) and start serving.
+
+        `parallel` requests decode together; prompts are cached in blocks of `block_size`
+        tokens. `disk_budget` caps the scratch file's live bytes (None: a default from the
+        free disk space; 0: keep the records in memory instead). `cache_dir` is where the
+        scratch file lives (default: the system temp folder). `dtype` casts the weights.
+        `max_prefill_step` bounds the tokens of one prefill call when nothing else runs.
+        Raises a `ModelError` if the model cannot be loaded.
+        """
+        from mlx_nbengine.models import load as load_model
+
+        def loader() -> Any:
+            return load_model(model, dtype=dtype)
+
+        name = os.path.basename(os.fspath(model).rstrip("/\\")) or os.fspath(model)
+        return cls(
+            loader,
+            parallel=parallel,
+            block_size=block_size,
+            disk_budget=disk_budget,
+            cache_dir=cache_dir,
+            max_prefill_step=max_prefill_step,
+            name=name,
+        )
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | SequenceABC[int] | SequenceABC[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | SequenceABC[str] | None = None,
+        images: SequenceABC[Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Request:
+        """Queue a prompt and return its `Request` handle at once.
+
+        `prompt` is text (tokenized with BOS), token ids (used as they are) or chat
+        messages (``[{"role": ..., "content": ...}, ...]``, rendered by the model's chat
+        template with `template_kwargs`, e.g. ``{"enable_thinking": False}``). Generation
+        stops at EOS, at any `stop` string (cut from the text), after `max_tokens`, or
+        at the context limit. `temperature` 0 is greedy; otherwise `top_p` and `seed`
+        apply. Raises `InvalidRequestError` for bad values, `PromptTooLongError` when the
+        prompt does not fit the context, `EngineClosedError` after `close()`.
+        """
+        if self._closed:
+            raise EngineClosedError("this engine is closed; load a new one with Engine.load")
+        problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        if problem:
+            raise InvalidRequestError(problem)
+        if images:
+            raise InvalidRequestError(
+                "images are not supported by this engine yet; send a text prompt"
+            )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        lm = self.model
+        tokens = self._tokenize(prompt, template_kwargs or {})
+        limit = lm.context_length
+        if limit is not None and len(tokens) >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(tokens)} tokens but the model's context holds {limit} "
+                f"(including at least one generated token); shorten the prompt"
+            )
+        request = Request(next(self._ids), tokens, self._gen.cancel)
+        seq = Sequence(
+            request=request,
+            prompt=tokens,
+            max_tokens=max_tokens,
+            sampling={"temperature": temperature, "top_p": top_p, "seed": seed},
+            greedy=temperature == 0,
+            text=TextStream(lm.tokenizer.detokenizer, stops),
+            eos=frozenset(lm.eos_token_ids),
+            block_size=self.block_size,
+            submitted_at=time.perf_counter(),
+        )
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this engine is closed; load a new one with Engine.load")
+            self._gen.submit(seq)
+        return request
+
+    def _tokenize(self, prompt: Any, template_kwargs: dict[str, Any]) -> list[int]:
+        lm = self.model
+        if isinstance(prompt, str):
+            tokens = lm.encode(prompt)
+        elif (
+            isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt)
+        ):
+            tokens = lm.apply_chat_template(list(prompt), **template_kwargs)
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
+            tokens = [int(t) for t in prompt]
+            vocab = _vocab_size(lm)
+            bad = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids must be in [0, {vocab}); got {bad[:5]} - check the tokenizer"
+                )
+        else:
+            raise InvalidRequestError(
+                "prompt must be a string, a list of token ids or a list of chat messages "
+                f"(dicts with 'role' and 'content'), got {type(prompt).__name__}"
+            )
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        return tokens
+
+    # --- state ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The store's stats plus active/queued requests, the model name and `parallel`."""
+        out: dict[str, Any] = {}
+        if not self._closed and self._gen.has_prefix:
+            fut = self._io.call(lambda: self._io.prefix.store.stats().as_dict())
+            try:
+                out.update(fut.result(timeout=10))
+            except Exception:  # stats must never break the caller (e.g. a closing engine)
+                pass
+        out.update(
+            model=self.model_name,
+            parallel=self.parallel,
+            block_size=self.block_size,
+            active=self._gen.active,
+            queued=self._gen.queued,
+            failures=self._gen.failures,
+            save_errors=self._io.save_errors,
+            closed=self._closed,
+        )
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Cancel in-flight requests, stop both threads, delete the scratch file. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._gen.stop()
+        self._io.close()
+        self.model = None
+        _open_engines.discard(self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"parallel={self.parallel}"
+        return f"<Engine {self.model_name} {state}>"
+
+
+def _vocab_size(lm: Any) -> int | None:
+    config = lm.config.get("text_config", lm.config)
+    return config.get("vocab_size")

@@ -1,0 +1,460 @@
+"""The generation thread: loads the model, then admits, prefills and decodes requests.
+
+Terms:
+
+- *admission*: the oldest waiting sequence becomes the *admitting* one when a decode slot
+  is free (fewer than `parallel` members in the batch). Only one sequence is admitted at
+  a time: it restores its prefix, then prefills the rest of its prompt *alone*, with a
+  plain single-sequence cache.
+- *restore*: the prompt's prefix comes from the best of two sources. ``memory``: the
+  *hot cache*, the cache of the last sequence that finished, when its tokens share a
+  longer prefix with the prompt than the disk can serve and it can be cut back to that
+  prefix (it is used as is when its tokens are a prefix of the prompt, trimmed only when
+  every layer is trimmable; a sliding window that has rotated or a recurrent state is
+  never trimmed). ``disk``: the records of the longest restorable chain of whole blocks,
+  planned and loaded by the cache-I/O thread and assembled here.
+- *step*: one model call. A *prefill step* computes prompt tokens up to the next block
+  boundary (or a few blocks, or the prompt's end); a *decode step* computes one token for
+  every member of the batch. The loop alternates: one prefill step of the admitting
+  sequence, then one decode step, so a new request joins while others keep decoding.
+- *checkpoint*: when a sequence's cache reaches a block boundary (after a prefill step, or
+  after the decode step that feeds the boundary's last generated token), that block's
+  records are extracted (from a single-sequence copy for batched members), evaluated, and
+  sent to the cache-I/O thread to be stored under the block's key.
+
+Threading: this thread owns the `LoadedModel` (it loaded it: MLX streams are per thread),
+every sequence, the `DecodeBatch` and the hot cache; every MLX array given to the model
+is made here. Other threads talk to it only through its inbox (submit, cancel, stop) and
+read its two counters (`active`, `queued`) for stats. An exception while serving one
+sequence fails that request only; one inside a batched decode step fails that step's
+members; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_nbengine.engine.batch import DecodeBatch
+from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.request import EngineClosedError
+from mlx_nbengine.engine.sampling import make_request_sampler
+from mlx_nbengine.engine.sequence import Sequence
+
+
+@dataclass
+class HotCache:
+    """The last finished sequence's cache and exactly the tokens it holds."""
+
+    tokens: list[int]
+    cache: list[Any]
+
+    def usable(self, prompt: list[int]) -> int:
+        """How many leading prompt tokens this cache can serve (0 if none)."""
+        limit = min(len(self.tokens), len(prompt) - 1)
+        n = 0
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        if n == len(self.tokens):
+            return n
+        trimmable = all(hasattr(c, "trim") and c.is_trimmable() for c in self.cache)
+        return n if trimmable else 0
+
+    def take(self, n: int) -> list[Any]:
+        """The cache cut back to `n` tokens (consumes the hot cache)."""
+        excess = len(self.tokens) - n
+        if excess:
+            for c in self.cache:
+                c.trim(excess)
+        return self.cache
+
+
+class GenerationThread:
+    """The loop described in the module docstring, on one daemon thread."""
+
+    def __init__(
+        self,
+        *,
+        loader: Callable[[], Any],
+        io: CacheIO,
+        prefix_factory: Callable[[Any], Any] | None,
+        parallel: int,
+        block_size: int,
+        max_prefill_step: int,
+        name: str = "mlx-nbengine-generation",
+    ) -> None:
+        self._loader = loader
+        self._io = io
+        self._prefix_factory = prefix_factory
+        self.parallel = parallel
+        self.block_size = block_size
+        self.max_prefill_step = max_prefill_step
+        self.lm: Any = None
+        self.has_prefix = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._stopping = False
+        self._waiting: deque[Sequence] = deque()
+        self._admitting: Sequence | None = None
+        self._batch = DecodeBatch()
+        self._hot: HotCache | None = None
+        self._state_layers = False
+        self.active = 0
+        self.queued = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # --- other threads ----------------------------------------------------------------------
+
+    def start(self) -> Any:
+        """Start the thread, wait for the model, return it; re-raise a load error here."""
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
+        return self.lm
+
+    def submit(self, seq: Sequence) -> None:
+        self.queued += 1
+        self._inbox.put(("submit", seq))
+
+    def cancel(self, request: Any) -> None:
+        self._inbox.put(("cancel", request))
+
+    def stop(self) -> None:
+        """Cancel everything in flight, stop the loop and join the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on this thread between steps and return its result (for tests, tools)."""
+        done = threading.Event()
+        box: list = []
+
+        def job():
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:
+                box.append((False, exc))
+            done.set()
+
+        self._inbox.put(("call", job))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.lm = self._loader()
+            if self._prefix_factory is not None:
+                from mlx_nbengine.cache import layer_kinds
+
+                self._state_layers = "state" in layer_kinds(self.lm.make_cache())
+                lm = self.lm
+                self._io.open(lambda: self._prefix_factory(lm))
+                self.has_prefix = True
+        except BaseException as exc:
+            self._load_error = exc
+            self._release_streams()
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            while not self._stopping:
+                self._receive(block=not self._has_work())
+                if self._stopping:
+                    break
+                self._tick()
+                self.active = len(self._batch) + (self._admitting is not None)
+                self.queued = len(self._waiting)
+        finally:
+            self._shutdown()
+            self.lm = None
+            self._release_streams()
+
+    @staticmethod
+    def _release_streams() -> None:
+        # MLX gives each thread its own stream and worker; one left behind at interpreter
+        # exit aborts the process ("terminate called without an active exception").
+        mx.synchronize()
+        mx.clear_streams()
+
+    def _has_work(self) -> bool:
+        adm = self._admitting
+        if len(self._batch) or (adm is not None and adm.phase == "prefilling"):
+            return True
+        return adm is None and bool(self._waiting) and len(self._batch) < self.parallel
+
+    def _receive(self, *, block: bool) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "submit":
+                self._waiting.append(arg)
+            elif kind == "cancel":
+                self._cancel(arg)
+            elif kind == "restored":
+                self._restored(arg)
+            elif kind == "call":
+                arg()
+            elif kind == "stop":
+                self._stopping = True
+                return
+
+    def _tick(self) -> None:
+        if self._admitting is None and self._waiting and len(self._batch) < self.parallel:
+            self._admit(self._waiting.popleft())
+        adm = self._admitting
+        if adm is not None and adm.phase == "prefilling":
+            try:
+                self._prefill_step(adm)
+            except Exception as exc:
+                self._admitting = None
+                self._fail([adm], exc)
+        if len(self._batch):
+            try:
+                self._decode_step()
+            except Exception as exc:
+                members = list(self._batch.members)
+                self._batch.clear()
+                self._fail(members, exc)
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        self.failures += 1
+        for seq in seqs:
+            seq.fail(exc)
+
+    def _shutdown(self) -> None:
+        seqs = list(self._waiting) + list(self._batch.members)
+        if self._admitting is not None:
+            seqs.append(self._admitting)
+        self._waiting.clear()
+        self._batch.clear()
+        self._admitting = None
+        self._hot = None
+        for seq in seqs:
+            seq.finish("cancelled")
+        # Requests still in the inbox never started: tell their callers.
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                arg.fail(EngineClosedError("the engine was closed before this request started"))
+            elif kind == "call":
+                arg()
+        self.active = self.queued = 0
+
+    # --- admission and restore --------------------------------------------------------------
+
+    def _admit(self, seq: Sequence) -> None:
+        self._admitting = seq
+        seq.phase = "restoring"
+        seq.sampler = make_request_sampler(**seq.sampling)  # its PRNG key is made here
+        if not self.has_prefix:
+            self._start_prefill(seq, None, 0.0)
+            return
+        better_than = self._hot.usable(seq.prompt) if self._hot is not None else 0
+        seq.restore_started = time.perf_counter()
+        fut = self._io.restore(seq.prompt, better_than=better_than)
+        seq.restore_future = fut
+        fut.add_done_callback(lambda _: self._inbox.put(("restored", seq)))
+
+    def _restored(self, seq: Sequence) -> None:
+        if seq is not self._admitting or seq.phase != "restoring":
+            return  # cancelled while the I/O thread worked
+        try:
+            result = seq.restore_future.result()
+        except Exception:
+            # A restore that fails is a miss: the prompt is computed instead.
+            result = None
+        seq.restore_future = None
+        try:
+            self._start_prefill(seq, result, time.perf_counter() - seq.restore_started)
+        except Exception as exc:
+            self._admitting = None
+            self._fail([seq], exc)
+
+    def _start_prefill(self, seq: Sequence, restored: Any, seconds: float) -> None:
+        plan, records = restored if restored is not None else (None, None)
+        hot_n = self._hot.usable(seq.prompt) if self._hot is not None else 0
+        if records is not None and plan.tokens > hot_n:
+            t = time.perf_counter()
+            cache = self._io_prefix().assemble(
+                records, n_blocks=plan.n_blocks, template_cache=self.lm.make_cache()
+            )
+            mx.eval([c.state for c in cache])
+            seconds += time.perf_counter() - t
+            start, source = plan.tokens, "disk"
+        elif hot_n > 0:
+            t = time.perf_counter()
+            cache, self._hot = self._hot.take(hot_n), None
+            start, source = hot_n, "memory"
+            seconds = time.perf_counter() - t
+        else:
+            cache, start, source = self.lm.make_cache(), 0, None
+        seq.cache = cache
+        seq.cache_tokens = list(seq.prompt[:start])
+        if source is not None:
+            seq.report_restored(start, source, seconds)
+        if self.has_prefix:
+            seq.prompt_keys = list(plan.keys) if plan is not None else self._keys(seq.prompt)
+        seq.phase = "prefilling"
+
+    def _keys(self, tokens: list[int]) -> list[str]:
+        from mlx_nbengine.cache import block_keys
+
+        return block_keys(tokens, fingerprint=self.lm.fingerprint, block_size=self.block_size)
+
+    def _io_prefix(self) -> Any:
+        # Assembly only builds caches from evaluated records; it reads no store state.
+        return self._io.prefix
+
+    # --- prefill ----------------------------------------------------------------------------
+
+    def _next_step(self, seq: Sequence) -> tuple[int, int]:
+        pos, end, bs = len(seq.cache_tokens), len(seq.prompt), self.block_size
+        if pos % bs:
+            # Restored from memory mid-block: first reach the next boundary (or the end).
+            return pos, min(end, (pos // bs + 1) * bs)
+        # Hybrid models need a state checkpoint at every boundary; others take bigger
+        # steps unless sequences are decoding, which a long step would stall.
+        one_block = self._state_layers or len(self._batch) > 0
+        max_step = bs if one_block else max(bs, self.max_prefill_step)
+        last = end // bs * bs
+        if pos < last:
+            return pos, min(pos + max_step // bs * bs, last)
+        return pos, end
+
+    def _prefill_step(self, seq: Sequence) -> None:
+        start, end = self._next_step(seq)
+        t = time.perf_counter()
+        inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
+        logits = self._forward(inputs, seq.cache)
+        seq.cache_tokens.extend(seq.prompt[start:end])
+        last = end == len(seq.prompt)
+        if last:
+            token = self._sample([seq], logits[:, -1, :])
+            mx.eval(token, [c.state for c in seq.cache])
+        else:
+            mx.eval([c.state for c in seq.cache])
+        seq.report_computed(start, end, time.perf_counter() - t)
+        self._checkpoint_prefill(seq, start, end)
+        if not last:
+            return
+        self._admitting = None
+        reason = seq.accept(token.item(), context_length=self.lm.context_length)
+        if reason is not None:
+            self._finish(seq, seq.cache, reason)
+            return
+        seq.phase = "decoding"
+        seq.next_token = seq.generated[-1]
+        cache, seq.cache = seq.cache, None
+        self._batch.add(seq, cache)
+
+    def _checkpoint_prefill(self, seq: Sequence, start: int, end: int) -> None:
+        if not self.has_prefix or seq.prompt_keys is None:
+            return
+        # The blocks this step completed: those whose end lies in (start, end].
+        for block in range(start // self.block_size, end // self.block_size):
+            self._save_block(seq.prompt_keys[block], seq.cache, block)
+
+    def _save_block(self, key: str, cache: list[Any], block: int) -> None:
+        from mlx_nbengine.cache import extract_block_records
+
+        records = extract_block_records(cache, block=block, block_size=self.block_size)
+        if records:
+            self._io.save(key, records)
+
+    # --- decode -----------------------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        members = list(self._batch.members)
+        logits = self._batch.forward(self._forward_fn, [m.next_token for m in members])
+        tokens = self._sample(members, logits)
+        mx.eval(tokens)
+        tokens = tokens.tolist()
+        finished: list[tuple[int, str]] = []
+        for i, seq in enumerate(members):
+            seq.cache_tokens.append(seq.next_token)
+            if self.has_prefix and len(seq.cache_tokens) % self.block_size == 0:
+                self._checkpoint_decode(seq, i)
+            reason = seq.accept(tokens[i], context_length=self.lm.context_length)
+            if reason is None:
+                seq.next_token = tokens[i]
+            else:
+                finished.append((i, reason))
+        if finished:
+            last_i, _ = finished[-1]
+            hot_cache = self._batch.single_cache(last_i)
+            self._batch.remove([i for i, _ in finished])
+            for i, reason in finished:
+                self._finish(members[i], hot_cache if i == last_i else None, reason)
+
+    def _checkpoint_decode(self, seq: Sequence, index: int) -> None:
+        block = len(seq.cache_tokens) // self.block_size - 1
+        key = self._keys(seq.cache_tokens)[block]
+        self._save_block(key, self._batch.single_cache(index), block)
+
+    def _finish(self, seq: Sequence, cache: list[Any] | None, reason: str) -> None:
+        if cache is not None:
+            # The only cache kept once its sequence ends; older ones leave RAM here.
+            self._hot = HotCache(list(seq.cache_tokens), cache)
+        seq.finish(reason)
+
+    # --- model calls ------------------------------------------------------------------------
+
+    def _forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        out = self._forward_fn(inputs, cache=cache)
+        return getattr(out, "logits", out)
+
+    def _forward_fn(self, inputs: mx.array, *, cache: list[Any]) -> mx.array:
+        if self.lm.kind == "vision":
+            out = self.lm.language_model(inputs, cache=cache)
+            return getattr(out, "logits", out)
+        return self.lm.model(inputs, cache=cache)
+
+    def _sample(self, seqs: list[Sequence], logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(s.greedy for s in seqs):
+            return mx.argmax(logprobs, axis=-1)
+        rows = [s.sampler(logprobs[i : i + 1]) for i, s in enumerate(seqs)]
+        return mx.concatenate([r.reshape(-1) for r in rows])
+
+    # --- cancellation -----------------------------------------------------------------------
+
+    def _cancel(self, request: Any) -> None:
+        for seq in self._waiting:
+            if seq.request is request:
+                self._waiting.remove(seq)
+                seq.finish("cancelled")
+                return
+        adm = self._admitting
+        if adm is not None and adm.request is request:
+            self._admitting = None
+            cache = adm.cache if adm.phase == "prefilling" else None
+            self._finish(adm, cache, "cancelled")
+            return
+        for i, seq in enumerate(self._batch.members):
+            if seq.request is request:
+                self._batch.remove([i])
+                seq.finish("cancelled")
+                return

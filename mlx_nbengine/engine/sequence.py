@@ -1,0 +1,143 @@
+"""One request as the generation thread sees it: its tokens, cache and report.
+
+A *sequence* goes through these phases, in order:
+
+- ``waiting``: queued, holds no cache;
+- ``restoring``: the cache-I/O thread is planning/loading its prefix;
+- ``prefilling``: owns a single-sequence cache (`cache`) and computes the rest of the
+  prompt in steps that end on block boundaries;
+- ``decoding``: a member of the `DecodeBatch`, which holds its cache rows;
+- ``done``: its request got a completion or an error.
+
+`cache_tokens` is always exactly the token ids whose keys/values (or states) are in
+the sequence's cache: the prompt prefix prefilled so far, then each generated token
+once it has been fed back. Owned by the generation thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_nbengine.engine.events import BlockEvent, BlockSource, Progress, TextDelta
+from mlx_nbengine.engine.request import BlockReport, Completion, Report, Request
+from mlx_nbengine.engine.text import TextStream
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Generation-thread state of one request (see the module docstring)."""
+
+    request: Request
+    prompt: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]  # temperature, top_p, seed: the sampler is built on admission
+    greedy: bool
+    text: TextStream
+    eos: frozenset[int]
+    block_size: int
+    submitted_at: float
+    phase: str = "waiting"
+    sampler: Any = None
+    cache: list[Any] | None = None
+    cache_tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    restore_future: Any = None
+    restore_started: float = 0.0
+    prompt_keys: list[str] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    restored: int = 0
+    restore_source: BlockSource | None = None
+    blocks: dict[int, BlockReport] = field(default_factory=dict)
+    _seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def n_blocks(self) -> int:
+        """Prompt blocks, the partial tail included."""
+        return -(-len(self.prompt) // self.block_size)
+
+    def block_span(self, index: int) -> tuple[int, int]:
+        start = index * self.block_size
+        return start, min(start + self.block_size, len(self.prompt))
+
+    def report_restored(self, n_tokens: int, source: BlockSource, seconds: float) -> None:
+        """Record that the first `n_tokens` prompt tokens came from `source`."""
+        self.restored, self.restore_source = n_tokens, source
+        whole = [i for i in range(self.n_blocks) if self.block_span(i)[1] <= n_tokens]
+        for i in whole:
+            self._add_block(i, source, seconds / len(whole))
+        self.request._put(Progress("restore", n_tokens, len(self.prompt)))
+
+    def report_computed(self, start: int, end: int, seconds: float) -> None:
+        """Record that prompt tokens ``start:end`` were prefilled in `seconds`."""
+        per_token = seconds / max(1, end - start)
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        for i in range(first, last + 1):
+            b0, b1 = self.block_span(i)
+            share = per_token * (min(b1, end) - max(b0, start))
+            self._seconds[i] = self._seconds.get(i, 0.0) + share
+            if b1 <= end and i not in self.blocks:
+                self._add_block(i, "computed", self._seconds.pop(i))
+        self.request._put(Progress("prefill", end, len(self.prompt)))
+
+    def _add_block(self, index: int, source: BlockSource, seconds: float) -> None:
+        start, end = self.block_span(index)
+        self.blocks[index] = BlockReport(index, start, end, source, seconds)
+        self.request._put(BlockEvent(index, start, end, source, seconds))
+
+    def accept(self, token: int, *, context_length: int | None) -> str | None:
+        """Take one sampled token; return the finish reason if the sequence is done."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        if token in self.eos:
+            return "stop"
+        self.generated.append(token)
+        delta = self.text.add(token)
+        if delta:
+            self.request._put(TextDelta(delta))
+        if self.text.stopped:
+            return "stop"
+        if len(self.generated) >= self.max_tokens:
+            return "length"
+        if context_length is not None and len(self.prompt) + len(self.generated) >= context_length:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Flush the text and hand the request its completion."""
+        self.phase = "done"
+        delta = self.text.finish()
+        if delta:
+            self.request._put(TextDelta(delta))
+        report = Report(
+            blocks=[self.blocks[i] for i in sorted(self.blocks)],
+            restored_tokens=self.restored,
+            computed_tokens=max(0, min(len(self.cache_tokens), len(self.prompt)) - self.restored),
+            ttft_s=(
+                None if self.first_token_at is None else self.first_token_at - self.submitted_at
+            ),
+            restore_source=self.restore_source,
+        )
+        n = len(self.generated)
+        if n > 1 and self.last_token_at > self.first_token_at:
+            report.tokens_per_s = (n - 1) / (self.last_token_at - self.first_token_at)
+        self.request._finish(
+            Completion(
+                text=self.text.text,
+                tokens=list(self.generated),
+                prompt_tokens=self.prompt,
+                finish_reason=reason,
+                report=report,
+            )
+        )
+        self.cache = None
+
+    def fail(self, error: BaseException) -> None:
+        self.phase = "done"
+        self.cache = None
+        self.request._fail(error)

@@ -1,0 +1,384 @@
+"""Engine behaviour on tiny random-weight models: restore parity, batching, streaming,
+cancellation, failures, errors and clean shutdown.
+
+Prompts are random token ids (BOS first) so their block structure is exact; blocks are
+32 tokens so a few hundred tokens cover several blocks and the gemma3_text window (64).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from mlx_nbengine import Engine
+from mlx_nbengine.engine import (
+    BlockEvent,
+    EngineClosedError,
+    Finished,
+    InvalidRequestError,
+    Progress,
+    PromptTooLongError,
+    TextDelta,
+)
+from mlx_nbengine.testing import make_tiny_model
+
+BS = 32
+BOS = 2
+FAMILIES = ["llama", "gemma3_text", "qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {fam: make_tiny_model(fam, root / fam, sliding_window=64) for fam in FAMILIES}
+
+
+@pytest.fixture
+def engine_factory(models, tmp_path):
+    engines = []
+
+    def make(family="llama", **kwargs):
+        kwargs.setdefault("block_size", BS)
+        kwargs.setdefault("cache_dir", tmp_path)
+        engine = Engine.load(models[family], **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def prompt(n, seed=0):
+    rng = random.Random(seed)
+    return [BOS] + [rng.randrange(5, 512) for _ in range(n - 1)]
+
+
+def edited(tokens, n_last, seed=99):
+    rng = random.Random(seed)
+    return tokens[:-n_last] + [rng.randrange(5, 512) for _ in range(n_last)]
+
+
+def decoded(engine, tokens):
+    # mlx-lm's streaming detokenizer drops the space that starts a completion.
+    text = engine.model.decode(tokens)
+    return text[1:] if text.startswith(" ") else text
+
+
+# --- restore parity --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edited_prompt_restored_from_disk_generates_like_a_cold_run(engine_factory, family):
+    original = prompt(300)
+    edit = edited(original, 40)  # blocks 0..7 (256 tokens) are unchanged
+    engine = engine_factory(family)
+    engine.submit(original, max_tokens=8).result(timeout=60)
+    engine.submit(prompt(50, seed=5), max_tokens=4).result(timeout=60)  # replaces the hot cache
+    warm = engine.submit(edit, max_tokens=24).result(timeout=60)
+
+    cold = engine_factory(family, disk_budget=0).submit(edit, max_tokens=24).result(timeout=60)
+    assert warm.tokens == cold.tokens
+    assert warm.report.restored_tokens == 256
+    assert [b.source for b in warm.report.blocks] == ["disk"] * 8 + ["computed"] * 2
+    assert cold.report.restored_tokens == 0
+
+
+def test_hot_cache_is_trimmed_to_the_common_prefix_when_every_layer_can_trim(engine_factory):
+    original = prompt(300)
+    edit = edited(original, 40)
+    engine = engine_factory("llama")
+    engine.submit(original, max_tokens=8).result(timeout=60)
+    warm = engine.submit(edit, max_tokens=24).result(timeout=60)
+
+    cold = engine_factory("llama", disk_budget=0).submit(edit, max_tokens=24).result(timeout=60)
+    assert warm.tokens == cold.tokens
+    assert warm.report.restore_source == "memory"
+    assert warm.report.restored_tokens == 260  # not just whole blocks: the hot cache is exact
+    assert warm.report.computed_tokens == 40
+
+
+def test_rotated_sliding_window_cache_is_never_trimmed(engine_factory):
+    original = prompt(300)
+    edit = edited(original, 40)
+    engine = engine_factory("gemma3_text")
+    engine.submit(original, max_tokens=8).result(timeout=60)
+    warm = engine.submit(edit, max_tokens=8).result(timeout=60)
+    assert warm.report.restore_source == "disk"
+    assert warm.report.restored_tokens == 256
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_of_generated_tokens_are_checkpointed_during_decode(engine_factory, family):
+    engine = engine_factory(family)
+    first = engine.submit(prompt(70), max_tokens=100).result(timeout=60)
+    assert first.finish_reason == "length"
+    follow_up = prompt(70) + first.tokens[:90] + prompt(20, seed=3)[1:]
+    engine.submit(prompt(40, seed=4), max_tokens=2).result(timeout=60)  # replaces the hot cache
+    again = engine.submit(follow_up, max_tokens=4).result(timeout=60)
+    # 160 cached tokens reach into the generated ones: block 4 (128..160) came from decode.
+    assert again.report.restored_tokens == 160
+    assert again.report.restore_source == "disk"
+
+
+def test_agent_rewind_restores_the_prompt_before_the_dropped_reasoning(engine_factory):
+    """Seed workflow: the follow-up drops the reasoning and appends only the final answer."""
+    engine = engine_factory("gemma3_text")  # window 64: the cache rotates, it cannot be trimmed
+    lm = engine.model
+    system = {"role": "system", "content": "You review code. " * 20}
+    user = {"role": "user", "content": "Explain the function add in three sentences. " * 8}
+    turn1 = engine.submit([system, user], max_tokens=80, template_kwargs={"enable_thinking": True})
+    reasoning_and_answer = turn1.result(timeout=60)
+    assert len(reasoning_and_answer.tokens) > 64  # decode went past the window
+
+    messages = [
+        system,
+        user,
+        {"role": "assistant", "content": "It returns a + b."},  # final answer, no reasoning
+        {"role": "user", "content": "Now write a test for it."},
+    ]
+    turn2 = engine.submit(messages, max_tokens=8).result(timeout=60)
+    prompt1 = reasoning_and_answer.prompt_tokens
+    assert turn2.prompt_tokens[: len(prompt1)] == prompt1
+    user_end = len(lm.apply_chat_template([system, user], add_generation_prompt=False))
+    assert turn2.report.restored_tokens == user_end // BS * BS
+    assert turn2.report.restored_tokens >= 128
+    restored = [b for b in turn2.report.blocks if b.source == "disk"]
+    assert [b.index for b in restored] == list(range(user_end // BS))
+
+    cold = engine_factory("gemma3_text", disk_budget=0).submit(messages, max_tokens=8)
+    assert turn2.tokens == cold.result(timeout=60).tokens
+
+
+def test_chat_template_options_pass_through(engine_factory):
+    engine = engine_factory("llama")
+    messages = [{"role": "user", "content": "hello world"}]
+    req = engine.submit(messages, max_tokens=1, template_kwargs={"add_generation_prompt": False})
+    expected = engine.model.apply_chat_template(messages, add_generation_prompt=False)
+    assert req.prompt_tokens == expected
+    assert req.result(timeout=60).prompt_tokens == expected
+
+
+# --- batching --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_four_concurrent_requests_match_four_sequential_ones(engine_factory, family):
+    prompts = [prompt(n, seed=n) for n in (40, 90, 150, 70)]
+    sequential = engine_factory(family, parallel=1)
+    expected = [sequential.submit(p, max_tokens=48).result(timeout=60).tokens for p in prompts]
+
+    concurrent = engine_factory(family, parallel=4)
+    requests = [concurrent.submit(p, max_tokens=48) for p in prompts]
+    assert [r.result(timeout=60).tokens for r in requests] == expected
+
+
+def test_a_request_submitted_mid_decode_joins_without_waiting(engine_factory):
+    engine = engine_factory("gemma3_text", parallel=2)
+    long = engine.submit(prompt(60), max_tokens=400)
+    stream = long.stream(timeout=60)
+    deltas = 0
+    for event in stream:
+        deltas += isinstance(event, TextDelta)
+        if deltas >= 5:
+            break
+    short = engine.submit(prompt(80, seed=1), max_tokens=6)
+    done = short.result(timeout=60)
+    assert not long.done  # the short one finished while the long one was decoding
+    assert done.finish_reason == "length" and len(done.tokens) == 6
+    alone = engine_factory("gemma3_text").submit(prompt(80, seed=1), max_tokens=6)
+    assert done.tokens == alone.result(timeout=60).tokens
+    assert len(long.result(timeout=120).tokens) > 6
+
+
+def test_more_requests_than_parallel_queue_in_order(engine_factory):
+    engine = engine_factory("llama", parallel=2)
+    requests = [engine.submit(prompt(40, seed=i), max_tokens=30) for i in range(5)]
+    order = []
+    lock = threading.Lock()
+
+    def wait(i):
+        requests[i].result(timeout=60)
+        with lock:
+            order.append(i)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.result().finish_reason in ("length", "stop") for r in requests)
+    assert order.index(4) > order.index(0) and order.index(4) > order.index(1)
+    assert engine.stats()["active"] == 0 and engine.stats()["queued"] == 0
+
+
+# --- streaming and sampling ------------------------------------------------------------------
+
+
+def test_stream_yields_blocks_progress_text_then_finished(engine_factory):
+    engine = engine_factory("llama")
+    events = list(engine.submit(prompt(100), max_tokens=20).stream(timeout=60))
+    assert isinstance(events[-1], Finished)
+    done = events[-1].completion
+    blocks = [e for e in events if isinstance(e, BlockEvent)]
+    spans = [(0, 0, 32), (1, 32, 64), (2, 64, 96), (3, 96, 100)]
+    assert [(b.index, b.start, b.end) for b in blocks] == spans
+    assert [(b.index, b.source) for b in done.report.blocks] == [
+        (b.index, b.source) for b in blocks
+    ]
+    assert any(isinstance(e, Progress) and e.done == 100 for e in events)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == done.text
+    assert done.text == decoded(engine, done.tokens)
+    assert done.report.ttft_s > 0 and done.report.tokens_per_s > 0
+
+
+def test_stop_string_cuts_the_text_and_finishes(engine_factory):
+    engine = engine_factory("llama")
+    full = engine.submit(prompt(50), max_tokens=40).result(timeout=60)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip()
+    cut = engine.submit(prompt(50), max_tokens=40, stop=[stop]).result(timeout=60)
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.tokens) < len(full.tokens)
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(engine_factory):
+    engine = engine_factory("llama", parallel=4)
+    args = dict(max_tokens=30, temperature=0.9, top_p=0.9, seed=7)
+    alone = engine.submit(prompt(40), **args).result(timeout=60).tokens
+    batch = [engine.submit(prompt(40), **args) for _ in range(3)]
+    assert [r.result(timeout=60).tokens for r in batch] == [alone] * 3
+    other = engine.submit(prompt(40), **{**args, "seed": 8}).result(timeout=60).tokens
+    assert other != alone
+
+
+# --- cancellation ----------------------------------------------------------------------------
+
+
+def test_cancel_mid_prefill_frees_the_slot(engine_factory):
+    engine = engine_factory("llama", parallel=1, max_prefill_step=BS)
+    long = engine.submit(prompt(3000), max_tokens=10)
+    for event in long.stream(timeout=60):
+        if isinstance(event, Progress) and event.phase == "prefill":
+            long.cancel()
+            break
+    done = long.result(timeout=60)
+    assert done.finish_reason == "cancelled"
+    assert done.tokens == []
+    assert done.report.computed_tokens < 3000
+    after = engine.submit(prompt(40, seed=2), max_tokens=5).result(timeout=60)
+    assert after.finish_reason == "length"
+
+
+def test_cancel_mid_decode_keeps_the_tokens_and_others_continue(engine_factory):
+    engine = engine_factory("llama", parallel=2)
+    other = engine.submit(prompt(50, seed=1), max_tokens=60)
+    victim = engine.submit(prompt(60), max_tokens=1000)
+    seen = 0
+    for event in victim.stream(timeout=60):
+        seen += isinstance(event, TextDelta)
+        if seen >= 3:
+            victim.cancel()
+            break
+    done = victim.result(timeout=60)
+    assert done.finish_reason == "cancelled"
+    assert 3 <= len(done.tokens) < 1000
+    assert done.text == decoded(engine, done.tokens)
+    expected = engine_factory("llama").submit(prompt(50, seed=1), max_tokens=60)
+    assert other.result(timeout=60).tokens == expected.result(timeout=60).tokens
+
+
+# --- failures and errors ---------------------------------------------------------------------
+
+POISON = 7
+
+
+class PoisonedModel:
+    """Wraps the model; a prefill containing the poison token raises, like a broken kernel."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):  # layers, make_cache...: the wrapped model's
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None):
+        if inputs.shape[1] > 1 and POISON in inputs.tolist()[0]:
+            raise RuntimeError("poisoned prompt")
+        return self.model(inputs, cache=cache)
+
+
+def test_an_exception_on_the_generation_thread_fails_only_its_request(engine_factory):
+    engine = engine_factory("llama", parallel=4)
+    lm = engine.model
+    engine._gen.call(lambda: setattr(lm, "model", PoisonedModel(lm.model)))
+    good = engine.submit(prompt(50, seed=1), max_tokens=40)
+    bad = engine.submit(prompt(50, seed=2) + [POISON], max_tokens=40)
+    with pytest.raises(RuntimeError, match="poisoned prompt"):
+        bad.result(timeout=60)
+    with pytest.raises(RuntimeError, match="poisoned prompt"):
+        list(bad.stream(timeout=60))
+    assert good.result(timeout=60).finish_reason == "length"
+    after = engine.submit(prompt(50, seed=3), max_tokens=5).result(timeout=60)
+    assert len(after.tokens) == 5
+    assert engine.stats()["failures"] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [3]}, "stop"),
+    ],
+)
+def test_bad_sampling_values_raise_in_the_caller(engine_factory, kwargs, message):
+    engine = engine_factory("llama")
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.submit("hello", **kwargs)
+
+
+def test_bad_prompts_raise_in_the_caller(engine_factory):
+    engine = engine_factory("llama")
+    with pytest.raises(PromptTooLongError, match="shorten"):
+        engine.submit([BOS] * engine.model.context_length)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.submit([])
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.submit([1, 2, 10_000])
+    with pytest.raises(InvalidRequestError, match="images"):
+        engine.submit("hello", images=["cat.png"])
+
+
+def test_submit_after_close_raises_and_close_is_idempotent(engine_factory):
+    engine = engine_factory("llama")
+    engine.close()
+    engine.close()
+    with pytest.raises(EngineClosedError, match="Engine.load"):
+        engine.submit("hello")
+
+
+def test_close_cancels_requests_in_flight(engine_factory):
+    engine = engine_factory("llama", parallel=1)
+    running = engine.submit(prompt(40), max_tokens=100_000)
+    queued = engine.submit(prompt(40, seed=1), max_tokens=5)
+    next(iter(running.stream(timeout=60)))
+    engine.close()
+    assert running.result(timeout=10).finish_reason == "cancelled"
+    assert queued.result(timeout=10).finish_reason == "cancelled"
+
+
+def test_stats_report_the_store_and_the_requests(engine_factory):
+    engine = engine_factory("llama", parallel=3)
+    engine.submit(prompt(100), max_tokens=4).result(timeout=60)
+    engine._io.drain(timeout=60)
+    stats = engine.stats()
+    assert stats["parallel"] == 3 and stats["model"] == "llama"
+    assert stats["active"] == 0 and stats["queued"] == 0
+    assert stats["records"] == 3 and stats["stored"] == 3  # three whole blocks of kv slices
+    assert stats["file_size"] > 0
