@@ -318,6 +318,10 @@ class LLMMagics(Magics):
             )
         return self.session.engine
 
+    def _updates_in_place(self) -> bool:
+        # A kernel's front end redraws a display in place; a terminal prints every update.
+        return hasattr(self.shell, "kernel")
+
     def _display(self, bundle: dict[str, str], **kwargs: Any) -> Any:
         from IPython.display import display
 
@@ -386,28 +390,38 @@ class LLMMagics(Magics):
         # main thread redraws an elapsed-time line and stays interruptible (an interrupted
         # load is closed when it completes).
         result: dict[str, Any] = {}
-        discard = threading.Event()
+        lock = threading.Lock()
 
         def work() -> None:
             try:
-                result["engine"] = self.engine_factory(model, **options)
+                engine = self.engine_factory(model, **options)
             except BaseException as exc:  # noqa: BLE001 - reported on the main thread
                 result["error"] = exc
-            if discard.is_set() and "engine" in result:
-                result["engine"].close()
+                return
+            with lock:
+                if result.get("discard"):
+                    engine.close()
+                else:
+                    result["engine"] = engine
 
         started = time.monotonic()
         what = f"loading {model}"
+        live = self._updates_in_place()
         handle = self._display(progress_bundle(what, elapsed=0.0), display_id=True)
         worker = threading.Thread(target=work, name="mlx-nbengine-load", daemon=True)
         worker.start()
         try:
             while worker.is_alive():
                 worker.join(0.1)
-                elapsed = time.monotonic() - started
-                handle.update(progress_bundle(what, elapsed=elapsed), raw=True)
+                if live:
+                    elapsed = time.monotonic() - started
+                    handle.update(progress_bundle(what, elapsed=elapsed), raw=True)
         except KeyboardInterrupt:
-            discard.set()
+            with lock:
+                result["discard"] = True
+                engine = result.pop("engine", None)
+            if engine is not None:
+                engine.close()
             handle.update({"text/plain": f"loading {model} interrupted"}, raw=True)
             raise UsageError(f"loading {model} was interrupted; no model is loaded") from None
         elapsed = time.monotonic() - started
@@ -428,7 +442,10 @@ class LLMMagics(Magics):
 
     @line_magic
     def unload_model(self, line: str = "") -> None:
-        """Stop the engine and free the model, its block store and the scratch file."""
+        """Stop the engine and free the model, its block store and the scratch file.
+
+        Running requests are cancelled and the named conversations are forgotten.
+        """
         if line.strip():
             raise UsageError("%unload_model takes no arguments")
         model = self.close_engine()
@@ -515,9 +532,8 @@ class LLMMagics(Magics):
                 conversation.abandon(turn)
             raise UsageError(_short_error(exc)) from None
 
-        # A kernel's front end updates the display in place; a terminal only appends.
-        in_kernel = hasattr(self.shell, "kernel")
-        view = (AnswerView if in_kernel else TerminalView)(title=args.chat or "")
+        view_class = AnswerView if self._updates_in_place() else TerminalView
+        view = view_class(title=args.chat or "")
         view.show()
         if args.bg:
             self._start_background(request, view, args, conversation, turn)

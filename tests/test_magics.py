@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -129,7 +130,12 @@ class FakeEngine:
         self.closed = True
 
 
+SLOW_LOAD = threading.Event()
+
+
 def fake_factory(model: str, **options):
+    if model == "slow":
+        SLOW_LOAD.wait(30)
     if model == "missing":
         raise ModelNotFoundError("no model at 'missing'; give a model directory or `default`")
     return FakeEngine(model, **options)
@@ -268,6 +274,23 @@ def test_loading_another_model_closes_the_first(ip):
     run(ip, "%load_model other")
     assert first.closed
     assert engine().model == "other" and not engine().closed
+
+
+def test_interrupting_a_load_leaves_no_model_and_closes_the_late_engine(ip):
+    SLOW_LOAD.clear()
+    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        err = error_of(run(ip, "%load_model slow"))
+    finally:
+        timer.cancel()
+    assert isinstance(err, UsageError) and "interrupted" in str(err)
+    SLOW_LOAD.set()
+    deadline = time.monotonic() + 10
+    while not (FakeEngine.instances and FakeEngine.instances[-1].closed):
+        assert time.monotonic() < deadline, "the engine that loaded late was not closed"
+        time.sleep(0.01)
+    assert isinstance(error_of(run(ip, "%%llm\nHi")), UsageError)
 
 
 def test_unload_model_closes_the_engine_and_forgets_it(ip):
