@@ -348,23 +348,39 @@ class LLMMagics(Magics):
     # -- %load_model ---------------------------------------------------------------------
 
     @magic_arguments()
-    @argument("model", help="a local MLX model directory, a .gguf file, or `default`")
-    @argument("--parallel", type=int, default=4, help="requests decoded together (default 4)")
-    @argument("--block-size", type=int, default=256, help="tokens per cached block (default 256)")
+    @argument(
+        "model", metavar="MODEL", help="a local MLX model directory, a .gguf file, or `default`"
+    )
+    @argument(
+        "--parallel", type=int, metavar="N", default=4, help="requests decoded together (default 4)"
+    )
+    @argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        default=256,
+        help="tokens per cached block (default 256)",
+    )
     @argument(
         "--disk-budget",
+        metavar="SIZE",
         default=None,
         help="bytes the block store may use on disk, e.g. 4GB or 512MiB (default: engine's)",
     )
-    @argument("--cache-dir", default=None, help="directory of the scratch file (default: tmp)")
-    @argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 or float32")
+    @argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="directory of the scratch file (default: tmp)",
+    )
+    @argument("--dtype", metavar="T", default=None, help="compute dtype, e.g. bfloat16 or float32")
     @line_magic
     def load_model(self, line: str) -> None:
         """Load a model into this kernel and start its engine.
 
         MODEL is a local MLX model directory, a GGUF file (converted on first load) or
-        `default` (the embedded Gemma 3 270M). Shows load progress. Loading another model
-        replaces the current one and frees its block store.
+        `default` (the embedded Gemma 3 270M); the cell shows the time spent loading.
+        Loading another model replaces the current one and frees its block store.
         """
         args = _parse(self.load_model, line, "%load_model")
         if args.parallel < 1 or args.block_size < 1:
@@ -457,11 +473,17 @@ class LLMMagics(Magics):
 
     @magic_arguments()
     @argument("-o", "--output", metavar="VAR", default=None, help="store the answer in VAR")
-    @argument("--max-tokens", type=int, default=None, help="most tokens to generate")
-    @argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy)")
-    @argument("--seed", type=int, default=None, help="random seed for sampling")
-    @argument("--stop", action="append", default=None, help="stop string (repeat for several)")
-    @argument("--system", default=None, help="system message (quote it)")
+    @argument("--max-tokens", type=int, metavar="N", default=None, help="most tokens to generate")
+    @argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        default=None,
+        help="sampling temperature (0: greedy)",
+    )
+    @argument("--seed", type=int, metavar="S", default=None, help="random seed for sampling")
+    @argument("--stop", action="append", metavar="S", default=None, help="stop string (repeatable)")
+    @argument("--system", metavar="TEXT", default=None, help="system message (quote it)")
     @argument("--chat", metavar="NAME", default=None, help="continue the conversation NAME")
     @argument("--raw", action="store_true", help="send the text as is, no chat template")
     @argument(
