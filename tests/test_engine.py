@@ -316,7 +316,7 @@ def test_an_exception_on_the_generation_thread_fails_only_its_request(engine_fac
     lm = engine.model
     engine._gen.call(lambda: setattr(lm, "model", PoisonedModel(lm.model)))
     good = engine.submit(prompt(50, seed=1), max_tokens=40)
-    bad = engine.submit(prompt(50, seed=2) + [POISON], max_tokens=40)
+    bad = engine.submit(prompt(50, seed=2)[:10] + [POISON] + prompt(50, seed=2)[10:], max_tokens=40)
     with pytest.raises(RuntimeError, match="poisoned prompt"):
         bad.result(timeout=60)
     with pytest.raises(RuntimeError, match="poisoned prompt"):

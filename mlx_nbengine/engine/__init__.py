@@ -7,9 +7,14 @@ thread), `sampling`, `text` (detokenizing and stop strings), `cacheio` (the cach
 thread). Knows nothing of IPython.
 """
 
-from mlx_nbengine.engine.engine import Engine
-from mlx_nbengine.engine.events import BlockEvent, Event, Finished, Progress, TextDelta
-from mlx_nbengine.engine.request import (
+from mlx_nbengine._blas import ensure_fast_blas
+
+# Before the modules below import MLX: its matmuls bind to a BLAS on first import.
+ensure_fast_blas()
+
+from mlx_nbengine.engine.engine import Engine  # noqa: E402
+from mlx_nbengine.engine.events import BlockEvent, Event, Finished, Progress, TextDelta  # noqa: E402
+from mlx_nbengine.engine.request import (  # noqa: E402
     BlockReport,
     Completion,
     EngineClosedError,

@@ -175,7 +175,11 @@ class GenerationThread:
         self._loaded.set()
         try:
             while not self._stopping:
-                self._receive(block=not self._has_work())
+                idle = not self._has_work()
+                if idle:
+                    # Freed buffers go back to the system, not to MLX's reuse pool.
+                    mx.clear_cache()
+                self._receive(block=idle)
                 if self._stopping:
                     break
                 self._tick()
@@ -332,17 +336,23 @@ class GenerationThread:
 
     def _next_step(self, seq: Sequence) -> tuple[int, int]:
         pos, end, bs = len(seq.cache_tokens), len(seq.prompt), self.block_size
+        last = end // bs * bs
         if pos % bs:
             # Restored from memory mid-block: first reach the next boundary (or the end).
-            return pos, min(end, (pos // bs + 1) * bs)
-        # Hybrid models need a state checkpoint at every boundary; others take bigger
-        # steps unless sequences are decoding, which a long step would stall.
-        one_block = self._state_layers or len(self._batch) > 0
-        max_step = bs if one_block else max(bs, self.max_prefill_step)
-        last = end // bs * bs
-        if pos < last:
-            return pos, min(pos + max_step // bs * bs, last)
-        return pos, end
+            end_step = min(end, (pos // bs + 1) * bs)
+        elif pos < last:
+            # Hybrid models need a state checkpoint at every boundary; others take bigger
+            # steps unless sequences are decoding, which a long step would stall.
+            one_block = self._state_layers or len(self._batch) > 0
+            max_step = bs if one_block else max(bs, self.max_prefill_step)
+            end_step = min(pos + max_step // bs * bs, last)
+        else:
+            end_step = end
+        if end_step == end and end - pos > 1:
+            # The prompt's last token goes alone: only its logits are needed, and a
+            # multi-token call would project every position onto the vocabulary.
+            end_step = end - 1
+        return pos, end_step
 
     def _prefill_step(self, seq: Sequence) -> None:
         start, end = self._next_step(seq)
