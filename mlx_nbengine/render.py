@@ -111,7 +111,6 @@ class AnswerView:
         self.summary = ""
         self.error = ""
         self.blocks: Counter[str] = Counter()
-        self.updates = 0
         self._display = display
         self._clock = clock
         self._handle: Any = None
@@ -203,7 +202,6 @@ class AnswerView:
         self._handle = self._display(self.bundle(), raw=True, display_id=True)
         self._dirty = False
         self._last = self._clock()
-        self.updates += 1
 
     def refresh(self, *, force: bool = False) -> bool:
         """Send the current bundle if something changed and `interval` has passed."""
@@ -218,7 +216,6 @@ class AnswerView:
         self._handle.update(self.bundle(), raw=True)
         self._dirty = False
         self._last = now
-        self.updates += 1
         return True
 
     def close(self) -> None:
