@@ -153,10 +153,7 @@ class AnswerView:
         self.progress = ""
         cancelled = interrupted or completion.finish_reason == "cancelled"
         self.state = "interrupted" if cancelled else "done"
-        try:
-            self.summary = summary_line(completion)
-        except (AttributeError, TypeError):
-            self.summary = ""
+        self.summary = summary_line(completion)
         self._dirty = True
 
     def fail(self, message: str) -> None:
