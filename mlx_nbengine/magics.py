@@ -41,7 +41,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
-from mlx_nbengine.chat import ChatBook, PendingTurnError, turn_key
+from mlx_nbengine.chat import ChatBook, Conversation, PendingTurnError, Turn, turn_key
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.render import (
     AnswerView,
@@ -188,6 +188,31 @@ class BackgroundAnswer:
         # Showing the handle (e.g. after `handle.result()`) shows the answer as it stands:
         # what a headless run records, since it misses updates sent after the --bg cell.
         return self.view.bundle()
+
+
+@dataclass
+class _ChatTurn:
+    """The turn a `%%llm --chat` request answers, in its conversation."""
+
+    conversation: Conversation
+    turn: Turn
+
+    def finish(self, answer: str) -> None:
+        self.conversation.finish(self.turn, answer)
+
+    def abandon(self) -> None:
+        self.conversation.abandon(self.turn)
+
+
+def _sampling(args: Any) -> dict[str, Any]:
+    # Only the options given: the engine's defaults stay the single source of truth.
+    given = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 # -- driving a request -----------------------------------------------------------------------
@@ -517,66 +542,59 @@ class LLMMagics(Magics):
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
 
-        conversation = turn = None
-        if args.raw:
-            prompt: Any = text
-        elif args.chat:
-            conversation = self.session.chats.get(args.chat)
-            key = turn_key(
-                cell_id=self.session.cell_id,
-                source=self.session.cell_source or f"{line}\n{cell}",
-                index=self.session.chat_calls,
-            )
-            self.session.chat_calls += 1
-            try:
-                turn, prompt = conversation.begin(key, text, system=args.system)
-            except PendingTurnError as exc:
-                raise UsageError(str(exc)) from None
-        else:
-            prompt = [{"role": "user", "content": text}]
-            if args.system:
-                prompt.insert(0, {"role": "system", "content": args.system})
-
-        sampling = {
-            name: value
-            for name, value in (
-                ("max_tokens", args.max_tokens),
-                ("temperature", args.temperature),
-                ("seed", args.seed),
-                ("stop", args.stop),
-            )
-            if value is not None
-        }
+        prompt, chat = self._prompt(args, text, source=f"%%llm {line}\n{cell}")
         try:
-            request = engine.submit(prompt, **sampling)
+            request = engine.submit(prompt, **_sampling(args))
         except (EngineError, ValueError) as exc:
-            if turn is not None:
-                conversation.abandon(turn)
+            if chat is not None:
+                chat.abandon()
             raise UsageError(_short_error(exc)) from None
 
         view_class = AnswerView if self._updates_in_place() else TerminalView
         view = view_class(title=args.chat or "")
         view.show()
         if args.bg:
-            self._start_background(request, view, args, conversation, turn)
+            self._start_background(request, view, args, chat)
             return None
         try:
             completion, interrupted = _drive(request, view)
         except EngineError as exc:
             view.fail(_short_error(exc))
             view.close()
-            if turn is not None:
-                conversation.abandon(turn)
+            if chat is not None:
+                chat.abandon()
             raise UsageError(_short_error(exc)) from None
-        if turn is not None:
-            conversation.finish(turn, completion.text if completion is not None else view.text)
+        if chat is not None:
+            chat.finish(completion.text if completion is not None else view.text)
         if args.output is not None:
             self.shell.user_ns[args.output] = completion
         if interrupted:
             raise KeyboardInterrupt("generation cancelled; the partial answer is kept above")
         return None
 
-    def _start_background(self, request, view, args, conversation, turn) -> BackgroundAnswer:
+    def _prompt(self, args: Any, text: str, *, source: str) -> tuple[Any, _ChatTurn | None]:
+        """The prompt to submit (text with --raw, else chat messages) and the chat turn."""
+        if args.raw:
+            return text, None
+        if not args.chat:
+            messages = [{"role": "user", "content": text}]
+            if args.system:
+                messages.insert(0, {"role": "system", "content": args.system})
+            return messages, None
+        conversation = self.session.chats.get(args.chat)
+        key = turn_key(
+            cell_id=self.session.cell_id,
+            source=self.session.cell_source or source,
+            index=self.session.chat_calls,
+        )
+        self.session.chat_calls += 1
+        try:
+            turn, messages = conversation.begin(key, text, system=args.system)
+        except PendingTurnError as exc:
+            raise UsageError(str(exc)) from None
+        return messages, _ChatTurn(conversation, turn)
+
+    def _start_background(self, request, view, args, chat) -> BackgroundAnswer:
         label = args.output or args.chat or f"bg{len(self.session.background) + 1}"
         handle = BackgroundAnswer(request, view, label=label)
         shell = self.shell
@@ -589,14 +607,14 @@ class LLMMagics(Magics):
                 tokens = shell.set_thread_parent(parent)
             try:
                 handle.completion, _ = _drive(request, view)
-                if turn is not None:
-                    conversation.finish(turn, handle.text)
+                if chat is not None:
+                    chat.finish(handle.text)
             except BaseException as exc:  # noqa: BLE001 - kept for handle.result()
                 handle.error = exc
                 view.fail(_short_error(exc))
                 view.close()
-                if turn is not None:
-                    conversation.abandon(turn)
+                if chat is not None:
+                    chat.abandon()
             finally:
                 if tokens is not None:
                     shell.reset_thread_parent(tokens)
