@@ -28,6 +28,7 @@ no traceback.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import string
@@ -414,14 +415,15 @@ class LLMMagics(Magics):
         if args.disk_budget is not None:
             options["disk_budget"] = parse_size(args.disk_budget)
         if args.cache_dir is not None:
-            options["cache_dir"] = args.cache_dir
+            options["cache_dir"] = os.path.expanduser(args.cache_dir)
         if args.dtype is not None:
             options["dtype"] = args.dtype
 
         previous = self.close_engine()
         if previous is not None:
             self._display({"text/plain": f"unloaded {previous}"})
-        engine = self._load_with_progress(args.model, options)
+        model = args.model if args.model == "default" else os.path.expanduser(args.model)
+        engine = self._load_with_progress(model, options)
         self.session.engine = engine
         self.session.model = args.model
         self.session.options = options
