@@ -84,6 +84,7 @@ class FakeRequest:
             text += piece
             yield TextDelta(piece)
         if self.hold:
+            BLOCKED.set()
             self.cancelled.wait(30)
         reason = "cancelled" if self.cancelled.is_set() else "stop"
         self.completion = Completion(
@@ -131,10 +132,26 @@ class FakeEngine:
 
 
 SLOW_LOAD = threading.Event()
+BLOCKED = threading.Event()  # set by the fakes when they start waiting
+
+
+def interrupt_when_blocked() -> threading.Thread:
+    """Send this process SIGINT (the kernel's interrupt) once a fake is waiting."""
+    BLOCKED.clear()
+
+    def fire() -> None:
+        if BLOCKED.wait(10):
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
 
 
 def fake_factory(model: str, **options):
     if model == "slow":
+        BLOCKED.set()
         SLOW_LOAD.wait(30)
     if model == "missing":
         raise ModelNotFoundError("no model at 'missing'; give a model directory or `default`")
@@ -278,12 +295,9 @@ def test_loading_another_model_closes_the_first(ip):
 
 def test_interrupting_a_load_leaves_no_model_and_closes_the_late_engine(ip):
     SLOW_LOAD.clear()
-    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        err = error_of(run(ip, "%load_model slow"))
-    finally:
-        timer.cancel()
+    interrupter = interrupt_when_blocked()
+    err = error_of(run(ip, "%load_model slow"))
+    interrupter.join()
     assert isinstance(err, UsageError) and "interrupted" in str(err)
     SLOW_LOAD.set()
     deadline = time.monotonic() + 10
@@ -359,12 +373,9 @@ def test_background_request_returns_a_handle_at_once(ip):
 def test_interrupt_cancels_the_request_and_keeps_the_partial_answer(ip):
     run(ip, "%load_model default")
     engine().hold = True
-    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        result = run(ip, "%%llm -o partial\nTell me a long story")
-    finally:
-        timer.cancel()
+    interrupter = interrupt_when_blocked()
+    result = run(ip, "%%llm -o partial\nTell me a long story")
+    interrupter.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     assert engine().requests[-1].cancelled.is_set()
     assert ip.user_ns["partial"].text == "Hello, world"
