@@ -449,6 +449,13 @@ def test_llm_cache_shows_stats_and_clear_empties_the_store(ip, capsys):
     assert isinstance(error_of(run(ip, "%llm_cache wipe")), UsageError)
 
 
+def test_llm_cache_clear_on_an_engine_without_clear_says_how_to_start_empty(ip):
+    run(ip, "%load_model default")
+    engine().clear_cache = None  # an engine that cannot clear its store in place
+    err = error_of(run(ip, "%llm_cache clear"))
+    assert isinstance(err, UsageError) and "%unload_model" in str(err)
+
+
 def test_llm_status_names_the_model_and_the_requests(ip, capsys):
     run(ip, "%load_model default --parallel 3")
     run(ip, "%llm_status")
