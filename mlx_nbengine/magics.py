@@ -12,7 +12,9 @@ Terms:
 - *foreground request*: a plain `%%llm` cell. The cell stays busy; the kernel's main
   thread reads the request's events and updates one display handle about every 100 ms,
   so the output lands in the executing cell, nbclient records it, and the kernel's
-  interrupt (a `KeyboardInterrupt` on the main thread) cancels the request.
+  interrupt (a `KeyboardInterrupt` on the main thread) cancels the request. The partial
+  answer stays, marked interrupted, and ``-o`` still receives it; the cell then ends with
+  `KeyboardInterrupt` like any interrupted cell, so "Run all" stops there.
 - *background request*: `%%llm --bg`. The cell returns at once with a `BackgroundAnswer`
   handle; a thread per request renders into the display created in the original cell,
   with ipykernel's `set_thread_parent` so that every update carries that cell's parent
@@ -137,7 +139,8 @@ class LLMSession:
     model: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     chats: ChatBook = field(default_factory=ChatBook)
-    background: list[BackgroundAnswer] = field(default_factory=list)
+    background: list[BackgroundAnswer] = field(default_factory=list)  # running ones
+    background_count: int = 0
     # From IPython's pre_run_cell event: the executing cell's id (None outside JupyterLab)
     # and source, and how many chat calls that cell run made so far.
     cell_id: str | None = None
@@ -597,8 +600,12 @@ class LLMMagics(Magics):
         return messages, _ChatTurn(conversation, turn)
 
     def _start_background(self, request, view, args, chat) -> BackgroundAnswer:
-        label = args.output or args.chat or f"bg{len(self.session.background) + 1}"
+        session = self.session
+        session.background_count += 1
+        label = args.output or args.chat or f"bg{session.background_count}"
         handle = BackgroundAnswer(request, view, label=label)
+        # Finished handles live on in the user's variables, not here.
+        session.background = [h for h in session.background if not h.done()]
         shell = self.shell
         # The parent header of the executing cell, so the thread's output goes there.
         parent = shell.get_parent() if hasattr(shell, "get_parent") else None
