@@ -14,7 +14,7 @@ generates ``--decode-tokens`` tokens greedily one at a time. Rounds alternate th
 set-ups, and the best round of each counts, so a noisy shared machine hurts least.
 Writes ``bench/results/blas-<time>.json`` and ``.md`` and prints the table.
 
-    python bench/bench_blas.py [--rounds 2] [--prompt-tokens 512] [--decode-tokens 16]
+    python bench/bench_blas.py [--rounds 2] [--prompt-tokens 256] [--decode-tokens 16]
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=16)
     args = parser.parse_args()
     if args.child:

@@ -14,6 +14,8 @@ Families and the cache layout they produce (one entry per layer):
   layers and `KVCache` on every second layer (``sliding_window_pattern=2``).
 - ``qwen3_5``: hybrid; `ArraysCache` (gated-delta linear attention) on even
   layers and `KVCache` (full attention) on odd ones (``full_attention_interval=2``).
+- ``qwen2_vl`` (vision, mlx-vlm; `make_tiny_vlm`): two mlx-vlm `KVCache` layers,
+  a two-block vision tower and Qwen2-VL's image processor.
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on the
 text in `_TRAINING_TEXT` (vocab 512), with special tokens ``<bos>``, ``<eos>``,
@@ -27,9 +29,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "VOCAB_SIZE", "make_tiny_gguf", "make_tiny_model", "make_tiny_tokenizer"]
+__all__ = [
+    "FAMILIES",
+    "VISION_FAMILIES",
+    "VOCAB_SIZE",
+    "make_tiny_gguf",
+    "make_tiny_model",
+    "make_tiny_tokenizer",
+    "make_tiny_vlm",
+]
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
+VISION_FAMILIES = ("qwen2_vl",)
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 
@@ -59,8 +70,17 @@ Jupyter kernels run code cells; magics start with a percent sign like %%llm.
 """
 
 
-def make_tiny_tokenizer(directory: str | Path) -> Path:
-    """Train the tiny byte-level BPE and write tokenizer.json and tokenizer_config.json."""
+def make_tiny_tokenizer(
+    directory: str | Path,
+    *,
+    extra_special_tokens: tuple[str, ...] = (),
+    chat_template: str = _CHAT_TEMPLATE,
+) -> Path:
+    """Train the tiny byte-level BPE and write tokenizer.json and tokenizer_config.json.
+
+    `extra_special_tokens` get ids right after `SPECIAL_TOKENS` (the vision family's
+    image tokens), so the other families' ids never move.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     directory = Path(directory)
@@ -70,7 +90,7 @@ def make_tiny_tokenizer(directory: str | Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -89,7 +109,7 @@ def make_tiny_tokenizer(directory: str | Path) -> Path:
         "add_bos_token": True,
         "add_eos_token": False,
         "model_max_length": 131072,
-        "chat_template": _CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     special_map = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
@@ -159,7 +179,9 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
             "bos_token_id": ids["<bos>"],
             "eos_token_id": ids["<eos>"],
         }
-    raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
+    raise ValueError(
+        f"unknown tiny model family {family!r}; choose one of {FAMILIES + VISION_FAMILIES}"
+    )
 
 
 def make_tiny_model(
@@ -181,6 +203,8 @@ def make_tiny_model(
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
+    if family in VISION_FAMILIES:
+        return make_tiny_vlm(directory, seed=seed, dtype=dtype)
     config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -337,3 +361,107 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+_VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a tiny random-weight Qwen2-VL model directory (mlx-vlm) and return it.
+
+    Besides the text files it has ``preprocessor_config.json`` (Qwen2-VL's image
+    processor: 14-pixel patches merged 2x2, so a 56x56 image becomes 4 image tokens)
+    and a chat template that writes ``<|vision_start|><|image_pad|><|vision_end|>``
+    for an ``{"type": "image"}`` content part. `load` returns it as kind ``"vision"``.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    directory = Path(directory)
+    make_tiny_tokenizer(
+        directory, extra_special_tokens=VISION_TOKENS, chat_template=_VL_CHAT_TEMPLATE
+    )
+    ids = {name: i for i, name in enumerate([*SPECIAL_TOKENS, *VISION_TOKENS])}
+    config = {
+        "model_type": "qwen2_vl",
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        # Multimodal rotary sections (time, height, width) must sum to head_dim / 2 = 16.
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+        "tie_word_embeddings": True,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+    }
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "min_pixels": 56 * 56,
+        "max_pixels": 28 * 28 * 64,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    arch, _ = get_model_and_args(config=dict(config))
+    # from_dict adds the text_config that update_module_configs then reads, as mlx-vlm's loader.
+    working = json.loads(json.dumps(config))
+    model_config = arch.ModelConfig.from_dict(working)
+    model_config = update_module_configs(model_config, arch, working, ["text", "vision"])
+    model = arch.Model(model_config)
+    target = getattr(mx, dtype)
+    key = mx.random.key(seed)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        if value.ndim >= 2:
+            fan_in = value.size // value.shape[0]
+            value = mx.random.normal(value.shape, key=sub) * fan_in**-0.5
+        weights[name] = value.astype(target)
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return directory

@@ -118,3 +118,31 @@ def test_stored_dtype_is_upcast_to_float32_on_cpu_unless_asked(tiny_model_dir):
 def test_unknown_family_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny model family"):
         make_tiny_model("gpt9", tmp_path)
+
+
+def test_tiny_vision_model_loads_through_mlx_vlm(tiny_model_dir):
+    lm = load(tiny_model_dir("qwen2_vl"))
+    assert lm.kind == "vision" and lm.model_type == "qwen2_vl"
+    assert type(lm.processor).__name__ == "Qwen2VLProcessor"
+    assert len(lm.make_cache()) == 2
+
+
+def test_tiny_vision_model_expands_an_image_and_runs(tiny_model_dir):
+    import numpy as np
+    from PIL import Image
+
+    lm = load(tiny_model_dir("qwen2_vl"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    text = lm.decode(lm.apply_chat_template(messages))
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in text
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))
+    inputs = lm.processor(text=[text], images=[image], return_tensors="np")
+    image_pad = lm.text_tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((inputs["input_ids"] == image_pad).sum()) == 4  # 56x56: 4x4 patches, merged 2x2
+    out = lm.model(
+        mx.array(inputs["input_ids"]),
+        pixel_values=mx.array(inputs["pixel_values"]),
+        image_grid_thw=mx.array(inputs["image_grid_thw"]),
+        cache=lm.make_cache(),
+    )
+    assert out.logits.shape == (1, inputs["input_ids"].shape[1], VOCAB_SIZE)

@@ -44,8 +44,10 @@ class LoadedModel:
     @property
     def text_tokenizer(self) -> Any:
         """The Hugging Face tokenizer underneath (mlx-lm wraps it; mlx-vlm's processor holds it)."""
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
         tok = self.tokenizer
-        return getattr(tok, "_tokenizer", tok)
+        return tok._tokenizer if isinstance(tok, TokenizerWrapper) else tok
 
     @property
     def bos_token_id(self) -> int | None:
