@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "EXTRA_FAMILIES",
     "FAMILIES",
     "VISION_FAMILIES",
     "VOCAB_SIZE",
@@ -41,6 +42,8 @@ __all__ = [
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 VISION_FAMILIES = ("qwen2_vl",)
+# Also buildable (plain KVCache, like llama): qwen3, the GGUF converter's third architecture.
+EXTRA_FAMILIES = ("qwen3",)
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 
@@ -142,6 +145,14 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
             "num_hidden_layers": num_layers or 2,
             "rope_theta": 10000.0,
         }
+    if family == "qwen3":
+        return {
+            **common,
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "num_hidden_layers": num_layers or 2,
+            "rope_theta": 1_000_000.0,
+        }
     if family == "gemma3_text":
         return {
             **common,
@@ -180,7 +191,8 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
             "eos_token_id": ids["<eos>"],
         }
     raise ValueError(
-        f"unknown tiny model family {family!r}; choose one of {FAMILIES + VISION_FAMILIES}"
+        f"unknown tiny model family {family!r}; "
+        f"choose one of {FAMILIES + EXTRA_FAMILIES + VISION_FAMILIES}"
     )
 
 
@@ -268,7 +280,7 @@ def make_tiny_gguf(
 ) -> Path:
     """Write a tiny model as a llama.cpp-style GGUF file at `path` and return it.
 
-    `family` is ``"llama"`` or ``"gemma3_text"`` (written as GGUF arch ``gemma3``,
+    `family` is ``"llama"``, ``"qwen3"`` or ``"gemma3_text"`` (written as GGUF arch ``gemma3``,
     six layers in Gemma 3's fixed 5-sliding-1-global layout). The weights come
     from `source` (a `make_tiny_model` directory of that family) or a fresh one;
     2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
@@ -284,8 +296,8 @@ def make_tiny_gguf(
     from gguf.quants import quantize
 
     path = Path(path)
-    if family not in ("llama", "gemma3_text"):
-        raise ValueError(f"make_tiny_gguf supports 'llama' and 'gemma3_text', not {family!r}")
+    if family not in ("llama", "gemma3_text", "qwen3"):
+        raise ValueError(f"make_tiny_gguf supports llama, gemma3_text and qwen3, not {family!r}")
     if source is None:
         kw = {"num_layers": 6} if family == "gemma3_text" else {}
         source = make_tiny_model(family, tempfile.mkdtemp(prefix="tiny-gguf-src-"), seed=seed, **kw)
@@ -295,7 +307,7 @@ def make_tiny_gguf(
         # GGUF has no field for these; llama.cpp assumes Gemma 3's values, so the source must too.
         config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
         (source / "config.json").write_text(json.dumps(config, indent=2))
-    arch = "gemma3" if family == "gemma3_text" else "llama"
+    arch = {"gemma3_text": "gemma3"}.get(family, family)
     weights = {
         k: np.array(v.astype(mx.float32))
         for k, v in mx.load(str(source / "model.safetensors")).items()
