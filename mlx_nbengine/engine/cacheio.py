@@ -25,6 +25,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_nbengine.engine.memory import give_back_memory
+
 CONTROL, RESTORE, SAVE = 0, 1, 2
 
 
@@ -121,6 +123,9 @@ class CacheIO:
                     fut.set_result(fn())
                 except BaseException as exc:  # delivered to whoever waits on the future
                     fut.set_exception(exc)
+            if self._jobs.empty():
+                # Serialized blobs and decoded arrays are garbage now; let RSS fall back.
+                give_back_memory()
         while True:  # the jobs left behind are dropped; tell any waiter
             try:
                 _, _, fn, fut = self._jobs.get_nowait()

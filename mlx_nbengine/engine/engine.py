@@ -24,6 +24,7 @@ from typing import Any
 
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.generation import GenerationThread
+from mlx_nbengine.engine.memory import keep_large_buffers_mapped
 from mlx_nbengine.engine.request import (
     EngineClosedError,
     InvalidRequestError,
@@ -77,6 +78,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        keep_large_buffers_mapped()
         self._io = CacheIO()
 
         def prefix_factory(lm: Any) -> Any:

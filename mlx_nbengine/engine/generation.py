@@ -44,6 +44,7 @@ import mlx.core as mx
 
 from mlx_nbengine.engine.batch import DecodeBatch
 from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
 from mlx_nbengine.engine.sampling import make_request_sampler
 from mlx_nbengine.engine.sequence import Sequence
@@ -177,8 +178,7 @@ class GenerationThread:
             while not self._stopping:
                 idle = not self._has_work()
                 if idle:
-                    # Freed buffers go back to the system, not to MLX's reuse pool.
-                    mx.clear_cache()
+                    give_back_memory()
                 self._receive(block=idle)
                 if self._stopping:
                     break
@@ -308,10 +308,12 @@ class GenerationThread:
             mx.eval([c.state for c in cache])
             seconds += time.perf_counter() - t
             start, source = plan.tokens, "disk"
+            seq.restored_bytes = sum(r.nbytes for recs in records.values() for r in recs.values())
         elif hot_n > 0:
             t = time.perf_counter()
             cache, self._hot = self._hot.take(hot_n), None
             start, source = hot_n, "memory"
+            seq.restored_bytes = sum(c.nbytes for c in cache)
             seconds = time.perf_counter() - t
         else:
             cache, start, source = self.lm.make_cache(), 0, None

@@ -60,6 +60,8 @@ class Report:
     `restored_tokens` came from memory or disk, `computed_tokens` were prefilled
     (their sum is the prompt length); `ttft_s` runs from submit to the first token;
     `tokens_per_s` is the decode speed after the first token (0.0 for one token).
+    `restored_bytes` is the size of the records read from disk (or of the hot cache
+    reused from memory); `restore_source` names where the restored prefix came from.
     """
 
     blocks: list[BlockReport] = field(default_factory=list)
@@ -68,6 +70,7 @@ class Report:
     ttft_s: float | None = None
     tokens_per_s: float = 0.0
     restore_source: BlockSource | None = None
+    restored_bytes: int = 0
 
 
 @dataclass

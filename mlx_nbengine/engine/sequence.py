@@ -50,6 +50,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     restored: int = 0
+    restored_bytes: int = 0
     restore_source: BlockSource | None = None
     blocks: dict[int, BlockReport] = field(default_factory=dict)
     _seconds: dict[int, float] = field(default_factory=dict)
@@ -122,6 +123,7 @@ class Sequence:
                 None if self.first_token_at is None else self.first_token_at - self.submitted_at
             ),
             restore_source=self.restore_source,
+            restored_bytes=self.restored_bytes,
         )
         n = len(self.generated)
         if n > 1 and self.last_token_at > self.first_token_at:
