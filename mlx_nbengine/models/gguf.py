@@ -142,14 +142,9 @@ def _reader(path: Path):
         ) from e
 
 
-def _field_value(field) -> Any:
-    value = field.contents()
-    return value
-
-
 def read_metadata(reader) -> dict[str, Any]:
     """All key/value metadata of an open `gguf.GGUFReader`, as Python values."""
-    return {key: _field_value(field) for key, field in reader.fields.items()}
+    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -240,15 +235,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _tensor(tensor, arch: str, config: dict[str, Any]) -> np.ndarray:
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     try:
-        if tensor.tensor_type == GGMLQuantizationType.BF16:
-            raw = np.ascontiguousarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
-            w = raw.view(np.float32)
-        else:
-            w = dequantize(tensor.data, tensor.tensor_type)
+        w = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
         raise UnsupportedModelError(
             f"GGUF tensor '{tensor.name}' uses type {tensor.tensor_type.name}, which cannot be "
