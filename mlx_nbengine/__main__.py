@@ -20,9 +20,9 @@ DEMO_PROMPT = "The Eiffel Tower is located in the city of"
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
+    import mlx.core as mx
 
+    from mlx_nbengine._blas import blas_threads_for
     from mlx_nbengine.models import load
 
     started = time.perf_counter()
@@ -31,18 +31,39 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Loaded {lm.model_type} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     prompt = lm.encode(args.prompt)
     print(args.prompt, end="", flush=True)
-    response = None
-    for response in stream_generate(
-        lm.model, lm.tokenizer, prompt, max_tokens=args.max_tokens, sampler=make_sampler(0.0)
-    ):
-        print(response.text, end="", flush=True)
-    print()
-    if response is not None:
-        print(
-            f"prefill {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s, "
-            f"decode {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s",
-            file=sys.stderr,
-        )
+
+    # Prefill in 256-token steps, as the engine does, then greedy decode one token at a time.
+    started = time.perf_counter()
+    cache = lm.make_cache()
+    for start in range(0, len(prompt), 256):
+        step = prompt[start : start + 256]
+        blas_threads_for(len(step))
+        logits = lm.model(mx.array(step)[None], cache=cache)
+    token = mx.argmax(logits[0, -1])
+    mx.eval(token)
+    prefill_s = time.perf_counter() - started
+
+    detokenizer = lm.tokenizer.detokenizer
+    detokenizer.reset()
+    blas_threads_for(1)
+    started = time.perf_counter()
+    generated = 0
+    for _ in range(args.max_tokens):
+        if int(token.item()) in lm.eos_token_ids:
+            break
+        detokenizer.add_token(int(token.item()))
+        print(detokenizer.last_segment, end="", flush=True)
+        generated += 1
+        token = mx.argmax(lm.model(token.reshape(1, 1), cache=cache)[0, -1])
+        mx.eval(token)
+    detokenizer.finalize()
+    print(detokenizer.last_segment)
+    decode_s = time.perf_counter() - started
+    print(
+        f"prefill {len(prompt)} tokens at {len(prompt) / prefill_s:.1f} tok/s, "
+        f"decode {generated} tokens at {generated / max(decode_s, 1e-9):.1f} tok/s",
+        file=sys.stderr,
+    )
     return 0
 
 

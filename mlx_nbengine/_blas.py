@@ -14,6 +14,14 @@ the system has none, we write a copy whose SONAME reads ``libgfortran.so.5``
 into ``$MLX_NBENGINE_HOME/blas`` (default ``~/.cache/mlx_nbengine/blas``) and
 load it first, so OpenBLAS's dependency is already satisfied.
 
+*Threads*: a multi-threaded matmul pays a wake-up and a barrier per call. A
+prefill step (hundreds of tokens) amortizes that and runs up to N times faster;
+a decode step (one token per sequence, a matrix-vector product bound by memory
+bandwidth) gains nothing and, on a busy machine, loses several times over to
+threads waiting for a core. `blas_threads_for(n_tokens)` picks OpenBLAS's full
+thread count for steps of at least `PARALLEL_MIN_TOKENS` tokens and one thread
+below; the engine calls it before evaluating each step.
+
 Set ``MLX_NBENGINE_BLAS=reference`` to keep the bundled reference BLAS (the
 benchmark's baseline). macOS (Accelerate) and non-Linux systems are left alone.
 """
@@ -28,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasStatus", "ensure_fast_blas", "blas_status"]
+__all__ = ["BlasStatus", "blas_status", "blas_threads_for", "ensure_fast_blas"]
 
 _ENV = "MLX_NBENGINE_BLAS"
 
@@ -44,6 +52,12 @@ class BlasStatus:
 
 _status: BlasStatus | None = None
 _handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symbols
+_openblas: ctypes.CDLL | None = None
+_max_threads = 1
+_current_threads: int | None = None
+
+# Steps with fewer tokens than this run single-threaded (see the module docstring).
+PARALLEL_MIN_TOKENS = 32
 
 
 def _site_dirs() -> list[Path]:
@@ -121,11 +135,33 @@ def ensure_fast_blas() -> BlasStatus:
     Safe to call many times and on any platform; never raises. Returns (and
     remembers) what happened.
     """
-    global _status
+    global _status, _openblas, _max_threads
     if _status is not None:
         return _status
     _status = _ensure()
+    if _status.active:
+        _openblas = _handles[-1]
+        try:
+            _max_threads = max(1, int(_openblas.openblas_get_num_threads()))
+        except AttributeError:
+            _openblas = None
     return _status
+
+
+def blas_threads_for(n_tokens: int) -> int:
+    """Set OpenBLAS's thread count for a step over `n_tokens` tokens; return it.
+
+    Call it on the thread that evaluates the step, before evaluating it. A no-op
+    (returning 1) where OpenBLAS is not in use.
+    """
+    global _current_threads
+    if _openblas is None:
+        return 1
+    threads = _max_threads if n_tokens >= PARALLEL_MIN_TOKENS else 1
+    if threads != _current_threads:
+        _openblas.openblas_set_num_threads(threads)
+        _current_threads = threads
+    return threads
 
 
 def _ensure() -> BlasStatus:

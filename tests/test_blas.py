@@ -89,3 +89,14 @@ def test_gfortran_shim_is_cached_and_renamed(tmp_path, monkeypatch):
 def test_other_platforms_are_left_alone(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert _blas._ensure() == _blas.BlasStatus(False, "not Linux: MLX uses the platform BLAS")
+
+
+def test_prefill_steps_get_all_threads_and_decode_steps_one():
+    status = _blas.ensure_fast_blas()
+    if not status.active:
+        assert _blas.blas_threads_for(512) == 1
+        return
+    openblas = _blas._openblas
+    assert _blas.blas_threads_for(1) == 1 and openblas.openblas_get_num_threads() == 1
+    many = _blas.blas_threads_for(_blas.PARALLEL_MIN_TOKENS)
+    assert many == _blas._max_threads == openblas.openblas_get_num_threads()
