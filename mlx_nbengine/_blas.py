@@ -54,7 +54,6 @@ _status: BlasStatus | None = None
 _handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symbols
 _openblas: ctypes.CDLL | None = None
 _max_threads = 1
-_current_threads: int | None = None
 
 # Steps with fewer tokens than this run single-threaded (see the module docstring).
 PARALLEL_MIN_TOKENS = 32
@@ -154,13 +153,11 @@ def blas_threads_for(n_tokens: int) -> int:
     Call it on the thread that evaluates the step, before evaluating it. A no-op
     (returning 1) where OpenBLAS is not in use.
     """
-    global _current_threads
     if _openblas is None:
         return 1
     threads = _max_threads if n_tokens >= PARALLEL_MIN_TOKENS else 1
-    if threads != _current_threads:
-        _openblas.openblas_set_num_threads(threads)
-        _current_threads = threads
+    # Set every time (it is cheap): other code in the process may have changed it.
+    _openblas.openblas_set_num_threads(threads)
     return threads
 
 
