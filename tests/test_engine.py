@@ -382,3 +382,39 @@ def test_stats_report_the_store_and_the_requests(engine_factory):
     assert stats["active"] == 0 and stats["queued"] == 0
     assert stats["records"] == 3 and stats["stored"] == 3  # three whole blocks of kv slices
     assert stats["file_size"] > 0
+
+
+def test_stored_chain_is_touched_suffix_first(engine_factory):
+    engine = engine_factory("llama")
+    done = engine.submit(prompt(140), max_tokens=4).result(timeout=60)
+    engine._io.drain(timeout=60)
+    prefix = engine._io.prefix
+    keys = prefix.keys(done.prompt_tokens)
+    items = engine._io.call(prefix.store.items).result(timeout=60)  # least recent first
+    assert [key for key, _ in items] == list(reversed(keys))  # block 0 evicts last
+
+
+def test_a_restore_first_stores_the_queued_saves_of_its_chain(engine_factory):
+    import mlx.core as mx
+
+    from mlx_nbengine.cache import extract_block_records
+
+    engine = engine_factory("llama")
+    lm, io = engine.model, engine._io
+    tokens = prompt(100)
+
+    def block_records():
+        cache = lm.make_cache()
+        lm.model(mx.array(tokens[:96])[None], cache=cache)
+        return [extract_block_records(cache, block=b, block_size=BS) for b in range(3)]
+
+    records = engine._gen.call(block_records)
+    keys = io.prefix.keys(tokens)
+    gate = threading.Event()
+    io.call(gate.wait)  # holds the I/O thread while the saves and the restore queue up
+    for b in range(3):
+        io.save(keys[b], records[b])
+    restore = io.restore(tokens, better_than=0)  # outranks the saves in the queue
+    gate.set()
+    plan, loaded = restore.result(timeout=60)
+    assert plan.n_blocks == 3 and sorted(loaded) == [0, 1, 2]

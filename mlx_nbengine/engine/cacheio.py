@@ -12,6 +12,11 @@ and closed on this thread only; records handed to `save` were evaluated on the
 generation thread before crossing; records returned by `restore` are evaluated here
 before crossing back. A failed save is counted and dropped (a missing record is a
 cache miss, never a wrong answer); a failed restore fails that future.
+
+Restores jump the queue, yet must not miss blocks whose saves are still queued (a
+prompt run twice in a row): a restore first stores the queued records of its own
+chain, then plans. After a step's blocks are stored, their chain is *touched*
+suffix-first (see `PrefixCache.touch`) so that, under pressure, suffixes evict first.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class CacheIO:
         self._closing = False
         self.prefix: Any = None  # PrefixCache, set by `open` on this thread
         self.save_errors = 0
+        self._queued_saves: dict[str, dict] = {}  # key -> records, until stored
+        self._queued_lock = threading.Lock()
         self.saves_dropped = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -71,6 +78,9 @@ class CacheIO:
             prefix = self.prefix
             if prefix is None:
                 return None, None
+            keys = prefix.keys(tokens)
+            for key in keys:
+                self._store(key)
             plan = prefix.plan(tokens)
             if plan.n_blocks == 0 or plan.tokens <= better_than:
                 return plan, None
@@ -82,20 +92,33 @@ class CacheIO:
 
         return self.call(job, priority=RESTORE)
 
-    def save(self, key: str, records: dict) -> None:
-        """Queue one block's (already evaluated) records for the store."""
+    def save(self, key: str, records: dict, *, chain: list[str] | None = None) -> None:
+        """Queue one block's (already evaluated) records for the store.
+
+        `chain`, when given, is the block keys from the first block to this one; it is
+        touched after the save.
+        """
+        with self._queued_lock:
+            self._queued_saves[key] = records
 
         def job():
-            if self.prefix is None:
-                return False
-            try:
-                return self.prefix.save(key, records)
-            except Exception:
-                # A lost checkpoint is a future cache miss, not a reason to fail anyone.
-                self.save_errors += 1
-                return False
+            self._store(key)
+            if chain and self.prefix is not None:
+                self.prefix.touch(chain)
 
         self.call(job, priority=SAVE)
+
+    def _store(self, key: str) -> bool:
+        with self._queued_lock:
+            records = self._queued_saves.pop(key, None)
+        if records is None or self.prefix is None:
+            return False
+        try:
+            return self.prefix.save(key, records)
+        except Exception:
+            # A lost checkpoint is a future cache miss, not a reason to fail anyone.
+            self.save_errors += 1
+            return False
 
     def pending(self) -> int:
         return self._jobs.qsize()

@@ -43,6 +43,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_nbengine.engine.batch import DecodeBatch
+from mlx_nbengine.engine.blasthreads import BlasThreads
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
@@ -108,6 +109,7 @@ class GenerationThread:
         self._batch = DecodeBatch()
         self._hot: HotCache | None = None
         self._state_layers = False
+        self._blas = BlasThreads()
         self.active = 0
         self.queued = 0
         self.failures = 0
@@ -176,13 +178,18 @@ class GenerationThread:
         self._loaded.set()
         try:
             while not self._stopping:
-                idle = not self._has_work()
-                if idle:
-                    give_back_memory()
-                self._receive(block=idle)
-                if self._stopping:
-                    break
-                self._tick()
+                try:
+                    idle = not self._has_work()
+                    if idle:
+                        give_back_memory()
+                    self._receive(block=idle)
+                    if self._stopping:
+                        break
+                    self._tick()
+                except Exception as exc:
+                    # Not one sequence's fault (those are caught closer): fail what is in
+                    # flight rather than let the loop die and every later request hang.
+                    self._fail_in_flight(exc)
                 self.active = len(self._batch) + (self._admitting is not None)
                 self.queued = len(self._waiting)
         finally:
@@ -224,7 +231,12 @@ class GenerationThread:
 
     def _tick(self) -> None:
         if self._admitting is None and self._waiting and len(self._batch) < self.parallel:
-            self._admit(self._waiting.popleft())
+            seq = self._waiting.popleft()
+            try:
+                self._admit(seq)
+            except Exception as exc:
+                self._admitting = None
+                self._fail([seq], exc)
         adm = self._admitting
         if adm is not None and adm.phase == "prefilling":
             try:
@@ -244,6 +256,14 @@ class GenerationThread:
         self.failures += 1
         for seq in seqs:
             seq.fail(exc)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        seqs = list(self._batch.members)
+        if self._admitting is not None:
+            seqs.append(self._admitting)
+        self._batch.clear()
+        self._admitting = None
+        self._fail(seqs, exc)
 
     def _shutdown(self) -> None:
         seqs = list(self._waiting) + list(self._batch.members)
@@ -386,15 +406,19 @@ class GenerationThread:
         if not self.has_prefix or seq.prompt_keys is None:
             return
         # The blocks this step completed: those whose end lies in (start, end].
-        for block in range(start // self.block_size, end // self.block_size):
-            self._save_block(seq.prompt_keys[block], seq.cache, block)
+        done = range(start // self.block_size, end // self.block_size)
+        for block in done:
+            chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
+            self._save_block(seq.prompt_keys[block], seq.cache, block, chain=chain)
 
-    def _save_block(self, key: str, cache: list[Any], block: int) -> None:
+    def _save_block(
+        self, key: str, cache: list[Any], block: int, *, chain: list[str] | None
+    ) -> None:
         from mlx_nbengine.cache import extract_block_records
 
         records = extract_block_records(cache, block=block, block_size=self.block_size)
         if records:
-            self._io.save(key, records)
+            self._io.save(key, records, chain=chain)
 
     # --- decode -----------------------------------------------------------------------------
 
@@ -423,8 +447,9 @@ class GenerationThread:
 
     def _checkpoint_decode(self, seq: Sequence, index: int) -> None:
         block = len(seq.cache_tokens) // self.block_size - 1
-        key = self._keys(seq.cache_tokens)[block]
-        self._save_block(key, self._batch.single_cache(index), block)
+        chain = self._keys(seq.cache_tokens)
+        cache = self._batch.single_cache(index)
+        self._save_block(chain[block], cache, block, chain=chain[: block + 1])
 
     def _finish(self, seq: Sequence, cache: list[Any] | None, reason: str) -> None:
         if cache is not None:
@@ -439,15 +464,17 @@ class GenerationThread:
         return getattr(out, "logits", out)
 
     def _forward_fn(self, inputs: mx.array, *, cache: list[Any]) -> mx.array:
+        # MLX is lazy: the BLAS calls run at the next eval, which follows this call.
+        self._blas.use(inputs.shape[0] * inputs.shape[1])
         if self.lm.kind == "vision":
             out = self.lm.language_model(inputs, cache=cache)
             return getattr(out, "logits", out)
         return self.lm.model(inputs, cache=cache)
 
     def _sample(self, seqs: list[Sequence], logits: mx.array) -> mx.array:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(s.greedy for s in seqs):
-            return mx.argmax(logprobs, axis=-1)
+            return mx.argmax(logits, axis=-1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         rows = [s.sampler(logprobs[i : i + 1]) for i, s in enumerate(seqs)]
         return mx.concatenate([r.reshape(-1) for r in rows])
 
