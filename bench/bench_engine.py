@@ -4,7 +4,9 @@ Three ratios per model, each measured within one run:
 
 - **(a) batching**: four short chats submitted together to an engine with ``parallel=4``
   vs the same four one after another on the same engine. *speedup* = sequential
-  wall time / parallel wall time (target on Gemma 3 270M: >= 3.5x).
+  wall time / parallel wall time (target on Gemma 3 270M: >= 3.5x). *mlx-lm batch* is
+  the same ratio for mlx-lm's `generate_step` one by one vs its `batch_generate`, with
+  one BLAS thread like the engine's decode (see `engine.blasthreads`).
 - **(b) RAM**: four long prompts submitted together (``parallel=4``), in a fresh
   subprocess per mode. *extra RAM* = RSS once the engine is idle again minus RSS after
   load and a warm-up with one prompt of the same length. Modes: the disk store (records
@@ -13,7 +15,8 @@ Three ratios per model, each measured within one run:
   *saving* = 1 - extra(disk) / extra(memory) (target >= 85%).
 - **(c) TTFT after an edit**: a prompt of ``--ttft-tokens`` tokens is run once, then
   again with its last 100 tokens changed. *warm* = TTFT of the edited prompt on that
-  engine; *cold* = TTFT of the edited prompt on a fresh engine; *mlx-lm LRU* = TTFT of
+  engine; *cold* = TTFT of a never-seen prompt of the same length on the same engine
+  (warm and cold alternate, best of ``--repeats`` each); *mlx-lm LRU* = TTFT of
   the edited prompt with mlx-lm's own `LRUPromptCache` holding the original prompt's
   cache (prefill with `generate_step`, as mlx-lm's server does). *floor* = the prefill
   time of the tokens that cannot be restored (the computed blocks of the warm report)
@@ -81,24 +84,45 @@ def edited(lm, tokens: list[int], n_last: int, seed: int) -> list[int]:
 # --- (a) batching ----------------------------------------------------------------------------
 
 
-def bench_batching(engine: Engine, *, max_tokens: int) -> dict:
+def bench_batching(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     engine.submit(chats[0], max_tokens=4).result()  # warm-up: first-call allocations
-    t = time.perf_counter()
-    seq = [engine.submit(c, max_tokens=max_tokens).result() for c in chats]
-    t_seq = time.perf_counter() - t
-    t = time.perf_counter()
-    reqs = [engine.submit(c, max_tokens=max_tokens) for c in chats]
-    par = [r.result() for r in reqs]
-    t_par = time.perf_counter() - t
+    t_seq, t_par = [], []
+    for _ in range(repeats):  # alternated, so a change in machine load hits both
+        t = time.perf_counter()
+        seq = [engine.submit(c, max_tokens=max_tokens).result() for c in chats]
+        t_seq.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        reqs = [engine.submit(c, max_tokens=max_tokens) for c in chats]
+        par = [r.result() for r in reqs]
+        t_par.append(time.perf_counter() - t)
     return {
-        "sequential_s": t_seq,
-        "parallel_s": t_par,
-        "speedup": t_seq / t_par,
+        "sequential_s": min(t_seq),
+        "parallel_s": min(t_par),
+        "speedup": min(t_seq) / min(t_par),
         "tokens_sequential": sum(len(c.tokens) for c in seq),
         "tokens_parallel": sum(len(c.tokens) for c in par),
         "same_tokens": [c.tokens for c in seq] == [c.tokens for c in par],
+        "prompts": [c.prompt_tokens for c in seq],
     }
+
+
+def mlx_lm_batching(lm, prompts: list[list[int]], *, max_tokens: int) -> dict:
+    """The same chats through mlx-lm: `generate_step` one by one vs `batch_generate`."""
+    from mlx_lm.generate import batch_generate, generate_step
+
+    from mlx_nbengine.engine.blasthreads import BlasThreads
+
+    BlasThreads().use(1)  # the engine's decode setting, so the comparison is like for like
+    t = time.perf_counter()
+    for p in prompts:
+        for _ in generate_step(mx.array(p), lm.model, max_tokens=max_tokens):
+            pass
+    t_seq = time.perf_counter() - t
+    t = time.perf_counter()
+    batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=max_tokens)
+    t_batch = time.perf_counter() - t
+    return {"sequential_s": t_seq, "batch_s": t_batch, "speedup": t_seq / t_batch}
 
 
 # --- (b) RAM ---------------------------------------------------------------------------------
@@ -180,14 +204,11 @@ def read_bandwidth(directory: str, nbytes: int) -> float:
         return nbytes // chunk * chunk / (time.perf_counter() - t)
 
 
-def mlx_lm_lru_ttft(model: str, original: list[int], edit: list[int]) -> dict:
+def mlx_lm_lru_ttft(lm, original: list[int], edit: list[int]) -> dict:
     """TTFT of `edit` with mlx-lm's LRUPromptCache holding `original`'s cache."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-    from mlx_nbengine.models import load
-
-    lm = load(model, dtype="float32")
     lru = LRUPromptCache()
     cache = make_prompt_cache(lm.model)
     for _ in generate_step(mx.array(original), lm.model, prompt_cache=cache, max_tokens=1):
@@ -201,27 +222,34 @@ def mlx_lm_lru_ttft(model: str, original: list[int], edit: list[int]) -> dict:
         int(token)
         break
     ttft = time.perf_counter() - t
-    del lm, cache, lru
+    del cache, lru
     gc.collect()
     mx.clear_cache()
     return {"ttft_s": ttft, "reused_tokens": len(edit) - len(rest)}
 
 
-def bench_ttft(model: str, *, n_tokens: int, block_size: int, scratch: str) -> dict:
-    kwargs = dict(block_size=block_size, cache_dir=scratch, dtype="float32")
-    with Engine.load(model, **kwargs) as engine:
-        lm = engine.model
-        original = text_prompt(lm, n_tokens, seed=1)
-        edit = edited(lm, original, 100, seed=2)
-        engine.submit(original, max_tokens=1).result()
+def bench_ttft(engine: Engine, *, n_tokens: int, repeats: int, scratch: str) -> dict:
+    """Warm and cold TTFT of an edited prompt (module docstring), alternated, best of each.
+
+    Cold runs use fresh prompts of the same length on the same engine: nothing of them
+    is cached, and machine load changes hit warm and cold alike.
+    """
+    lm = engine.model
+    original = text_prompt(lm, n_tokens, seed=1)
+    edit = edited(lm, original, 100, seed=2)
+    engine.submit(original, max_tokens=1).result()
+    engine._io.drain()
+    warm_runs, cold_runs = [], []
+    for i in range(repeats):
+        cold_runs.append(engine.submit(text_prompt(lm, n_tokens, seed=10 + i), max_tokens=1))
+        cold_runs[-1] = cold_runs[-1].result().report
         engine._io.drain()
-        warm = engine.submit(edit, max_tokens=1).result().report
-    with Engine.load(model, **kwargs) as engine:
-        cold = engine.submit(edit, max_tokens=1).result().report
+        warm_runs.append(engine.submit(edit, max_tokens=1).result().report)
+    warm = min(warm_runs, key=lambda r: r.ttft_s)
+    cold = min(cold_runs, key=lambda r: r.ttft_s)
     tail_s = sum(b.seconds for b in warm.blocks if b.source == "computed")
     bandwidth = read_bandwidth(scratch, warm.restored_bytes)
     floor = tail_s + warm.restored_bytes / bandwidth
-    lru = mlx_lm_lru_ttft(model, original, edit)
     return {
         "prompt_tokens": len(edit),
         "warm_ttft_s": warm.ttft_s,
@@ -234,9 +262,8 @@ def bench_ttft(model: str, *, n_tokens: int, block_size: int, scratch: str) -> d
         "floor_s": floor,
         "cold_over_warm": cold.ttft_s / warm.ttft_s,
         "warm_over_floor": warm.ttft_s / floor,
-        "lru_ttft_s": lru["ttft_s"],
-        "lru_reused_tokens": lru["reused_tokens"],
-        "lru_over_warm": lru["ttft_s"] / warm.ttft_s,
+        "original": original,
+        "edit": edit,
     }
 
 
@@ -245,7 +272,8 @@ def bench_ttft(model: str, *, n_tokens: int, block_size: int, scratch: str) -> d
 
 def table(rows: list[dict]) -> str:
     lines = []
-    head = ["model", "(a) seq s", "par s", "speedup", "(b) extra MB disk", "memory", "saving"]
+    head = ["model", "(a) seq s", "par s", "speedup", "mlx-lm batch"]
+    head += ["(b) extra MB disk", "memory", "saving"]
     head += ["(c) cold s", "warm s", "cold/warm", "floor s", "warm/floor", "mlx-lm LRU s"]
     head += ["LRU reused"]
     lines.append(" | ".join(head))
@@ -253,10 +281,12 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         a, b, c = r.get("batching"), r.get("ram"), r.get("ttft")
         cells = [r["model"]]
+        ref = r.get("mlx_lm_batching")
         if a:
             cells += [f"{a['sequential_s']:.2f}", f"{a['parallel_s']:.2f}", f"{a['speedup']:.2f}x"]
+            cells.append(f"{ref['speedup']:.2f}x" if ref else "-")
         else:
-            cells += ["-"] * 3
+            cells += ["-"] * 4
         if b:
             cells += [
                 f"{b['disk']['extra_bytes'] / 1e6:.0f}",
@@ -282,19 +312,41 @@ def table(rows: list[dict]) -> str:
 
 
 def bench_model(name: str, model: str, args, *, block_size: int, scale: int) -> dict:
+    from mlx_nbengine.models import load
+
     row: dict = {"model": name, "block_size": block_size}
-    print(f"[{name}] (a) batching", flush=True)
-    with Engine.load(model, parallel=4, block_size=block_size, dtype="float32") as engine:
-        row["batching"] = bench_batching(engine, max_tokens=args.chat_tokens)
+    with tempfile.TemporaryDirectory() as scratch:
+        engine = Engine.load(
+            model, parallel=4, block_size=block_size, dtype="float32", cache_dir=scratch
+        )
+        with engine:
+            print(f"[{name}] (a) batching", flush=True)
+            row["batching"] = bench_batching(
+                engine, max_tokens=args.chat_tokens, repeats=args.repeats
+            )
+            print(f"[{name}] (c) TTFT", flush=True)
+            row["ttft"] = bench_ttft(
+                engine, n_tokens=args.ttft_tokens // scale, repeats=args.repeats, scratch=scratch
+            )
+    print(f"[{name}] mlx-lm references", flush=True)
+    lm = load(model, dtype="float32")  # on this thread, for mlx-lm's own loops
+    row["mlx_lm_batching"] = mlx_lm_batching(
+        lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens
+    )
+    ttft = row["ttft"]
+    lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"))
+    ttft.update(
+        lru_ttft_s=lru["ttft_s"],
+        lru_reused_tokens=lru["reused_tokens"],
+        lru_over_warm=lru["ttft_s"] / ttft["warm_ttft_s"],
+    )
+    del lm
+    gc.collect()
+    mx.clear_cache()
     print(f"[{name}] (b) RAM", flush=True)
     # Tiny models keep ~1 KB per token: their RAM test needs long prompts to rise above noise.
     rss_tokens = args.rss_tokens if scale == 1 else 4096
     row["ram"] = bench_ram(model, n_tokens=rss_tokens, block_size=block_size)
-    print(f"[{name}] (c) TTFT", flush=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        row["ttft"] = bench_ttft(
-            model, n_tokens=args.ttft_tokens // scale, block_size=block_size, scratch=scratch
-        )
     return row
 
 
@@ -305,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-tokens", type=int, default=64, help="(a) max tokens per chat")
     ap.add_argument("--rss-tokens", type=int, default=1024, help="(b) tokens per long prompt")
     ap.add_argument("--ttft-tokens", type=int, default=2048, help="(c) prompt tokens")
+    ap.add_argument("--repeats", type=int, default=2, help="(a), (c): best of this many")
     ap.add_argument("--block-size", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -332,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat_tokens": args.chat_tokens,
         "rss_tokens": args.rss_tokens,
         "ttft_tokens": args.ttft_tokens,
+        "repeats": args.repeats,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
