@@ -22,7 +22,7 @@ DEMO_PROMPT = "The Eiffel Tower is located in the city of"
 def _demo(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from mlx_nbengine._blas import blas_threads_for
+    from mlx_nbengine._blas import blas_step
     from mlx_nbengine.models import load
 
     started = time.perf_counter()
@@ -37,15 +37,14 @@ def _demo(args: argparse.Namespace) -> int:
     cache = lm.make_cache()
     for start in range(0, len(prompt), 256):
         step = prompt[start : start + 256]
-        blas_threads_for(len(step))
-        logits = lm.model(mx.array(step)[None], cache=cache)
+        with blas_step(len(step)):
+            logits = lm.model(mx.array(step)[None], cache=cache)
+            mx.eval(logits[0, -1], [c.state for c in cache])
     token = mx.argmax(logits[0, -1])
-    mx.eval(token)
     prefill_s = time.perf_counter() - started
 
     detokenizer = lm.tokenizer.detokenizer
     detokenizer.reset()
-    blas_threads_for(1)
     started = time.perf_counter()
     generated = 0
     for _ in range(args.max_tokens):
@@ -54,8 +53,9 @@ def _demo(args: argparse.Namespace) -> int:
         detokenizer.add_token(int(token.item()))
         print(detokenizer.last_segment, end="", flush=True)
         generated += 1
-        token = mx.argmax(lm.model(token.reshape(1, 1), cache=cache)[0, -1])
-        mx.eval(token)
+        with blas_step(1):
+            token = mx.argmax(lm.model(token.reshape(1, 1), cache=cache)[0, -1])
+            mx.eval(token)
     detokenizer.finalize()
     print(detokenizer.last_segment)
     decode_s = time.perf_counter() - started

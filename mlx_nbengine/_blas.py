@@ -18,9 +18,18 @@ load it first, so OpenBLAS's dependency is already satisfied.
 prefill step (hundreds of tokens) amortizes that and runs up to N times faster;
 a decode step (one token per sequence, a matrix-vector product bound by memory
 bandwidth) gains nothing and, on a busy machine, loses several times over to
-threads waiting for a core. `blas_threads_for(n_tokens)` picks OpenBLAS's full
-thread count for steps of at least `PARALLEL_MIN_TOKENS` tokens and one thread
-below; the engine calls it before evaluating each step.
+threads waiting for a core. Even prefill loses when other processes hold the
+cores: OpenBLAS splits each matmul evenly and waits for its slowest thread (on
+the busy 2-core benchmark machine one thread prefilled 2.5x faster than two; on
+the idle one, two threads were 1.5x faster than one).
+
+So a *step* (one model call and its evaluation) is wrapped in
+``with blas_step(n_tokens):``. Decode steps (fewer than `PARALLEL_MIN_TOKENS`
+tokens) get one thread. Prefill steps get whichever of {all threads, one
+thread} has the lower recent seconds per token: each is tried once, then the
+better one is kept, and the other is re-tried every `PROBE_EVERY` prefill steps
+so a change in the machine's load is noticed. `blas_threads_for(n_tokens)` only
+sets the count (no timing) for callers that cannot wrap their steps.
 
 Set ``MLX_NBENGINE_BLAS=reference`` to keep the bundled reference BLAS (the
 benchmark's baseline). macOS (Accelerate) and non-Linux systems are left alone.
@@ -33,10 +42,13 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasStatus", "blas_status", "blas_threads_for", "ensure_fast_blas"]
+__all__ = ["BlasStatus", "blas_status", "blas_step", "blas_threads_for", "ensure_fast_blas"]
 
 _ENV = "MLX_NBENGINE_BLAS"
 
@@ -57,6 +69,12 @@ _max_threads = 1
 
 # Steps with fewer tokens than this run single-threaded (see the module docstring).
 PARALLEL_MIN_TOKENS = 32
+# Prefill steps between two tries of the thread count not currently preferred.
+PROBE_EVERY = 16
+_SMOOTHING = 0.5  # weight of the newest measurement in the seconds-per-token average
+
+_seconds_per_token: dict[int, float] = {}  # prefill thread count -> smoothed s/token
+_prefill_steps = 0
 
 
 def _site_dirs() -> list[Path]:
@@ -147,6 +165,44 @@ def ensure_fast_blas() -> BlasStatus:
     return _status
 
 
+def _prefill_choice() -> int:
+    candidates = [_max_threads, 1] if _max_threads > 1 else [1]
+    untried = [c for c in candidates if c not in _seconds_per_token]
+    if untried:
+        return untried[0]
+    best = min(candidates, key=lambda c: _seconds_per_token[c])
+    if _prefill_steps % PROBE_EVERY == 0:
+        return next(c for c in candidates if c != best)
+    return best
+
+
+@contextmanager
+def blas_step(n_tokens: int) -> Iterator[int]:
+    """Run one model step over `n_tokens` tokens with the BLAS thread count chosen for it.
+
+    Wrap both the model call and the `mx.eval` that runs it; yields the thread
+    count. Prefill steps are timed to steer later choices. Use on one thread.
+    """
+    global _prefill_steps
+    if _openblas is None:
+        yield 1
+        return
+    if n_tokens < PARALLEL_MIN_TOKENS:
+        _openblas.openblas_set_num_threads(1)
+        yield 1
+        return
+    threads = _prefill_choice()
+    _openblas.openblas_set_num_threads(threads)
+    start = time.perf_counter()
+    yield threads
+    per_token = (time.perf_counter() - start) / n_tokens
+    old = _seconds_per_token.get(threads)
+    _seconds_per_token[threads] = (
+        per_token if old is None else _SMOOTHING * per_token + (1 - _SMOOTHING) * old
+    )
+    _prefill_steps += 1
+
+
 def blas_threads_for(n_tokens: int) -> int:
     """Set OpenBLAS's thread count for a step over `n_tokens` tokens; return it.
 
@@ -155,7 +211,7 @@ def blas_threads_for(n_tokens: int) -> int:
     """
     if _openblas is None:
         return 1
-    threads = _max_threads if n_tokens >= PARALLEL_MIN_TOKENS else 1
+    threads = _prefill_choice() if n_tokens >= PARALLEL_MIN_TOKENS else 1
     # Set every time (it is cheap): other code in the process may have changed it.
     _openblas.openblas_set_num_threads(threads)
     return threads

@@ -91,12 +91,31 @@ def test_other_platforms_are_left_alone(monkeypatch):
     assert _blas._ensure() == _blas.BlasStatus(False, "not Linux: MLX uses the platform BLAS")
 
 
-def test_prefill_steps_get_all_threads_and_decode_steps_one():
-    status = _blas.ensure_fast_blas()
-    if not status.active:
-        assert _blas.blas_threads_for(512) == 1
-        return
-    openblas = _blas._openblas
-    assert _blas.blas_threads_for(1) == 1 and openblas.openblas_get_num_threads() == 1
-    many = _blas.blas_threads_for(_blas.PARALLEL_MIN_TOKENS)
-    assert many == _blas._max_threads == openblas.openblas_get_num_threads()
+def test_decode_steps_get_one_thread():
+    assert _blas.blas_threads_for(1) == 1
+    with _blas.blas_step(1) as threads:
+        assert threads == 1
+        if _blas._openblas is not None:
+            assert _blas._openblas.openblas_get_num_threads() == 1
+
+
+@linux_with_openblas
+def test_prefill_tries_both_thread_counts_then_keeps_the_faster(monkeypatch):
+    _blas.ensure_fast_blas()
+    if _blas._openblas is None or _blas._max_threads < 2:
+        pytest.skip("needs OpenBLAS with at least two threads")
+    monkeypatch.setattr(_blas, "_seconds_per_token", {})
+    monkeypatch.setattr(_blas, "_prefill_steps", 1)
+    n = _blas.PARALLEL_MIN_TOKENS
+    with _blas.blas_step(n) as first:
+        pass
+    with _blas.blas_step(n) as second:
+        pass
+    assert {first, second} == {_blas._max_threads, 1}
+    _blas._seconds_per_token.update({1: 0.001, _blas._max_threads: 0.003})
+    with _blas.blas_step(n) as third:
+        assert third == 1 == _blas._openblas.openblas_get_num_threads()
+    # Every PROBE_EVERY prefill steps the other count is tried again.
+    monkeypatch.setattr(_blas, "_prefill_steps", _blas.PROBE_EVERY)
+    with _blas.blas_step(n) as probe:
+        assert probe == _blas._max_threads
