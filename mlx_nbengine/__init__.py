@@ -5,6 +5,11 @@
 
 from __future__ import annotations
 
+from mlx_nbengine._blas import ensure_fast_blas
+
+# Before anything imports MLX: on Linux CPU this binds MLX's matmuls to OpenBLAS.
+ensure_fast_blas()
+
 __version__ = "0.1.0"
 __all__ = ["Engine", "load_ipython_extension", "unload_ipython_extension"]
 
