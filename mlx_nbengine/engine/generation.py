@@ -42,8 +42,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_nbengine._blas import blas_step
 from mlx_nbengine.engine.batch import DecodeBatch
-from mlx_nbengine.engine.blasthreads import BlasThreads
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
@@ -109,7 +109,6 @@ class GenerationThread:
         self._batch = DecodeBatch()
         self._hot: HotCache | None = None
         self._state_layers = False
-        self._blas = BlasThreads()
         self.active = 0
         self.queued = 0
         self.failures = 0
@@ -380,14 +379,16 @@ class GenerationThread:
         start, end = self._next_step(seq)
         t = time.perf_counter()
         inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
-        logits = self._forward(inputs, seq.cache)
-        seq.cache_tokens.extend(seq.prompt[start:end])
         last = end == len(seq.prompt)
-        if last:
-            token = self._sample([seq], logits[:, -1, :])
-            mx.eval(token, [c.state for c in seq.cache])
-        else:
-            mx.eval([c.state for c in seq.cache])
+        # The BLAS thread count is chosen per step; MLX runs the step at the eval.
+        with blas_step(end - start):
+            logits = self._forward(inputs, seq.cache)
+            if last:
+                token = self._sample([seq], logits[:, -1, :])
+                mx.eval(token, [c.state for c in seq.cache])
+            else:
+                mx.eval([c.state for c in seq.cache])
+        seq.cache_tokens.extend(seq.prompt[start:end])
         seq.report_computed(start, end, time.perf_counter() - t)
         self._checkpoint_prefill(seq, start, end)
         if not last:
@@ -424,9 +425,10 @@ class GenerationThread:
 
     def _decode_step(self) -> None:
         members = list(self._batch.members)
-        logits = self._batch.forward(self._forward_fn, [m.next_token for m in members])
-        tokens = self._sample(members, logits)
-        mx.eval(tokens)
+        with blas_step(len(members)):
+            logits = self._batch.forward(self._forward_fn, [m.next_token for m in members])
+            tokens = self._sample(members, logits)
+            mx.eval(tokens)
         tokens = tokens.tolist()
         finished: list[tuple[int, str]] = []
         for i, seq in enumerate(members):
@@ -464,8 +466,6 @@ class GenerationThread:
         return getattr(out, "logits", out)
 
     def _forward_fn(self, inputs: mx.array, *, cache: list[Any]) -> mx.array:
-        # MLX is lazy: the BLAS calls run at the next eval, which follows this call.
-        self._blas.use(inputs.shape[0] * inputs.shape[1])
         if self.lm.kind == "vision":
             out = self.lm.language_model(inputs, cache=cache)
             return getattr(out, "logits", out)
