@@ -1,27 +1,25 @@
 """The notebook face: `%load_model`, `%%llm`, `%llm_cache`, `%llm_status`, `%unload_model`.
 
 `%load_ext mlx_nbengine` registers these magics; the `Engine` then lives in the kernel
-process until `%unload_model` (or the kernel's exit). The magics are thin: they parse
-their line with IPython's `magic_arguments` (the docstrings are the help text), submit
-to the engine, and render through `mlx_nbengine.render`.
+process until `%unload_model` (or the kernel's exit). The magics are thin: they declare
+their options with IPython's `magic_arguments` (the docstrings are the help text), read
+their line and cell with `mlx_nbengine.prompting`, submit to the engine, and follow the
+request with `mlx_nbengine.streaming`, which renders through `mlx_nbengine.render`.
 
 Terms:
 
 - *session* (`LLMSession`): what the extension keeps between cells: the engine, the name
   and options of the loaded model, the named conversations and the background requests.
-- *foreground request*: a plain `%%llm` cell. The cell stays busy; the kernel's main
-  thread reads the request's events and updates one display handle about every 100 ms,
-  so the output lands in the executing cell, nbclient records it, and the kernel's
-  interrupt (a `KeyboardInterrupt` on the main thread) cancels the request. The partial
+  The kernel's main thread owns it; the magics run there.
+- *foreground request*: a plain `%%llm` cell. The cell stays busy while the main thread
+  renders the answer into it; the kernel's interrupt cancels the request. The partial
   answer stays, marked interrupted, and ``-o`` still receives it; the cell then ends with
   `KeyboardInterrupt` like any interrupted cell, so "Run all" stops there.
 - *background request*: `%%llm --bg`. The cell returns at once with a `BackgroundAnswer`
-  handle; a thread per request renders into the display created in the original cell,
-  with ipykernel's `set_thread_parent` so that every update carries that cell's parent
-  header. Several run at once (up to the engine's `parallel` slots, then they queue).
-  nbclient and nbconvert only record output that arrives while a cell runs, so in a
-  headless run a background answer is complete only if a later cell waits for it
-  (``handle.result()``).
+  handle whose own thread renders into that cell (see `mlx_nbengine.streaming`). Several
+  run at once (up to the engine's `parallel` slots, then they queue). nbclient and
+  nbconvert only record output that arrives while a cell runs, so in a headless run a
+  background answer is complete only if a later cell waits for it (``handle.result()``).
 
 Errors the user can fix (no model loaded, an unknown option, an empty cell, a model that
 fails to load, a prompt the engine rejects) raise `UsageError`: IPython prints one line,
@@ -31,9 +29,6 @@ no traceback.
 from __future__ import annotations
 
 import os
-import queue
-import re
-import string
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,10 +37,17 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
-from IPython.utils.process import arg_split
 
-from mlx_nbengine.chat import ChatBook, Conversation, PendingTurnError, Turn, turn_key
+from mlx_nbengine.chat import ChatBook, turn_key
 from mlx_nbengine.errors import EngineError
+from mlx_nbengine.prompting import (
+    build_prompt,
+    engine_options,
+    interpolate,
+    parse_options,
+    parse_size,
+    sampling_options,
+)
 from mlx_nbengine.render import (
     AnswerView,
     TerminalView,
@@ -54,6 +56,7 @@ from mlx_nbengine.render import (
     progress_bundle,
     stats_rows,
 )
+from mlx_nbengine.streaming import CANCEL_GRACE_S, BackgroundAnswer, follow, short_error
 
 __all__ = [
     "BackgroundAnswer",
@@ -64,69 +67,6 @@ __all__ = [
     "parse_size",
     "unload_ipython_extension",
 ]
-
-# How long a cancelled request may take to deliver its final event before we stop waiting.
-_CANCEL_GRACE_S = 10.0
-
-
-# -- small parsers -------------------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size: '4GB' (decimal), '4GiB' or '4G' (binary), '512M', '1000000'."""
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise UsageError(
-            f"cannot read the size {text!r}; write a number with an optional unit, "
-            "like 4GB, 512MiB or 2G"
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def interpolate(text: str, namespace: dict[str, Any]) -> str:
-    """Substitute ``{name}`` (and ``{name.attr}``, ``{name[0]}``, format specs) from `namespace`.
-
-    ``{{`` and ``}}`` stay literal braces. A missing name is a `UsageError`.
-    """
-    try:
-        return string.Formatter().vformat(text, (), namespace)
-    except KeyError as exc:
-        raise UsageError(
-            f"--interpolate: {exc.args[0]!r} is not defined; define it first, "
-            "or write {{ and }} for literal braces"
-        ) from None
-    except (ValueError, IndexError, AttributeError) as exc:
-        raise UsageError(f"--interpolate: {exc}; write {{{{ and }}}} for literal braces") from None
-
-
-def _parse(func, line: str, magic: str):
-    # posix splitting, so `--system "Be brief."` arrives without its quotes.
-    try:
-        return func.parser.parse_args(arg_split(line, posix=True))
-    except UsageError as exc:
-        raise UsageError(f"{exc}. See `{magic}?` for the options.") from None
-    except ValueError as exc:  # shlex: an unclosed quote
-        raise UsageError(f"cannot read the options ({exc}); close the quotes") from None
-
 
 # -- session state -------------------------------------------------------------------------
 
@@ -147,158 +87,13 @@ class LLMSession:
     cell_source: str = ""
     chat_calls: int = 0
 
-
-class BackgroundAnswer:
-    """Handle of a `%%llm --bg` request, returned at once (and stored by ``-o VAR``).
-
-    `result()` waits for the `Completion`; `cancel()` stops the request (the partial text
-    stays); `text` is what has streamed so far; `done()` says whether it has finished.
-    The rendering thread owns `view`; the handle only reads it.
-    """
-
-    def __init__(self, request: Any, view: AnswerView, *, label: str = "") -> None:
-        self.request = request
-        self.view = view
-        self.label = label
-        self.completion: Any = None
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def text(self) -> str:
-        return self.completion.text if self.completion is not None else self.view.text
-
-    def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
-
-    def cancel(self) -> None:
-        self.request.cancel()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Wait for the answer and return its `Completion` (re-raises the request's error)."""
-        assert self._thread is not None
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the background answer {self.label!r} is still running")
-        if self.error is not None:
-            raise self.error
-        return self.completion
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "running"
-        return f"<BackgroundAnswer {self.label!r} {state}, {len(self.text):,} chars>"
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        # Showing the handle (e.g. after `handle.result()`) shows the answer as it stands:
-        # what a headless run records, since it misses updates sent after the --bg cell.
-        return self.view.bundle()
-
-
-@dataclass
-class _ChatTurn:
-    """The turn a `%%llm --chat` request answers, in its conversation."""
-
-    conversation: Conversation
-    turn: Turn
-
-    def finish(self, answer: str) -> None:
-        self.conversation.finish(self.turn, answer)
-
-    def abandon(self) -> None:
-        self.conversation.abandon(self.turn)
-
-
-def _sampling(args: Any) -> dict[str, Any]:
-    # Only the options given: the engine's defaults stay the single source of truth.
-    given = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "stop": args.stop,
-    }
-    return {name: value for name, value in given.items() if value is not None}
-
-
-# -- driving a request -----------------------------------------------------------------------
-
-_END = object()
-
-
-@dataclass
-class _Failure:
-    error: BaseException
-
-
-def _pump(request: Any, events: queue.Queue) -> None:
-    # Runs on its own thread so the reader can wake every `interval` (and see Ctrl-C)
-    # whatever the engine's stream does while it waits.
-    try:
-        for event in request.stream():
-            events.put(event)
-    except BaseException as exc:  # noqa: BLE001 - handed to the reader, which decides
-        events.put(_Failure(exc))
-    finally:
-        events.put(_END)
-
-
-def _consume(events: queue.Queue, view: AnswerView, *, deadline: float | None = None) -> Any:
-    """Feed events to `view` until the stream ends; return the `Completion` if one came."""
-    completion = None
-    while True:
-        timeout = view.interval
-        if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-        try:
-            item = events.get(timeout=timeout)
-        except queue.Empty:
-            view.refresh()
-            if deadline is not None and time.monotonic() >= deadline:
-                return completion
-            continue
-        if item is _END:
-            return completion
-        if isinstance(item, _Failure):
-            raise item.error
-        if type(item).__name__ == "Finished":
-            completion = item.completion
-        view.apply(item)
-        view.refresh()
-
-
-def _drive(request: Any, view: AnswerView) -> tuple[Any, bool]:
-    """Render `request` into `view` until it ends; return (completion, interrupted).
-
-    On the main thread a `KeyboardInterrupt` (the kernel's interrupt) cancels the request;
-    the events still in flight are drained so the partial answer and its report show.
-    """
-    events: queue.Queue = queue.Queue()
-    threading.Thread(
-        target=_pump, args=(request, events), name="mlx-nbengine-stream", daemon=True
-    ).start()
-    interrupted = False
-    try:
-        completion = _consume(events, view)
-    except KeyboardInterrupt:
-        interrupted = True
-        request.cancel()
-        view.mark_interrupted()
-        view.refresh(force=True)
-        try:
-            completion = _consume(events, view, deadline=time.monotonic() + _CANCEL_GRACE_S)
-        except KeyboardInterrupt:
-            completion = None  # a second interrupt: stop waiting for the engine
-    if completion is None and not interrupted:
-        completion = request.result()
-    if completion is not None:
-        view.finish(completion, interrupted=interrupted)
-    elif interrupted:
-        view.mark_interrupted()
-    view.close()
-    return completion, interrupted
-
-
-def _short_error(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
+    def next_turn_key(self, source: str) -> str:
+        """Key of the next chat call in the running cell (`source` where IPython gave none)."""
+        key = turn_key(
+            cell_id=self.cell_id, source=self.cell_source or source, index=self.chat_calls
+        )
+        self.chat_calls += 1
+        return key
 
 
 # Keys of Engine.stats() that describe the engine, not its block store (%llm_status shows them).
@@ -368,8 +163,7 @@ class LLMMagics(Magics):
                 handle.cancel()
         engine.close()
         for handle in session.background:
-            if handle._thread is not None:
-                handle._thread.join(timeout=_CANCEL_GRACE_S)
+            handle.join(timeout=CANCEL_GRACE_S)
         session.background.clear()
         session.chats.clear()
         return model
@@ -411,17 +205,8 @@ class LLMMagics(Magics):
         `default` (the embedded Gemma 3 270M); the cell shows the time spent loading.
         Loading another model replaces the current one and frees its block store.
         """
-        args = _parse(self.load_model, line, "%load_model")
-        if args.parallel < 1 or args.block_size < 1:
-            raise UsageError("--parallel and --block-size must be at least 1")
-        options: dict[str, Any] = {"parallel": args.parallel, "block_size": args.block_size}
-        if args.disk_budget is not None:
-            options["disk_budget"] = parse_size(args.disk_budget)
-        if args.cache_dir is not None:
-            options["cache_dir"] = os.path.expanduser(args.cache_dir)
-        if args.dtype is not None:
-            options["dtype"] = args.dtype
-
+        args = parse_options(self.load_model, line, "%load_model")
+        options = engine_options(args)
         previous = self.close_engine()
         if previous is not None:
             self._display({"text/plain": f"unloaded {previous}"})
@@ -475,7 +260,7 @@ class LLMMagics(Magics):
         if error is not None:
             handle.update({"text/plain": f"loading {model} failed"}, raw=True)
             if isinstance(error, EngineError | OSError | ValueError):
-                raise UsageError(f"could not load {model}: {_short_error(error)}") from None
+                raise UsageError(f"could not load {model}: {short_error(error)}") from None
             raise error
         engine = result["engine"]
         loaded = getattr(engine, "model", None)
@@ -535,7 +320,7 @@ class LLMMagics(Magics):
         JupyterLab sends, or, where there is none (nbclient, terminal), by identical
         source text.
         """
-        args = _parse(self.llm, line, "%%llm")
+        args = parse_options(self.llm, line, "%%llm")
         engine = self._require_engine()
         text = cell.strip()
         if not text:
@@ -547,13 +332,17 @@ class LLMMagics(Magics):
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
 
-        prompt, chat = self._prompt(args, text, source=f"%%llm {line}\n{cell}")
+        conversation = self.session.chats.get(args.chat) if args.chat else None
+        key = None if conversation is None else self.session.next_turn_key(f"%%llm {line}\n{cell}")
+        prompt, chat = build_prompt(
+            text, raw=args.raw, system=args.system, conversation=conversation, key=key
+        )
         try:
-            request = engine.submit(prompt, **_sampling(args))
+            request = engine.submit(prompt, **sampling_options(args))
         except (EngineError, ValueError) as exc:
             if chat is not None:
                 chat.abandon()
-            raise UsageError(_short_error(exc)) from None
+            raise UsageError(short_error(exc)) from None
 
         view_class = AnswerView if self._updates_in_place() else TerminalView
         view = view_class(title=args.chat or "")
@@ -562,77 +351,26 @@ class LLMMagics(Magics):
             self._start_background(request, view, args, chat)
             return None
         try:
-            completion, interrupted = _drive(request, view)
+            completion, interrupted = follow(request, view, turn=chat)
         except EngineError as exc:
-            view.fail(_short_error(exc))
-            view.close()
-            if chat is not None:
-                chat.abandon()
-            raise UsageError(_short_error(exc)) from None
-        if chat is not None:
-            chat.finish(completion.text if completion is not None else view.text)
+            raise UsageError(short_error(exc)) from None
         if args.output is not None:
             self.shell.user_ns[args.output] = completion
         if interrupted:
             raise KeyboardInterrupt("generation cancelled; the partial answer is kept above")
         return None
 
-    def _prompt(self, args: Any, text: str, *, source: str) -> tuple[Any, _ChatTurn | None]:
-        """The prompt to submit (text with --raw, else chat messages) and the chat turn."""
-        if args.raw:
-            return text, None
-        if not args.chat:
-            messages = [{"role": "user", "content": text}]
-            if args.system:
-                messages.insert(0, {"role": "system", "content": args.system})
-            return messages, None
-        conversation = self.session.chats.get(args.chat)
-        key = turn_key(
-            cell_id=self.session.cell_id,
-            source=self.session.cell_source or source,
-            index=self.session.chat_calls,
-        )
-        self.session.chat_calls += 1
-        try:
-            turn, messages = conversation.begin(key, text, system=args.system)
-        except PendingTurnError as exc:
-            raise UsageError(str(exc)) from None
-        return messages, _ChatTurn(conversation, turn)
-
     def _start_background(self, request, view, args, chat) -> BackgroundAnswer:
         session = self.session
         session.background_count += 1
         label = args.output or args.chat or f"bg{session.background_count}"
-        handle = BackgroundAnswer(request, view, label=label)
+        handle = BackgroundAnswer(request, view, label=label, turn=chat)
         # Finished handles live on in the user's variables, not here.
         session.background = [h for h in session.background if not h.done()]
-        shell = self.shell
-        # The parent header of the executing cell, so the thread's output goes there.
-        parent = shell.get_parent() if hasattr(shell, "get_parent") else None
-
-        def run() -> None:
-            tokens = None
-            if parent is not None and hasattr(shell, "set_thread_parent"):
-                tokens = shell.set_thread_parent(parent)
-            try:
-                handle.completion, _ = _drive(request, view)
-                if chat is not None:
-                    chat.finish(handle.text)
-            except BaseException as exc:  # noqa: BLE001 - kept for handle.result()
-                handle.error = exc
-                view.fail(_short_error(exc))
-                view.close()
-                if chat is not None:
-                    chat.abandon()
-            finally:
-                if tokens is not None:
-                    shell.reset_thread_parent(tokens)
-
-        handle._thread = threading.Thread(target=run, name=f"mlx-nbengine-{label}", daemon=True)
-        self.session.background.append(handle)
+        session.background.append(handle)
         if args.output is not None:
             self.shell.user_ns[args.output] = handle
-        handle._thread.start()
+        handle.start(self.shell)
         return handle
 
     # -- %llm_cache and %llm_status ---------------------------------------------------------
@@ -642,7 +380,7 @@ class LLMMagics(Magics):
     @line_magic
     def llm_cache(self, line: str) -> None:
         """Show the block store's statistics; `%llm_cache clear` empties it."""
-        args = _parse(self.llm_cache, line, "%llm_cache")
+        args = parse_options(self.llm_cache, line, "%llm_cache")
         engine = self._require_engine()
         if args.action == "clear":
             clear = getattr(engine, "clear_cache", None)

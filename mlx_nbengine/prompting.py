@@ -1,0 +1,179 @@
+"""From what a user wrote in a magic to what the engine is sent.
+
+Everything here runs on the kernel's main thread, while the magic's cell runs, and
+touches no engine: the magics in `mlx_nbengine.magics` call these to read their
+line and cell, then submit the result.
+
+Terms:
+
+- *options*: the magic's line (``--max-tokens 8 --system "Be brief."``), split the
+  way a POSIX shell would and read by the magic's `magic_arguments` parser.
+- *size*: a byte count written for people (``4GB``, ``512MiB``, ``2G``).
+- *interpolation* (``%%llm --interpolate``): ``{name}`` in the cell replaced by the
+  user namespace's value; off by default because code prompts contain braces.
+- *engine options*: the keyword arguments of ``Engine.load`` that `%load_model` was
+  given (``parallel`` and ``block_size`` always; the others only when given).
+- *sampling options*: the keyword arguments of ``Engine.submit`` the user gave
+  (``max_tokens``, ``temperature``, ``seed``, ``stop``); the others are left out so
+  the engine's defaults stay the single source of truth.
+- *prompt*: what ``Engine.submit`` receives: the text itself with ``--raw``, else a
+  list of chat messages (``{"role": ..., "content": ...}``) for the chat template.
+- *chat turn* (`ChatTurn`): with ``--chat NAME``, the turn of the named conversation
+  that the request answers; it is finished with the answer, or abandoned when the
+  request fails, so the conversation never keeps a half-asked question.
+
+Errors the user can fix raise IPython's `UsageError` with a message that says what
+to write instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.utils.process import arg_split
+
+from mlx_nbengine.chat import Conversation, PendingTurnError, Turn
+
+__all__ = [
+    "ChatTurn",
+    "Prompt",
+    "build_prompt",
+    "engine_options",
+    "interpolate",
+    "parse_options",
+    "parse_size",
+    "sampling_options",
+]
+
+# Text (with --raw) or chat messages.
+Prompt = str | list[dict[str, str]]
+
+
+def parse_options(func: Any, line: str, magic: str) -> Any:
+    """Read `line` with the `magic_arguments` parser of `func`; name `magic` in errors."""
+    # posix splitting, so `--system "Be brief."` arrives without its quotes.
+    try:
+        return func.parser.parse_args(arg_split(line, posix=True))
+    except UsageError as exc:
+        raise UsageError(f"{exc}. See `{magic}?` for the options.") from None
+    except ValueError as exc:  # shlex: an unclosed quote
+        raise UsageError(f"cannot read the options ({exc}); close the quotes") from None
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size: '4GB' (decimal), '4GiB' or '4G' (binary), '512M', '1000000'."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise UsageError(
+            f"cannot read the size {text!r}; write a number with an optional unit, "
+            "like 4GB, 512MiB or 2G"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def interpolate(text: str, namespace: dict[str, Any]) -> str:
+    """Substitute ``{name}`` (and ``{name.attr}``, ``{name[0]}``, format specs) from `namespace`.
+
+    ``{{`` and ``}}`` stay literal braces. A missing name is a `UsageError`.
+    """
+    try:
+        return string.Formatter().vformat(text, (), namespace)
+    except KeyError as exc:
+        raise UsageError(
+            f"--interpolate: {exc.args[0]!r} is not defined; define it first, "
+            "or write {{ and }} for literal braces"
+        ) from None
+    except (ValueError, IndexError, AttributeError) as exc:
+        raise UsageError(f"--interpolate: {exc}; write {{{{ and }}}} for literal braces") from None
+
+
+def engine_options(args: Any) -> dict[str, Any]:
+    """The keyword arguments for ``Engine.load`` from `%load_model`'s parsed `args`."""
+    if args.parallel < 1 or args.block_size < 1:
+        raise UsageError("--parallel and --block-size must be at least 1")
+    options: dict[str, Any] = {"parallel": args.parallel, "block_size": args.block_size}
+    if args.disk_budget is not None:
+        options["disk_budget"] = parse_size(args.disk_budget)
+    if args.cache_dir is not None:
+        options["cache_dir"] = os.path.expanduser(args.cache_dir)
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    return options
+
+
+def sampling_options(args: Any) -> dict[str, Any]:
+    """The sampling keyword arguments for ``Engine.submit`` among `args` (only those given)."""
+    given = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+@dataclass
+class ChatTurn:
+    """The turn a `%%llm --chat` request answers, in its conversation."""
+
+    conversation: Conversation
+    turn: Turn
+
+    def finish(self, answer: str) -> None:
+        self.conversation.finish(self.turn, answer)
+
+    def abandon(self) -> None:
+        self.conversation.abandon(self.turn)
+
+
+def build_prompt(
+    text: str,
+    *,
+    raw: bool = False,
+    system: str | None = None,
+    conversation: Conversation | None = None,
+    key: str | None = None,
+) -> tuple[Prompt, ChatTurn | None]:
+    """The prompt for `text` and, in a `conversation`, the chat turn it begins.
+
+    `raw` sends `text` as is; otherwise it becomes the user message, after the
+    `system` message if any. In a `conversation`, `key` names the turn (see
+    `mlx_nbengine.chat.turn_key`): a known key replaces that turn and the later ones.
+    """
+    if raw:
+        return text, None
+    if conversation is None:
+        messages = [{"role": "user", "content": text}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        return messages, None
+    try:
+        turn, messages = conversation.begin(key, text, system=system)
+    except PendingTurnError as exc:
+        raise UsageError(str(exc)) from None
+    return messages, ChatTurn(conversation, turn)
