@@ -6,7 +6,7 @@ Three ratios per model, each measured within one run:
   vs the same four one after another on the same engine. *speedup* = sequential
   wall time / parallel wall time (target on Gemma 3 270M: >= 3.5x). *mlx-lm batch* is
   the same ratio for mlx-lm's `generate_step` one by one vs its `batch_generate`, with
-  one BLAS thread like the engine's decode (see `engine.blasthreads`).
+  one BLAS thread like the engine's decode (see `mlx_nbengine._blas.blas_step`).
 - **(b) RAM**: four long prompts submitted together (``parallel=4``), in a fresh
   subprocess per mode. *extra RAM* = RSS once the engine is idle again minus RSS after
   load and a warm-up with one prompt of the same length. Modes: the disk store (records
@@ -111,9 +111,9 @@ def mlx_lm_batching(lm, prompts: list[list[int]], *, max_tokens: int) -> dict:
     """The same chats through mlx-lm: `generate_step` one by one vs `batch_generate`."""
     from mlx_lm.generate import batch_generate, generate_step
 
-    from mlx_nbengine.engine.blasthreads import BlasThreads
+    from mlx_nbengine._blas import blas_threads_for
 
-    BlasThreads().use(1)  # the engine's decode setting, so the comparison is like for like
+    blas_threads_for(1)  # the engine's decode setting, so the comparison is like for like
     t = time.perf_counter()
     for p in prompts:
         for _ in generate_step(mx.array(p), lm.model, max_tokens=max_tokens):

@@ -4,7 +4,7 @@ Modules, one concept each: `engine` (the `Engine` face), `request` (the caller's
 `Completion`, `Report`), `events` (what a stream yields), `generation` (the generation
 thread), `batch` (the decode batch's caches), `sequence` (one request on the generation
 thread), `sampling`, `text` (detokenizing and stop strings), `cacheio` (the cache-I/O
-thread). Knows nothing of IPython.
+thread), `memory` (giving freed memory back). Knows nothing of IPython.
 """
 
 from mlx_nbengine._blas import ensure_fast_blas
