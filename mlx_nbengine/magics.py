@@ -29,6 +29,7 @@ no traceback.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from mlx_nbengine import _blas
 from mlx_nbengine.chat import ChatBook, turn_key
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.prompting import (
@@ -101,14 +103,28 @@ _ENGINE_STAT_KEYS = frozenset(
     {"model", "parallel", "block_size", "active", "queued", "failures", "save_errors", "closed"}
 )
 
+
+def _blas_hint() -> str | None:
+    """One line for a Linux CPU kernel whose MLX was imported before us (see `_blas`)."""
+    status = _blas.blas_status()
+    if status is None or status.active or "imported first" not in status.reason:
+        return None
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and mx.default_device() == mx.gpu:
+        return None  # the engine runs on the GPU: the CPU BLAS does not matter
+    return (
+        "hint: mlx was imported before mlx_nbengine, so CPU prefill runs on a slow BLAS; "
+        "restart the kernel and run `%load_ext mlx_nbengine` before importing mlx "
+        "(~30x faster prefill)"
+    )
+
+
 # -- the magics ------------------------------------------------------------------------------
 
 
 def _default_engine_factory(model: str, **options: Any) -> Any:
-    from mlx_nbengine._blas import ensure_fast_blas
-
     # Before MLX is first imported in this kernel (see _blas); a no-op afterwards.
-    ensure_fast_blas()
+    _blas.ensure_fast_blas()
     from mlx_nbengine.engine import Engine
 
     return Engine.load(model, **options)
@@ -215,6 +231,9 @@ class LLMMagics(Magics):
         self.session.engine = engine
         self.session.model = args.model
         self.session.options = options
+        hint = _blas_hint()
+        if hint is not None:
+            self._display({"text/plain": hint})
 
     def _load_with_progress(self, model: str, options: dict[str, Any]) -> Any:
         # Engine.load blocks and reports no progress; it runs on a helper thread while the

@@ -17,6 +17,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from mlx_nbengine import _blas
 from mlx_nbengine import magics as magics_mod
 from mlx_nbengine.chat import Conversation, PendingTurnError, turn_key
 from mlx_nbengine.errors import ModelNotFoundError
@@ -283,6 +284,31 @@ def test_load_model_passes_its_options_to_the_engine(ip):
         "disk_budget": 2**30,
         "dtype": "float32",
     }
+
+
+def hint_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("hint:")]
+
+
+def test_load_model_hints_at_a_restart_when_mlx_was_imported_first(ip, capsys, monkeypatch):
+    # What _blas reports on Linux when mlx.core was imported before mlx_nbengine.
+    late = _blas.BlasStatus(False, "mlx.core was imported first; its BLAS is already bound")
+    monkeypatch.setattr(_blas, "blas_status", lambda: late)
+    capsys.readouterr()
+    assert error_of(run(ip, "%load_model default")) is None
+    captured = capsys.readouterr()
+    [hint] = hint_lines(captured.out)
+    assert "restart the kernel" in hint and "`%load_ext mlx_nbengine` before importing mlx" in hint
+    assert "30x faster" in hint
+    assert captured.err == ""
+
+
+def test_load_model_gives_no_blas_hint_when_openblas_is_active(ip, capsys, monkeypatch):
+    active = _blas.BlasStatus(True, "OpenBLAS loaded", "libopenblas.so.0")
+    monkeypatch.setattr(_blas, "blas_status", lambda: active)
+    capsys.readouterr()
+    run(ip, "%load_model default")
+    assert hint_lines(capsys.readouterr().out) == []
 
 
 def test_loading_another_model_closes_the_first(ip):
