@@ -110,6 +110,34 @@ def test_rotated_sliding_window_cache_is_never_trimmed(engine_factory):
     assert warm.report.restored_tokens == 256
 
 
+def test_clear_cache_empties_the_store_and_the_hot_cache(engine_factory):
+    engine = engine_factory("llama")
+    first = engine.submit(prompt(200), max_tokens=4).result(timeout=60)
+    engine._io.drain(timeout=30)
+    assert engine.stats()["records"] > 0
+    engine.clear_cache()
+    assert engine.stats()["records"] == 0
+    again = engine.submit(prompt(200), max_tokens=4).result(timeout=60)
+    assert again.report.restored_tokens == 0 and again.report.restore_source is None
+    assert {b.source for b in again.report.blocks} == {"computed"}
+    assert again.tokens == first.tokens
+    engine._io.drain(timeout=30)
+    assert engine.stats()["records"] > 0  # later checkpoints store again
+
+
+def test_clear_cache_while_a_request_decodes_keeps_it_running(engine_factory):
+    engine = engine_factory("llama")
+    req = engine.submit(prompt(100), max_tokens=200)
+    for event in req.stream():
+        if isinstance(event, TextDelta):
+            break
+    engine.clear_cache()
+    done = req.result(timeout=60)
+    assert done.finish_reason == "length" and len(done.tokens) == 200
+    engine.close()
+    engine.clear_cache()  # a closed engine has nothing to clear
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_of_generated_tokens_are_checkpointed_during_decode(engine_factory, family):
     engine = engine_factory(family)

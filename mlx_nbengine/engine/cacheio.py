@@ -120,6 +120,17 @@ class CacheIO:
             self.save_errors += 1
             return False
 
+    def clear(self) -> Future:
+        """Drop the saves still queued and empty the store (a control job: runs first)."""
+
+        def job():
+            with self._queued_lock:
+                self._queued_saves.clear()
+            if self.prefix is not None:
+                self.prefix.store.clear()
+
+        return self.call(job)
+
     def pending(self) -> int:
         return self._jobs.qsize()
 

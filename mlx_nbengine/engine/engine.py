@@ -254,6 +254,20 @@ class Engine:
         )
         return out
 
+    def clear_cache(self) -> None:
+        """Empty the block store and drop the hot in-memory cache.
+
+        Safe while requests run: the store is cleared on the cache-I/O thread (its owner),
+        saves still queued are dropped, and the hot cache is dropped on the generation
+        thread between steps. Running requests keep their own caches; their later
+        checkpoints store again. A no-op on a closed engine.
+        """
+        if self._closed:
+            return
+        self._gen.call(self._gen.drop_hot_cache)
+        if self._gen.has_prefix:
+            self._io.clear().result(timeout=60)
+
     @property
     def closed(self) -> bool:
         return self._closed

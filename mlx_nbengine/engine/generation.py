@@ -151,11 +151,18 @@ class GenerationThread:
             done.set()
 
         self._inbox.put(("call", job))
-        done.wait()
+        # A stopped loop runs the calls left in its inbox; one put after it ended never runs.
+        while not done.wait(0.1):
+            if not self._thread.is_alive() and not done.is_set():
+                raise EngineClosedError("the engine is closed")
         ok, value = box[0]
         if not ok:
             raise value
         return value
+
+    def drop_hot_cache(self) -> None:
+        """Forget the hot cache (run on this thread, e.g. through `call`)."""
+        self._hot = None
 
     # --- the loop ---------------------------------------------------------------------------
 
