@@ -28,6 +28,7 @@ no traceback.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
@@ -122,12 +123,27 @@ def _blas_hint() -> str | None:
 # -- the magics ------------------------------------------------------------------------------
 
 
-def _default_engine_factory(model: str, **options: Any) -> Any:
+def _default_engine_factory(model: str, *, progress: Any = None, **options: Any) -> Any:
     # Before MLX is first imported in this kernel (see _blas); a no-op afterwards.
     _blas.ensure_fast_blas()
     from mlx_nbengine.engine import Engine
 
-    return Engine.load(model, **options)
+    return Engine.load(model, progress=progress, **options)
+
+
+def _takes_progress(factory: Any) -> bool:
+    # Only factories that name `progress` get it: a custom one taking **options may pass
+    # them on to something that does not know it.
+    try:
+        return "progress" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _conversion_line(model: str, done: int, total: int) -> str:
+    name = "the default model" if model == "default" else os.path.basename(model) or model
+    percent = f" ({done / total:.0%})" if total else ""
+    return f"converting {name}: {format_bytes(done)} / {format_bytes(total)}{percent}"
 
 
 @magics_class
@@ -218,7 +234,8 @@ class LLMMagics(Magics):
         """Load a model into this kernel and start its engine.
 
         MODEL is a local MLX model directory, a GGUF file (converted on first load) or
-        `default` (the embedded Gemma 3 270M); the cell shows the time spent loading.
+        `default` (the embedded Gemma 3 270M); the cell shows a GGUF conversion's progress
+        and the time spent loading.
         Loading another model replaces the current one and frees its block store.
         """
         args = parse_options(self.load_model, line, "%load_model")
@@ -236,15 +253,26 @@ class LLMMagics(Magics):
             self._display({"text/plain": hint})
 
     def _load_with_progress(self, model: str, options: dict[str, Any]) -> Any:
-        # Engine.load blocks and reports no progress; it runs on a helper thread while the
-        # main thread redraws an elapsed-time line and stays interruptible (an interrupted
-        # load is closed when it completes).
+        # Engine.load blocks; it runs on a helper thread while the main thread redraws one
+        # line and stays interruptible (an interrupted load is closed when it completes).
+        # The line shows the GGUF conversion's progress, which the engine reports from its
+        # generation thread, while there is any, else the elapsed time.
         result: dict[str, Any] = {}
         lock = threading.Lock()
+        converted: list[tuple[int, int]] = []  # latest (done, total); list ops are atomic
+        changed = threading.Event()
+
+        def progress(done: int, total: int) -> None:
+            converted[:] = [(done, total)]
+            changed.set()
+
+        factory_options = dict(options)
+        if _takes_progress(self.engine_factory):
+            factory_options["progress"] = progress
 
         def work() -> None:
             try:
-                engine = self.engine_factory(model, **options)
+                engine = self.engine_factory(model, **factory_options)
             except BaseException as exc:  # noqa: BLE001 - reported on the main thread
                 result["error"] = exc
                 return
@@ -253,6 +281,7 @@ class LLMMagics(Magics):
                     engine.close()
                 else:
                     result["engine"] = engine
+            changed.set()
 
         started = time.monotonic()
         what = f"loading {model}"
@@ -262,10 +291,17 @@ class LLMMagics(Magics):
         worker.start()
         try:
             while worker.is_alive():
-                worker.join(0.1)
-                if live:
+                # Woken by progress reports too: a short conversion still shows.
+                changed.wait(0.1)
+                changed.clear()
+                if live and worker.is_alive():
                     elapsed = time.monotonic() - started
-                    handle.update(progress_bundle(what, elapsed=elapsed), raw=True)
+                    line = what
+                    if converted:
+                        done_bytes, total = converted[0]
+                        if done_bytes < total:
+                            line = _conversion_line(model, done_bytes, total)
+                    handle.update(progress_bundle(line, elapsed=elapsed), raw=True)
         except KeyboardInterrupt:
             with lock:
                 result["discard"] = True

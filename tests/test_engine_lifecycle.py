@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -85,3 +86,25 @@ def test_a_process_exiting_without_close_exits_promptly_and_leaves_nothing(model
     assert "exiting without close" in done.stdout
     assert time.monotonic() - start < 60
     assert os.listdir(tmp_path) == []
+
+
+def test_load_reports_gguf_conversion_progress_from_the_generation_thread(tmp_path, monkeypatch):
+    from mlx_nbengine import Engine
+    from mlx_nbengine.testing import make_tiny_gguf
+
+    monkeypatch.setenv("MLX_NBENGINE_HOME", str(tmp_path / "home"))
+    gguf_file = make_tiny_gguf("llama", tmp_path / "tiny.gguf")
+    calls = []
+
+    def progress(done, total):
+        calls.append((done, total, threading.current_thread().name))
+
+    with Engine.load(gguf_file, progress=progress, cache_dir=tmp_path) as engine:
+        assert engine.submit([2, 7, 9], max_tokens=2).result(timeout=60).tokens
+    assert calls, "a conversion reports its progress"
+    dones = [done for done, _, _ in calls]
+    assert dones == sorted(dones) and dones[-1] == calls[-1][1] > 0
+    assert {name for _, _, name in calls} == {"mlx-nbengine-generation"}
+    calls.clear()
+    Engine.load(gguf_file, progress=progress, cache_dir=tmp_path).close()
+    assert calls == []  # already converted: nothing to report

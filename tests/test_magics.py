@@ -333,6 +333,68 @@ def test_interrupting_a_load_leaves_no_model_and_closes_the_late_engine(ip):
     assert isinstance(error_of(run(ip, "%%llm\nHi")), UsageError)
 
 
+class RecordingHandle:
+    """Stands in for a kernel's display handle: records every line shown, in order."""
+
+    def __init__(self, shown: list[str]) -> None:
+        self.shown = shown
+
+    def update(self, bundle, raw=False) -> None:
+        self.shown.append(bundle["text/plain"])
+
+
+def test_load_model_shows_the_gguf_conversion_progress(shell, tmp_path, monkeypatch):
+    from mlx_nbengine.engine import Engine
+    from mlx_nbengine.testing import make_tiny_gguf
+
+    monkeypatch.setenv("MLX_NBENGINE_HOME", str(tmp_path / "home"))
+    gguf_file = make_tiny_gguf("llama", tmp_path / "tiny.gguf")
+
+    def real_factory(model, *, progress=None, **options):
+        def slowed(done, total):
+            progress(done, total)
+            if done < total:
+                time.sleep(0.15)  # a tiny conversion is over before the display's next tick
+
+        return Engine.load(model, progress=slowed, **options)
+
+    magics_mod.unload_ipython_extension(shell)
+    magics = magics_mod.load_ipython_extension(shell, engine_factory=real_factory)
+    shown: list[str] = []
+    monkeypatch.setattr(magics, "_updates_in_place", lambda: True)
+    monkeypatch.setattr(
+        magics,
+        "_display",
+        lambda bundle, **kw: shown.append(bundle["text/plain"]) or RecordingHandle(shown),
+    )
+    try:
+        assert error_of(run(shell, f"%load_model {gguf_file} --cache-dir {tmp_path}")) is None
+    finally:
+        magics_mod.unload_ipython_extension(shell)
+    converting = [line for line in shown if line.startswith("converting tiny.gguf: ")]
+    assert converting, shown
+    assert "KiB / " in converting[0] and "%)" in converting[0]
+    assert shown[0].startswith(f"loading {gguf_file}")
+    assert shown[-1].startswith(f"loaded {gguf_file} (llama, text) in ")
+
+
+def test_load_model_without_conversion_shows_the_elapsed_time_only(ip, monkeypatch):
+    shown: list[str] = []
+    magics = ip.magics_manager.registry["LLMMagics"]
+    monkeypatch.setattr(magics, "_updates_in_place", lambda: True)
+    monkeypatch.setattr(
+        magics,
+        "_display",
+        lambda bundle, **kw: shown.append(bundle["text/plain"]) or RecordingHandle(shown),
+    )
+    SLOW_LOAD.clear()
+    threading.Timer(0.35, SLOW_LOAD.set).start()
+    assert error_of(run(ip, "%load_model slow")) is None
+    assert all(not line.startswith("converting") for line in shown)
+    assert any(line.startswith("loading slow… 0.") for line in shown[1:-1]), shown
+    assert shown[-1].startswith("loaded slow in ")
+
+
 def test_unload_model_closes_the_engine_and_forgets_it(ip):
     run(ip, "%load_model default")
     first = engine()

@@ -19,6 +19,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -118,6 +119,7 @@ class Engine:
         cache_dir: str | os.PathLike | None = None,
         dtype: str | None = None,
         max_prefill_step: int = 1024,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Engine:
         """Load `model` ("default", a model directory or a .gguf file) and start serving.
 
@@ -126,12 +128,14 @@ class Engine:
         free disk space; 0: keep the records in memory instead). `cache_dir` is where the
         scratch file lives (default: the system temp folder). `dtype` casts the weights.
         `max_prefill_step` bounds the tokens of one prefill call when nothing else runs.
-        Raises a `ModelError` if the model cannot be loaded.
+        `progress(done, total)`, when given, is called on the generation thread while a GGUF
+        file is converted (tensor bytes written so far, of `total`); a model that needs no
+        conversion reports nothing. Raises a `ModelError` if the model cannot be loaded.
         """
         from mlx_nbengine.models import load as load_model
 
         def loader() -> Any:
-            return load_model(model, dtype=dtype)
+            return load_model(model, dtype=dtype, progress=progress)
 
         name = os.path.basename(os.fspath(model).rstrip("/\\")) or os.fspath(model)
         return cls(
