@@ -364,7 +364,8 @@ class LLMMagics(Magics):
     def llm(self, line: str, cell: str) -> None:
         """Ask the loaded model; the cell body is the prompt.
 
-        The prompt goes through the model's chat template unless --raw. The answer streams
+        The prompt goes through the model's chat template unless --raw (a base model,
+        one without a chat template, always gets the text as is). The answer streams
         into this cell, followed by one line on where the prompt's blocks came from
         (memory, disk or computed) and the speed. Interrupting the kernel cancels the
         request and keeps the partial answer. `-o VAR` stores the `Completion` (with
@@ -382,6 +383,13 @@ class LLMMagics(Magics):
             raise UsageError("the cell is empty; write the prompt below the %%llm line")
         if args.raw and (args.chat or args.system):
             raise UsageError("--raw sends text without the chat template; drop --chat/--system")
+        if not args.raw and not getattr(engine.model, "has_chat_template", True):
+            if args.chat or args.system:
+                raise UsageError(
+                    "this model has no chat template (a base model), so --chat and --system "
+                    "cannot work; drop them to send the cell as plain text"
+                )
+            args.raw = True  # a base model continues the text it is given
         if args.interpolate:
             text = interpolate(text, self.shell.user_ns)
         if args.output is not None and not args.output.isidentifier():

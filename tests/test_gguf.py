@@ -11,7 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_nbengine.errors import DefaultModelMissingError, GGUFError, UnsupportedModelError
+from mlx_nbengine.errors import (
+    DefaultModelMissingError,
+    GGUFError,
+    TokenizerError,
+    UnsupportedModelError,
+)
 from mlx_nbengine.models import load
 from mlx_nbengine.models.gguf import conversion_dir, convert
 from mlx_nbengine.testing import make_tiny_gguf, make_tiny_model
@@ -180,20 +185,10 @@ def test_default_model_is_gemma3_and_knows_where_the_eiffel_tower_is():
     assert "Paris" in lm.decode(tokens)
 
 
-def test_gemma_gguf_without_a_chat_template_gets_gemmas_turn_format(tiny, tmp_path):
+def test_gguf_without_a_chat_template_loads_as_a_base_model(tiny, tmp_path):
     _, gguf_file = tiny("gemma3_text", "Q8_0")
     lm = load(gguf_file, cache_dir=tmp_path)
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Where is the Eiffel Tower?"},
-        {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "Thanks"},
-    ]
-    ids = lm.apply_chat_template(messages)
-    assert ids[0] == lm.bos_token_id and ids.count(lm.bos_token_id) == 1
-    assert lm.decode(ids) == (
-        "<bos><start_of_turn>user\nBe brief.\n\nWhere is the Eiffel Tower?<end_of_turn>\n"
-        "<start_of_turn>model\nParis.<end_of_turn>\n"
-        "<start_of_turn>user\nThanks<end_of_turn>\n"
-        "<start_of_turn>model\n"
-    )
+    assert not lm.has_chat_template
+    with pytest.raises(TokenizerError, match="no chat template .*--raw"):
+        lm.apply_chat_template([{"role": "user", "content": "Where is the Eiffel Tower?"}])
+    assert lm.encode("Where")[0] == lm.bos_token_id

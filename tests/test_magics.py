@@ -428,6 +428,22 @@ def test_raw_sends_the_text_itself_and_stop_repeats(ip):
     assert sampling == {"stop": ["END", "STOP"], "seed": 3, "temperature": 0.7}
 
 
+class BaseModel:
+    """What the magics read of a loaded base model: it has no chat template."""
+
+    has_chat_template = False
+
+
+def test_a_base_model_gets_the_cell_as_plain_text(ip):
+    run(ip, "%load_model default")
+    engine().model = BaseModel()
+    run(ip, "%%llm\nThe Eiffel Tower is in")
+    assert engine().submitted[-1][0] == "The Eiffel Tower is in"
+    err = error_of(run(ip, "%%llm --system 'Be brief.'\nHi"))
+    assert isinstance(err, UsageError)
+    assert "no chat template" in str(err)
+
+
 def test_interpolate_fills_names_from_the_user_namespace(ip):
     run(ip, "%load_model default")
     ip.user_ns["topic"] = "caching"

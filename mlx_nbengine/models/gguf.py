@@ -43,7 +43,7 @@ __all__ = ["cache_home", "convert", "conversion_dir", "read_metadata"]
 Progress = Callable[[int, int], None]
 
 # Bumped whenever the converter's output changes, so stale conversions are redone.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 _SAMPLE_BYTES = 1 << 20
 
 _MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -82,27 +82,6 @@ _GLOBAL_NAMES = {
 }
 # Tensors llama.cpp keeps for its own use and mlx-lm computes itself.
 _SKIPPED = {"rope_freqs"}
-
-# Chat templates for files that carry none (base models); in the family's own format.
-_FALLBACK_TEMPLATES = {
-    "gemma3": (
-        "{{ bos_token }}"
-        "{% set system = messages[0]['content'] + '\\n\\n' "
-        "if messages and messages[0]['role'] == 'system' else '' %}"
-        "{% for message in messages if message['role'] != 'system' %}"
-        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else 'user' }}\n"
-        "{{ system if loop.first else '' }}{{ message['content'] | trim }}<end_of_turn>\n"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    ),
-    "qwen2": (
-        "{% for message in messages %}"
-        "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    ),
-}
-_FALLBACK_TEMPLATES["qwen3"] = _FALLBACK_TEMPLATES["qwen2"]
 
 
 def cache_home() -> Path:
@@ -300,7 +279,9 @@ def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
     )
     backend.save(str(directory / "tokenizer.json"))
 
-    template = meta.get("tokenizer.chat_template") or _FALLBACK_TEMPLATES.get(arch)
+    # A file without a chat template is a base model: it gets none, so prompts go in raw
+    # (a made-up turn format only makes a base model ramble).
+    template = meta.get("tokenizer.chat_template")
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_nbengine.errors import TokenizerError
+
 __all__ = ["LoadedModel"]
 
 # Families whose weights were trained with BOS first; without it their outputs degrade badly.
@@ -100,11 +102,22 @@ class LoadedModel:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.text_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """False for base models (no chat template): their prompts go in as plain text."""
+        return bool(getattr(self.text_tokenizer, "chat_template", None))
+
     def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template.
 
         ``add_generation_prompt`` defaults to True; other keyword arguments go to the template.
+        A model without a chat template raises `TokenizerError`.
         """
+        if not self.has_chat_template:
+            raise TokenizerError(
+                f"{self.path.name} has no chat template (a base model): send the prompt as "
+                "plain text (%%llm --raw, or a string to Engine.submit)"
+            )
         template_kwargs.setdefault("add_generation_prompt", True)
         template_kwargs.pop("tokenize", None)
         text = self.text_tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
