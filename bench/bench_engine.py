@@ -28,7 +28,9 @@ Models: the default model (Gemma 3 270M via ``load("default")``, float32; skippe
 for those, so their prompts span several blocks). Results: ``bench/results/engine.json``
 and ``bench/results/engine.txt``; the table is printed too.
 
-Run from the repository root: ``.venv/bin/python -m bench.bench_engine [--skip-default]``
+Run from the repository root: ``.venv/bin/python -m bench.bench_engine [--skip-default]``;
+``--only a`` runs only part (a), ``--models gemma,llama`` only the models whose names
+contain one of these words (a partial run prints its table and writes no results).
 """
 
 from __future__ import annotations
@@ -320,29 +322,38 @@ def bench_model(name: str, model: str, args, *, block_size: int, scale: int) -> 
             model, parallel=4, block_size=block_size, dtype="float32", cache_dir=scratch
         )
         with engine:
-            print(f"[{name}] (a) batching", flush=True)
-            row["batching"] = bench_batching(
-                engine, max_tokens=args.chat_tokens, repeats=args.repeats
-            )
-            print(f"[{name}] (c) TTFT", flush=True)
-            row["ttft"] = bench_ttft(
-                engine, n_tokens=args.ttft_tokens // scale, repeats=args.repeats, scratch=scratch
-            )
+            if "a" in args.only:
+                print(f"[{name}] (a) batching", flush=True)
+                row["batching"] = bench_batching(
+                    engine, max_tokens=args.chat_tokens, repeats=args.repeats
+                )
+            if "c" in args.only:
+                print(f"[{name}] (c) TTFT", flush=True)
+                row["ttft"] = bench_ttft(
+                    engine,
+                    n_tokens=args.ttft_tokens // scale,
+                    repeats=args.repeats,
+                    scratch=scratch,
+                )
     print(f"[{name}] mlx-lm references", flush=True)
     lm = load(model, dtype="float32")  # on this thread, for mlx-lm's own loops
-    row["mlx_lm_batching"] = mlx_lm_batching(
-        lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens
-    )
-    ttft = row["ttft"]
-    lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"))
-    ttft.update(
-        lru_ttft_s=lru["ttft_s"],
-        lru_reused_tokens=lru["reused_tokens"],
-        lru_over_warm=lru["ttft_s"] / ttft["warm_ttft_s"],
-    )
+    if "a" in args.only:
+        row["mlx_lm_batching"] = mlx_lm_batching(
+            lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens
+        )
+    if "c" in args.only:
+        ttft = row["ttft"]
+        lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"))
+        ttft.update(
+            lru_ttft_s=lru["ttft_s"],
+            lru_reused_tokens=lru["reused_tokens"],
+            lru_over_warm=lru["ttft_s"] / ttft["warm_ttft_s"],
+        )
     del lm
     gc.collect()
     mx.clear_cache()
+    if "b" not in args.only:
+        return row
     print(f"[{name}] (b) RAM", flush=True)
     # Tiny models keep ~1 KB per token: their RAM test needs long prompts to rise above noise.
     rss_tokens = args.rss_tokens if scale == 1 else 4096
@@ -358,6 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-tokens", type=int, default=1024, help="(b) tokens per long prompt")
     ap.add_argument("--ttft-tokens", type=int, default=2048, help="(c) prompt tokens")
     ap.add_argument("--repeats", type=int, default=2, help="(a), (c): best of this many")
+    ap.add_argument(
+        "--only", default="abc", help="the parts to run, e.g. `a` or `ac` (default: abc)"
+    )
+    ap.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated parts of model names to run, e.g. `gemma,llama` (default: all)",
+    )
     ap.add_argument("--block-size", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -366,14 +385,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rss_child(model, mode, args.rss_tokens, args.block_size)))
         return 0
 
+    wanted = [w.strip().lower() for w in args.models.split(",")] if args.models else None
+
+    def chosen(name: str) -> bool:
+        return wanted is None or any(w in name.lower() for w in wanted)
+
     rows = []
-    if not args.skip_default:
+    if not args.skip_default and chosen("Gemma 3 270M"):
         rows.append(bench_model("Gemma 3 270M", "default", args, block_size=256, scale=1))
     if not args.skip_tiny:
         from mlx_nbengine.testing import make_tiny_model
 
         with tempfile.TemporaryDirectory() as models:
             for name, (family, kw) in TINY.items():
+                if not chosen(name):
+                    continue
                 path = str(make_tiny_model(family, Path(models) / family, **kw))
                 # Block 32 and prompts / 8: the tiny models' prompts span blocks as Gemma's do.
                 rows.append(bench_model(name, path, args, block_size=32, scale=8))
@@ -386,8 +412,13 @@ def main(argv: list[str] | None = None) -> int:
         "rss_tokens": args.rss_tokens,
         "ttft_tokens": args.ttft_tokens,
         "repeats": args.repeats,
+        "only": args.only,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.only != "abc" or wanted is not None:
+        # A partial run must not overwrite the full table the README quotes.
+        print(table(rows))
+        return 0
     (RESULTS / "engine.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     text = table(rows)
     (RESULTS / "engine.txt").write_text(text + "\n")
