@@ -9,6 +9,12 @@ caches are plain (a request alone runs unbatched, at single-sequence speed and w
 single-sequence numerics); with several they are batched, row ``i`` belonging to
 member ``i``. Joining merges (or extends), leaving filters (or extracts back to plain
 caches when one member is left). Owned by the generation thread.
+
+*Pending tokens*: the decode steps are pipelined (see `generation`), so the batch may
+hold the sampled tokens of a step whose graph is built and running but whose values
+were not read yet (`pending`, row ``i`` = member ``i``); its caches then already include
+that step. Leaving members drop their pending rows; a member joins only when nothing
+is pending.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class DecodeBatch:
     def __init__(self) -> None:
         self.members: list[Any] = []
         self.caches: list[Any] | None = None
+        self.pending: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -39,6 +46,7 @@ class DecodeBatch:
 
     def add(self, member: Any, cache: list[Any]) -> None:
         """Let `member` join with its single-sequence `cache` (consumed)."""
+        assert self.pending is None, "settle the step in flight before a member joins"
         if not self.members:
             self.caches = cache
         elif len(self.members) == 1:
@@ -59,8 +67,10 @@ class DecodeBatch:
         drop = set(indices)
         keep = [i for i in range(len(self.members)) if i not in drop]
         if not keep:
-            self.members, self.caches = [], None
+            self.members, self.caches, self.pending = [], None, None
             return
+        if self.pending is not None and len(keep) < len(self.members):
+            self.pending = self.pending[mx.array(keep)]
         if len(keep) == 1:
             self.caches = [c.extract(keep[0]) for c in self.caches] if self.batched else self.caches
         elif len(keep) < len(self.members):
@@ -69,9 +79,14 @@ class DecodeBatch:
         self.members = [self.members[i] for i in keep]
 
     def clear(self) -> None:
-        self.members, self.caches = [], None
+        self.members, self.caches, self.pending = [], None, None
 
-    def forward(self, model, tokens: list[int]) -> mx.array:
-        """One decode step: feed ``tokens[i]`` to member i; return last logits (B, vocab)."""
-        inputs = mx.array(tokens, dtype=mx.uint32)[:, None]
-        return model(inputs, cache=self.caches)[:, -1, :]
+    def forward(self, model, tokens: list[int] | mx.array) -> mx.array:
+        """One decode step: feed ``tokens[i]`` to member i; return last logits (B, vocab).
+
+        `tokens` may be the (lazy) sampled tokens of the previous step: no round trip
+        through Python.
+        """
+        if not isinstance(tokens, mx.array):
+            tokens = mx.array(tokens, dtype=mx.uint32)
+        return model(tokens[:, None], cache=self.caches)[:, -1, :]

@@ -403,11 +403,12 @@ class GenerationThread:
         self._admitting = None
         reason = seq.accept(token.item(), context_length=self.lm.context_length)
         if reason is not None:
-            self._finish(seq, seq.cache, reason)
+            self._finish(seq, (list(seq.cache_tokens), seq.cache), reason)
             return
         seq.phase = "decoding"
         seq.next_token = seq.generated[-1]
         cache, seq.cache = seq.cache, None
+        self._settle()
         self._batch.add(seq, cache)
 
     def _checkpoint_prefill(self, seq: Sequence, start: int, end: int) -> None:
@@ -431,12 +432,39 @@ class GenerationThread:
     # --- decode -----------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        members = list(self._batch.members)
+        batch = self._batch
+        if batch.pending is None:
+            batch.pending = self._launch([m.next_token for m in batch.members])
+        bs = self.block_size
+        # Pipelining: the next step's graph feeds this step's tokens before they are read,
+        # so MLX computes it while this thread reads, detokenizes and streams. Not when a
+        # member's cache reaches a block boundary with this step: its checkpoint must see
+        # the cache exactly there (a window may rotate, a state moves on).
+        boundary = self.has_prefix and any(
+            (len(m.cache_tokens) + 1) % bs == 0 for m in batch.members
+        )
+        self._complete_step(pipeline=not boundary)
+
+    def _launch(self, inputs: list[int] | mx.array) -> mx.array:
+        """Build one decode step of the batch and start computing it; its sampled tokens."""
+        members = self._batch.members
         with blas_step(len(members)):
-            logits = self._batch.forward(self._forward_fn, [m.next_token for m in members])
+            logits = self._batch.forward(self._forward_fn, inputs)
             tokens = self._sample(members, logits)
-            mx.eval(tokens)
-        tokens = tokens.tolist()
+            mx.async_eval(tokens)
+        return tokens
+
+    def _settle(self) -> None:
+        """Read and apply the step in flight, launching none: the batch may change after."""
+        if self._batch.pending is not None:
+            self._complete_step(pipeline=False)
+
+    def _complete_step(self, *, pipeline: bool) -> None:
+        batch = self._batch
+        members = list(batch.members)
+        sampled = batch.pending
+        batch.pending = self._launch(sampled) if pipeline else None
+        tokens = sampled.tolist()
         finished: list[tuple[int, str]] = []
         for i, seq in enumerate(members):
             seq.cache_tokens.append(seq.next_token)
@@ -449,10 +477,14 @@ class GenerationThread:
                 finished.append((i, reason))
         if finished:
             last_i, _ = finished[-1]
-            hot_cache = self._batch.single_cache(last_i)
-            self._batch.remove([i for i, _ in finished])
+            hot_cache = batch.single_cache(last_i)
+            hot_tokens = list(members[last_i].cache_tokens)
+            if pipeline:
+                # The step in flight already fed its last token into its cache.
+                hot_tokens.append(tokens[last_i])
+            batch.remove([i for i, _ in finished])
             for i, reason in finished:
-                self._finish(members[i], hot_cache if i == last_i else None, reason)
+                self._finish(members[i], (hot_tokens, hot_cache) if i == last_i else None, reason)
 
     def _checkpoint_decode(self, seq: Sequence, index: int) -> None:
         block = len(seq.cache_tokens) // self.block_size - 1
@@ -460,10 +492,11 @@ class GenerationThread:
         cache = self._batch.single_cache(index)
         self._save_block(chain[block], cache, block, chain=chain[: block + 1])
 
-    def _finish(self, seq: Sequence, cache: list[Any] | None, reason: str) -> None:
-        if cache is not None:
+    def _finish(self, seq: Sequence, hot: tuple[list[int], list[Any]] | None, reason: str) -> None:
+        """End `seq`; `hot` (the tokens held by a cache, the cache) becomes the hot cache."""
+        if hot is not None:
             # The only cache kept once its sequence ends; older ones leave RAM here.
-            self._hot = HotCache(list(seq.cache_tokens), cache)
+            self._hot = HotCache(*hot)
         seq.finish(reason)
 
     # --- model calls ------------------------------------------------------------------------
@@ -496,8 +529,8 @@ class GenerationThread:
         adm = self._admitting
         if adm is not None and adm.request is request:
             self._admitting = None
-            cache = adm.cache if adm.phase == "prefilling" else None
-            self._finish(adm, cache, "cancelled")
+            hot = (list(adm.cache_tokens), adm.cache) if adm.phase == "prefilling" else None
+            self._finish(adm, hot, "cancelled")
             return
         for i, seq in enumerate(self._batch.members):
             if seq.request is request:
