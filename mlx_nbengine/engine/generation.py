@@ -2,10 +2,12 @@
 
 Terms:
 
-- *admission*: the oldest waiting sequence becomes the *admitting* one when a decode slot
-  is free (fewer than `parallel` members in the batch). Only one sequence is admitted at
-  a time: it restores its prefix, then prefills the rest of its prompt *alone*, with a
-  plain single-sequence cache.
+- *admission*: waiting sequences become *admitting*, oldest first, while slots are free
+  (members of the batch plus admitting sequences stay within `parallel`), so a burst of
+  requests is admitted together. Each restores its prefix, then prefills the rest of its
+  prompt but the last token *alone*, with a plain single-sequence cache, and *joins* the
+  batch: the prompt's last token is fed by the batch's next decode step, which samples
+  the first generated token (a one-token prompt is computed and sampled alone).
 - *restore*: the prompt's prefix comes from the best of two sources. ``memory``: the
   *hot cache*, the cache of the last sequence that finished, when its tokens share a
   longer prefix with the prompt than the disk can serve and it can be cut back to that
@@ -15,8 +17,13 @@ Terms:
   planned and loaded by the cache-I/O thread and assembled here.
 - *step*: one model call. A *prefill step* computes prompt tokens up to the next block
   boundary (or a few blocks, or the prompt's end); a *decode step* computes one token for
-  every member of the batch. The loop alternates: one prefill step of the admitting
+  every member of the batch. The loop alternates: one prefill step of each admitting
   sequence, then one decode step, so a new request joins while others keep decoding.
+  Decode steps are *pipelined*: step n+1's graph is built from step n's sampled tokens
+  before they are read (`mx.async_eval`), so MLX computes while this thread streams
+  text; the pipeline is settled (step n read, nothing in flight) before a member joins,
+  and a step after which a member's cache reaches a block boundary launches nothing
+  until its checkpoint is taken.
 - *checkpoint*: when a sequence's cache reaches a block boundary (after a prefill step, or
   after the decode step that feeds the boundary's last generated token), that block's
   records are extracted (from a single-sequence copy for batched members), evaluated, and
@@ -105,7 +112,8 @@ class GenerationThread:
         self._load_error: BaseException | None = None
         self._stopping = False
         self._waiting: deque[Sequence] = deque()
-        self._admitting: Sequence | None = None
+        self._admitting: list[Sequence] = []
+        self._launched_at = 0.0
         self._batch = DecodeBatch()
         self._hot: HotCache | None = None
         self._state_layers = False
@@ -196,7 +204,7 @@ class GenerationThread:
                     # Not one sequence's fault (those are caught closer): fail what is in
                     # flight rather than let the loop die and every later request hang.
                     self._fail_in_flight(exc)
-                self.active = len(self._batch) + (self._admitting is not None)
+                self.active = len(self._batch) + len(self._admitting)
                 self.queued = len(self._waiting)
         finally:
             self._shutdown()
@@ -211,10 +219,16 @@ class GenerationThread:
         mx.clear_streams()
 
     def _has_work(self) -> bool:
-        adm = self._admitting
-        if len(self._batch) or (adm is not None and adm.phase == "prefilling"):
+        if len(self._batch) or any(a.phase == "prefilling" for a in self._admitting):
             return True
-        return adm is None and bool(self._waiting) and len(self._batch) < self.parallel
+        return bool(self._waiting) and self._free_slots() > 0
+
+    def _free_slots(self) -> int:
+        return self.parallel - len(self._batch) - len(self._admitting)
+
+    def _drop_admitting(self, seq: Sequence) -> None:
+        if seq in self._admitting:
+            self._admitting.remove(seq)
 
     def _receive(self, *, block: bool) -> None:
         while True:
@@ -236,19 +250,19 @@ class GenerationThread:
                 return
 
     def _tick(self) -> None:
-        if self._admitting is None and self._waiting and len(self._batch) < self.parallel:
+        while self._waiting and self._free_slots() > 0:
             seq = self._waiting.popleft()
+            self._admitting.append(seq)
             try:
                 self._admit(seq)
             except Exception as exc:
-                self._admitting = None
+                self._drop_admitting(seq)
                 self._fail([seq], exc)
-        adm = self._admitting
-        if adm is not None and adm.phase == "prefilling":
+        for adm in [a for a in self._admitting if a.phase == "prefilling"]:
             try:
                 self._prefill_step(adm)
             except Exception as exc:
-                self._admitting = None
+                self._drop_admitting(adm)
                 self._fail([adm], exc)
         if len(self._batch):
             try:
@@ -264,20 +278,16 @@ class GenerationThread:
             seq.fail(exc)
 
     def _fail_in_flight(self, exc: Exception) -> None:
-        seqs = list(self._batch.members)
-        if self._admitting is not None:
-            seqs.append(self._admitting)
+        seqs = list(self._batch.members) + self._admitting
         self._batch.clear()
-        self._admitting = None
+        self._admitting = []
         self._fail(seqs, exc)
 
     def _shutdown(self) -> None:
-        seqs = list(self._waiting) + list(self._batch.members)
-        if self._admitting is not None:
-            seqs.append(self._admitting)
+        seqs = list(self._waiting) + list(self._batch.members) + self._admitting
         self._waiting.clear()
         self._batch.clear()
-        self._admitting = None
+        self._admitting = []
         self._hot = None
         for seq in seqs:
             seq.finish("cancelled")
@@ -296,7 +306,6 @@ class GenerationThread:
     # --- admission and restore --------------------------------------------------------------
 
     def _admit(self, seq: Sequence) -> None:
-        self._admitting = seq
         seq.phase = "restoring"
         seq.sampler = make_request_sampler(**seq.sampling)  # its PRNG key is made here
         if not self.has_prefix:
@@ -309,7 +318,7 @@ class GenerationThread:
         fut.add_done_callback(lambda _: self._inbox.put(("restored", seq)))
 
     def _restored(self, seq: Sequence) -> None:
-        if seq is not self._admitting or seq.phase != "restoring":
+        if seq not in self._admitting or seq.phase != "restoring":
             return  # cancelled while the I/O thread worked
         try:
             result = seq.restore_future.result()
@@ -320,7 +329,7 @@ class GenerationThread:
         try:
             self._start_prefill(seq, result, time.perf_counter() - seq.restore_started)
         except Exception as exc:
-            self._admitting = None
+            self._drop_admitting(seq)
             self._fail([seq], exc)
 
     def _start_prefill(self, seq: Sequence, restored: Any, seconds: float) -> None:
@@ -362,8 +371,15 @@ class GenerationThread:
 
     # --- prefill ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _prefill_end(seq: Sequence) -> int:
+        # The last prompt token is fed by the decode step the sequence joins (its logits
+        # are the only ones needed); a one-token prompt has nothing before it.
+        n = len(seq.prompt)
+        return n - 1 if n > 1 else n
+
     def _next_step(self, seq: Sequence) -> tuple[int, int]:
-        pos, end, bs = len(seq.cache_tokens), len(seq.prompt), self.block_size
+        pos, end, bs = len(seq.cache_tokens), self._prefill_end(seq), self.block_size
         last = end // bs * bs
         if pos % bs:
             # Restored from memory mid-block: first reach the next boundary (or the end).
@@ -376,13 +392,12 @@ class GenerationThread:
             end_step = min(pos + max_step // bs * bs, last)
         else:
             end_step = end
-        if end_step == end and end - pos > 1:
-            # The prompt's last token goes alone: only its logits are needed, and a
-            # multi-token call would project every position onto the vocabulary.
-            end_step = end - 1
         return pos, end_step
 
     def _prefill_step(self, seq: Sequence) -> None:
+        if len(seq.prompt) > 1 and len(seq.cache_tokens) == len(seq.prompt) - 1:
+            self._join(seq, seq.prompt[-1])  # restored up to the last token: nothing to do
+            return
         start, end = self._next_step(seq)
         t = time.perf_counter()
         inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
@@ -398,17 +413,29 @@ class GenerationThread:
         seq.cache_tokens.extend(seq.prompt[start:end])
         seq.report_computed(start, end, time.perf_counter() - t)
         self._checkpoint_prefill(seq, start, end)
+        if end == len(seq.prompt) - 1:
+            self._join(seq, seq.prompt[-1])
         if not last:
             return
-        self._admitting = None
+        self._drop_admitting(seq)
         reason = seq.accept(token.item(), context_length=self.lm.context_length)
         if reason is not None:
             self._finish(seq, (list(seq.cache_tokens), seq.cache), reason)
             return
+        self._join(seq, seq.generated[-1])
+
+    def _join(self, seq: Sequence, next_token: int) -> None:
+        """Move a prefilled `seq` into the batch; the next decode step feeds `next_token`."""
+        self._drop_admitting(seq)
         seq.phase = "decoding"
-        seq.next_token = seq.generated[-1]
+        seq.next_token = next_token
         cache, seq.cache = seq.cache, None
-        self._settle()
+        try:
+            self._settle()
+        except Exception as exc:  # the batch's fault, not the joining sequence's
+            members = list(self._batch.members)
+            self._batch.clear()
+            self._fail(members, exc)
         self._batch.add(seq, cache)
 
     def _checkpoint_prefill(self, seq: Sequence, start: int, end: int) -> None:
@@ -452,6 +479,7 @@ class GenerationThread:
             logits = self._batch.forward(self._forward_fn, inputs)
             tokens = self._sample(members, logits)
             mx.async_eval(tokens)
+        self._launched_at = time.perf_counter()
         return tokens
 
     def _settle(self) -> None:
@@ -462,12 +490,15 @@ class GenerationThread:
     def _complete_step(self, *, pipeline: bool) -> None:
         batch = self._batch
         members = list(batch.members)
-        sampled = batch.pending
+        sampled, launched_at = batch.pending, self._launched_at
         batch.pending = self._launch(sampled) if pipeline else None
         tokens = sampled.tolist()
         finished: list[tuple[int, str]] = []
         for i, seq in enumerate(members):
             seq.cache_tokens.append(seq.next_token)
+            if len(seq.cache_tokens) == len(seq.prompt):  # it fed its prompt's last token
+                n = len(seq.prompt)
+                seq.report_computed(n - 1, n, time.perf_counter() - launched_at)
             if self.has_prefix and len(seq.cache_tokens) % self.block_size == 0:
                 self._checkpoint_decode(seq, i)
             reason = seq.accept(tokens[i], context_length=self.lm.context_length)
@@ -526,9 +557,10 @@ class GenerationThread:
                 self._waiting.remove(seq)
                 seq.finish("cancelled")
                 return
-        adm = self._admitting
-        if adm is not None and adm.request is request:
-            self._admitting = None
+        for adm in self._admitting:
+            if adm.request is not request:
+                continue
+            self._drop_admitting(adm)
             hot = (list(adm.cache_tokens), adm.cache) if adm.phase == "prefilling" else None
             self._finish(adm, hot, "cancelled")
             return
