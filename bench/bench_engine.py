@@ -87,7 +87,10 @@ def edited(lm, tokens: list[int], n_last: int, seed: int) -> list[int]:
 
 
 def bench_batching(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
-    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    if getattr(engine.model, "has_chat_template", True):
+        chats = [[{"role": "user", "content": c}] for c in CHATS]
+    else:  # a base model (e.g. the default GGUF): the same requests as plain text
+        chats = list(CHATS)
     engine.submit(chats[0], max_tokens=4).result()  # warm-up: first-call allocations
     t_seq, t_par = [], []
     for _ in range(repeats):  # alternated, so a change in machine load hits both

@@ -446,3 +446,20 @@ def test_a_restore_first_stores_the_queued_saves_of_its_chain(engine_factory):
     gate.set()
     plan, loaded = restore.result(timeout=60)
     assert plan.n_blocks == 3 and sorted(loaded) == [0, 1, 2]
+
+
+def test_a_member_finishing_mid_pipeline_leaves_a_hot_cache_that_continues_right(
+    engine_factory,
+):
+    # When the short request ends, the next decode step (feeding its last token) is
+    # already in flight: its hot cache holds that token too, and must say so.
+    engine = engine_factory("llama")
+    long = engine.submit(prompt(40, seed=1), max_tokens=200)
+    short = engine.submit(prompt(40, seed=2), max_tokens=12).result(timeout=60)
+    follow_up = prompt(40, seed=2) + short.tokens + prompt(10, seed=5)[1:]
+    warm = engine.submit(follow_up, max_tokens=16).result(timeout=60)
+    assert long.result(timeout=60).finish_reason == "length"
+    assert warm.report.restore_source == "memory"
+    assert warm.report.restored_tokens == 40 + 12
+    cold = engine_factory("llama", disk_budget=0).submit(follow_up, max_tokens=16)
+    assert warm.tokens == cold.result(timeout=60).tokens

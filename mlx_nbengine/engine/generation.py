@@ -470,7 +470,16 @@ class GenerationThread:
         boundary = self.has_prefix and any(
             (len(m.cache_tokens) + 1) % bs == 0 for m in batch.members
         )
-        self._complete_step(pipeline=not boundary)
+        # Nor when every member reaches its length limit with this step: nothing would
+        # use the next one.
+        context = self.lm.context_length
+        all_end = all(self._ends_by_length(m, context) for m in batch.members)
+        self._complete_step(pipeline=not (boundary or all_end))
+
+    @staticmethod
+    def _ends_by_length(seq: Sequence, context: int | None) -> bool:
+        n = len(seq.generated) + 1  # after this step's token
+        return n >= seq.max_tokens or (context is not None and len(seq.prompt) + n >= context)
 
     def _launch(self, inputs: list[int] | mx.array) -> mx.array:
         """Build one decode step of the batch and start computing it; its sampled tokens."""
