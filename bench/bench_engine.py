@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "abc" or wanted is not None:
         # A partial run must not overwrite the full table the README quotes.
         print(table(rows))
+        print(json.dumps(rows, indent=1))
         return 0
     (RESULTS / "engine.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     text = table(rows)
