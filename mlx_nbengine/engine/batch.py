@@ -29,6 +29,22 @@ def merge_caches(singles: list[list[Any]]) -> list[Any]:
     return [layer[0].merge(list(layer)) for layer in zip(*singles, strict=True)]
 
 
+def owned_copy(cache: list[Any]) -> list[Any]:
+    """Make `cache`'s arrays own their buffers (copies of views), evaluated; returns it."""
+    # `mx.contiguous` of an evaluated slice smaller than its buffer copies it; an array
+    # that already owns its whole buffer is shared as is, at no cost.
+    for c in cache:
+        for name in ("keys", "values"):
+            x = getattr(c, name, None)
+            if isinstance(x, mx.array):
+                setattr(c, name, mx.contiguous(x))
+        arrays = getattr(c, "cache", None)
+        if isinstance(arrays, list):
+            c.cache = [mx.contiguous(x) if isinstance(x, mx.array) else x for x in arrays]
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 class DecodeBatch:
     """Members decoding together and their layer caches (see the module docstring)."""
 
@@ -57,10 +73,16 @@ class DecodeBatch:
         self.members.append(member)
 
     def single_cache(self, index: int) -> list[Any]:
-        """A single-sequence copy of member `index`'s caches (the caches themselves if alone)."""
+        """A single-sequence copy of member `index`'s caches (the caches themselves if alone).
+
+        The copy is evaluated and owns its buffers: mlx-lm's ``extract`` returns lazy
+        copies (whose graphs hold the batched arrays) or plain slices (views that share
+        the batched buffers), and either would keep every member's rows in RAM for as
+        long as the copy lives, e.g. as the hot cache after the whole batch has ended.
+        """
         if not self.batched:
             return self.caches
-        return [c.extract(index) for c in self.caches]
+        return owned_copy([c.extract(index) for c in self.caches])
 
     def remove(self, indices: list[int]) -> None:
         """Drop the members at `indices`; the rest keep their rows (or go back to plain)."""
