@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+import mlx.core as mx
 import pytest
 
 from mlx_nbengine import Engine
@@ -463,3 +465,21 @@ def test_a_member_finishing_mid_pipeline_leaves_a_hot_cache_that_continues_right
     assert warm.report.restored_tokens == 40 + 12
     cold = engine_factory("llama", disk_budget=0).submit(follow_up, max_tokens=16)
     assert warm.tokens == cold.result(timeout=60).tokens
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_idle_engine_keeps_one_sequences_cache_not_the_whole_batch(engine_factory, family):
+    engine = engine_factory(family, parallel=4)
+    engine.submit(prompt(1500, seed=99), max_tokens=4).result(timeout=60)
+    engine._io.drain(timeout=60)
+    one_sequence = mx.get_active_memory()  # the weights and one hot cache
+    requests = [engine.submit(prompt(1500, seed=i), max_tokens=4) for i in range(4)]
+    for request in requests:
+        request.result(timeout=60)
+    engine._io.drain(timeout=60)
+    time.sleep(0.2)  # the generation thread drops the finished batch after the last step
+    # Four batched sequences of the same length would hold about four times the cache.
+    assert mx.get_active_memory() <= one_sequence * 1.25
