@@ -3,8 +3,9 @@
 Each set-up runs in its own subprocess (a process's BLAS is fixed once MLX is imported):
 
 - ``default``: what a user gets; `mlx_nbengine` binds OpenBLAS in-process
-  (``_blas.py``) and runs each step in `blas_step(tokens)`: one thread for
-  decode, the faster (measured) of all threads and one thread for prefill.
+  (``_blas.py``) and runs each step in `blas_step(tokens)`: the faster
+  (measured) of all threads and one thread, separately for prefill and decode
+  (decode starts on one thread and probes all threads after three steps).
 - ``all-threads``: OpenBLAS in-process, its default thread count for every step.
 - ``one-thread``: OpenBLAS in-process, one thread for every step.
 - ``preload``: the classic way, ``LD_PRELOAD`` of the same OpenBLAS (with the
@@ -46,6 +47,7 @@ def child(args: argparse.Namespace) -> None:
     """Measure in this process; print one JSON line."""
     from contextlib import nullcontext
 
+    from mlx_nbengine import _blas
     from mlx_nbengine._blas import blas_status, blas_step, ensure_fast_blas
 
     ensure_fast_blas()
@@ -109,6 +111,8 @@ def child(args: argparse.Namespace) -> None:
                 "prefill_tok_s": len(ids) / prefill_s,
                 "decode_tokens": args.decode_tokens,
                 "decode_tok_s": args.decode_tokens / decode_s,
+                # The decode thread count `blas_step` ended on (default set-up only).
+                "decode_threads": _blas._decode.preferred if _blas._decode else None,
             }
         )
     )
@@ -160,13 +164,15 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
 
 def table(results: dict[str, dict], summary: dict) -> str:
     lines = [
-        "| BLAS set-up | OpenBLAS | matmul GFLOP/s | prefill tok/s | decode tok/s |",
-        "|---|---|---:|---:|---:|",
+        "| BLAS set-up | OpenBLAS | matmul GFLOP/s | prefill tok/s | decode tok/s "
+        "| decode threads chosen |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for mode, r in results.items():
         lines.append(
             f"| {mode} | {mode != 'reference'} | {r['matmul_gflops']:.1f} "
-            f"| {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |"
+            f"| {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} "
+            f"| {r.get('decode_threads') or '-'} |"
         )
     if not summary:
         return "\n".join(lines)

@@ -91,12 +91,121 @@ def test_other_platforms_are_left_alone(monkeypatch):
     assert _blas._ensure() == _blas.BlasStatus(False, "not Linux: MLX uses the platform BLAS")
 
 
-def test_decode_steps_get_one_thread():
+def test_decode_steps_start_on_one_thread(monkeypatch):
+    monkeypatch.setattr(_blas, "_decode", None)
     assert _blas.blas_threads_for(1) == 1
     with _blas.blas_step(1) as threads:
         assert threads == 1
         if _blas._openblas is not None:
             assert _blas._openblas.openblas_get_num_threads() == 1
+
+
+class FakeClock:
+    """Seconds that advance only when a simulated step runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_decode(tuner, clock, seconds_per_step, steps):
+    """Run `steps` decode steps costing `seconds_per_step[threads]`; the thread counts used."""
+    used = []
+    for _ in range(steps):
+        threads = tuner.step()
+        used.append(threads)
+        clock.now += seconds_per_step[threads]
+    return used
+
+
+def test_decode_probes_all_threads_once_one_thread_is_measured_then_keeps_the_winner():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(4, clock)
+    quiet = {1: 0.2, 4: 0.1}  # all threads twice as fast
+    first = _blas.DECODE_PROBE_STEPS  # one interval each, measured when the next step starts
+    used = run_decode(tuner, clock, quiet, first + _blas.DECODE_PROBE_STEPS + 1)
+    assert used[:first] == [1] * first
+    assert used[first : first + _blas.DECODE_PROBE_STEPS] == [4] * _blas.DECODE_PROBE_STEPS
+    assert used[-1] == 4 and tuner.preferred == 4
+    assert tuner.probes == [(4, pytest.approx(0.1), pytest.approx(0.2))]
+    # Later probes of one thread lose, so four threads stay.
+    used = run_decode(tuner, clock, quiet, 400)
+    assert tuner.preferred == 4 and used.count(1) <= 4 * _blas.DECODE_PROBE_STEPS
+
+
+def test_losing_decode_probes_back_off_so_a_busy_machine_pays_almost_nothing():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(2, clock)
+    busy = {1: 0.01, 2: 0.5}  # threads wait for busy cores: 50x slower
+    used = run_decode(tuner, clock, busy, 10_000)
+    assert tuner.preferred == 1
+    assert all(p[0] == 2 and p[1] > p[2] for p in tuner.probes)
+    assert tuner.wait == _blas.DECODE_PROBE_MAX
+    assert 6 <= len(tuner.probes) <= 16
+    assert used.count(2) / len(used) < 0.005
+
+
+def test_decode_preference_follows_the_machine_when_it_becomes_quiet():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(2, clock)
+    run_decode(tuner, clock, {1: 0.01, 2: 0.5}, 3000)
+    assert tuner.preferred == 1
+    run_decode(tuner, clock, {1: 0.2, 2: 0.12}, 2 * _blas.DECODE_PROBE_MAX)
+    assert tuner.preferred == 2
+
+
+def test_a_probe_must_win_by_the_margin():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(2, clock)
+    almost = {1: 0.100, 2: 0.100 * (1 - _blas.DECODE_MARGIN / 2)}
+    run_decode(tuner, clock, almost, 500)
+    assert tuner.preferred == 1 and len(tuner.probes) >= 3
+
+
+def test_idle_pauses_and_prefill_steps_do_not_count_as_decode_time():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(2, clock)
+    quiet = {1: 0.2, 2: 0.1}
+    run_decode(tuner, clock, quiet, _blas.DECODE_PROBE_STEPS)
+    # The user pauses for a minute mid-probe: the probe's fastest interval still counts.
+    assert tuner.step() == 2
+    clock.now += 60.0
+    run_decode(tuner, clock, quiet, _blas.DECODE_PROBE_STEPS)
+    assert tuner.preferred == 2
+    # A long prefill step between two decode steps is no decode interval.
+    tuner.step()
+    clock.now += 0.1
+    before = list(tuner.recent)
+    tuner.interrupt()
+    clock.now += 30.0
+    tuner.step()
+    assert list(tuner.recent) == before and max(before) < 1
+
+
+def test_one_core_never_probes():
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(1, clock)
+    assert set(run_decode(tuner, clock, {1: 0.1}, 100)) == {1} and tuner.probes == []
+
+
+@linux_with_openblas
+def test_blas_step_sets_the_decode_choice_and_prefill_interrupts_it(monkeypatch):
+    _blas.ensure_fast_blas()
+    if _blas._openblas is None or _blas._max_threads < 2:
+        pytest.skip("needs OpenBLAS with at least two threads")
+    tuner = _blas._DecodeTuner(_blas._max_threads, FakeClock())
+    tuner.preferred = _blas._max_threads
+    monkeypatch.setattr(_blas, "_decode", tuner)
+    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.001, _blas._max_threads: 0.003})
+    with _blas.blas_step(1) as threads:
+        assert threads == _blas._max_threads == _blas._openblas.openblas_get_num_threads()
+    assert tuner.last is not None
+    assert _blas.blas_threads_for(1) == _blas._max_threads
+    with _blas.blas_step(_blas.PARALLEL_MIN_TOKENS):
+        pass
+    assert tuner.last is None
 
 
 @linux_with_openblas
