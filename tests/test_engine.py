@@ -205,6 +205,57 @@ def test_four_concurrent_requests_match_four_sequential_ones(engine_factory, fam
     assert [r.result(timeout=60).tokens for r in requests] == expected
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_requests_arriving_together_prefill_as_one_group_and_match_sequential(
+    engine_factory, family
+):
+    # Short prompts of different lengths (right-padded in the group), then edits of
+    # longer prompts whose restored prefixes differ in length (merged with left
+    # padding): each burst is prefilled in one shared step.
+    short = [prompt(n, seed=n) for n in (9, 14, 20, 27)]
+    longs = [prompt(n, seed=n) for n in (75, 100, 120, 90)]
+    edits = [edited(p, 8, seed=i) for i, p in enumerate(longs)]
+    sequential = engine_factory(family, parallel=1)
+    expected = [sequential.submit(p, max_tokens=24).result(timeout=60).tokens for p in short]
+
+    engine = engine_factory(family, parallel=4)
+    requests = [engine.submit(p, max_tokens=24) for p in short]
+    assert [r.result(timeout=60).tokens for r in requests] == expected
+    assert engine.stats()["group_prefills"] == 1
+
+    for p in longs:  # stored one by one, so the edits find their blocks on disk
+        engine.submit(p, max_tokens=2).result(timeout=60)
+    engine._io.drain(timeout=60)
+    requests = [engine.submit(p, max_tokens=24) for p in edits]
+    done = [r.result(timeout=60) for r in requests]
+    assert engine.stats()["group_prefills"] == 2
+    restored = [d.report.restored_tokens for d in done]
+    # Whole blocks before each edit; the last prompt's hot cache serves its 82 tokens
+    # where every layer can be trimmed (llama), else its blocks come from disk too.
+    assert restored[:3] == [64, 64, 96] and restored[3] in (64, 82)
+    cold = engine_factory(family, parallel=1)
+    assert [d.tokens for d in done] == [
+        cold.submit(p, max_tokens=24).result(timeout=60).tokens for p in edits
+    ]
+
+
+def test_a_group_joins_a_batch_that_is_decoding(engine_factory):
+    engine = engine_factory("gemma3_text", parallel=4)
+    first = engine.submit(prompt(30, seed=1), max_tokens=200)
+    stream = first.stream(timeout=60)
+    for event in stream:
+        if isinstance(event, TextDelta):
+            break
+    pair = [engine.submit(prompt(n, seed=n), max_tokens=12) for n in (11, 19)]
+    done = [r.result(timeout=60) for r in pair]
+    assert not first.done and engine.stats()["group_prefills"] == 1
+    alone = engine_factory("gemma3_text", parallel=1)
+    assert [d.tokens for d in done] == [
+        alone.submit(prompt(n, seed=n), max_tokens=12).result(timeout=60).tokens for n in (11, 19)
+    ]
+    assert len(first.result(timeout=120).tokens) == 200
+
+
 def test_a_request_submitted_mid_decode_joins_without_waiting(engine_factory):
     engine = engine_factory("gemma3_text", parallel=2)
     long = engine.submit(prompt(60), max_tokens=400)

@@ -7,8 +7,9 @@ layer. A single sequence uses plain caches (`KVCache`, `RotatingKVCache`,
 left-pad shorter sequences. `DecodeBatch` keeps this invariant: with one member its
 caches are plain (a request alone runs unbatched, at single-sequence speed and with
 single-sequence numerics); with several they are batched, row ``i`` belonging to
-member ``i``. Joining merges (or extends), leaving filters (or extracts back to plain
-caches when one member is left). Owned by the generation thread.
+member ``i``. Joining merges (or extends; members prefilled together join as a group
+with their batched caches), leaving filters (or extracts back to plain caches when one
+member is left). Owned by the generation thread.
 
 *Pending tokens*: the decode steps are pipelined (see `generation`), so the batch may
 hold the sampled tokens of a step whose graph is built and running but whose values
@@ -71,6 +72,23 @@ class DecodeBatch:
             for batched, single in zip(self.caches, cache, strict=True):
                 batched.extend(single.merge([single]))
         self.members.append(member)
+
+    def add_group(self, members: list[Any], caches: list[Any]) -> None:
+        """Let several `members` join at once with their batched `caches` (row i = member i).
+
+        `caches` are batched layer caches (``merge`` of the members' single ones, then
+        prefilled together); they are consumed.
+        """
+        assert self.pending is None, "settle the step in flight before members join"
+        assert len(members) > 1, "a lone member joins with `add`"
+        if not self.members:
+            self.caches = caches
+        else:
+            if len(self.members) == 1:
+                self.caches = merge_caches([self.caches])
+            for batched, group in zip(self.caches, caches, strict=True):
+                batched.extend(group)
+        self.members.extend(members)
 
     def single_cache(self, index: int) -> list[Any]:
         """A single-sequence copy of member `index`'s caches (the caches themselves if alone).

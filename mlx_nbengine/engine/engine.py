@@ -238,7 +238,10 @@ class Engine:
     # --- state ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The store's stats plus active/queued requests, the model name and `parallel`."""
+        """The store's stats plus active/queued requests, the model name and `parallel`.
+
+        ``group_prefills`` counts prefill steps shared by requests that arrived together.
+        """
         out: dict[str, Any] = {}
         if not self._closed and self._gen.has_prefix:
             fut = self._io.call(lambda: self._io.prefix.store.stats().as_dict())
@@ -253,6 +256,7 @@ class Engine:
             active=self._gen.active,
             queued=self._gen.queued,
             failures=self._gen.failures,
+            group_prefills=self._gen.group_prefills,
             save_errors=self._io.save_errors,
             closed=self._closed,
         )

@@ -4,10 +4,21 @@ Terms:
 
 - *admission*: waiting sequences become *admitting*, oldest first, while slots are free
   (members of the batch plus admitting sequences stay within `parallel`), so a burst of
-  requests is admitted together. Each restores its prefix, then prefills the rest of its
-  prompt but the last token *alone*, with a plain single-sequence cache, and *joins* the
-  batch: the prompt's last token is fed by the batch's next decode step, which samples
-  the first generated token (a one-token prompt is computed and sampled alone).
+  requests is admitted together (an idle loop that wakes for a request first waits
+  `ADMIT_GRACE_S` for the rest of a burst). Each restores its prefix, then prefills the
+  rest of its prompt but the last token, and *joins* the batch: the prompt's last token
+  is fed by the batch's next decode step, which samples the first generated token (a
+  one-token prompt is computed and sampled alone).
+- *prefill*: a sequence prefills alone, with a plain single-sequence cache, except for
+  its *final step* (the one that completes its prefill) when that step stays inside one
+  block: sequences whose final steps are due together are prefilled as a *group*, one
+  model call over their right-padded tokens (mlx-lm's ``merge``, ``prepare`` and
+  ``finalize`` of batched caches), and join the batch together. A short step costs
+  about as much as reading the weights once, so four chats that arrive together pay
+  that once, not four times; the padding a group may add is bounded by
+  `GROUP_PAD_TOKENS` per extra member. While another admitted sequence is still
+  restoring, ready ones wait for it (at most `DEFER_LIMIT_S`) so that a burst forms one
+  group.
 - *restore*: the prompt's prefix comes from the best of two sources. ``memory``: the
   *hot cache*, the cache of the last sequence that finished, when its tokens share a
   longer prefix with the prompt than the disk can serve and it can be cut back to that
@@ -50,12 +61,20 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_nbengine._blas import blas_step
-from mlx_nbengine.engine.batch import DecodeBatch
+from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
 from mlx_nbengine.engine.sampling import make_request_sampler
 from mlx_nbengine.engine.sequence import Sequence
+
+# An idle loop woken by a request waits this long for the rest of a burst before admitting.
+ADMIT_GRACE_S = 0.005
+# The longest a sequence ready to prefill waits for others still restoring (to form a group).
+DEFER_LIMIT_S = 0.05
+# Padding tokens a prefill group may add per member beyond the first: a short step costs
+# about one read of the weights, worth this many tokens of compute on small models.
+GROUP_PAD_TOKENS = 64
 
 
 @dataclass
@@ -120,6 +139,7 @@ class GenerationThread:
         self.active = 0
         self.queued = 0
         self.failures = 0
+        self.group_prefills = 0  # prefill steps that served several sequences at once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- other threads ----------------------------------------------------------------------
@@ -193,10 +213,12 @@ class GenerationThread:
         try:
             while not self._stopping:
                 try:
-                    idle = not self._has_work()
-                    if idle:
+                    wait = self._wait_s()
+                    if wait is None:
                         give_back_memory()
-                    self._receive(block=idle)
+                    if self._receive(timeout=wait) and wait is None and not self._stopping:
+                        time.sleep(ADMIT_GRACE_S)  # woke from idle: let a burst arrive
+                        self._receive(timeout=0)
                     if self._stopping:
                         break
                     self._tick()
@@ -218,10 +240,27 @@ class GenerationThread:
         mx.synchronize()
         mx.clear_streams()
 
-    def _has_work(self) -> bool:
-        if len(self._batch) or any(a.phase == "prefilling" for a in self._admitting):
-            return True
-        return bool(self._waiting) and self._free_slots() > 0
+    def _wait_s(self) -> float | None:
+        """How long the loop may wait for its inbox: 0 with work to do, None when idle."""
+        if len(self._batch) or (self._waiting and self._free_slots() > 0):
+            return 0
+        if not any(a.phase == "prefilling" for a in self._admitting):
+            return None
+        deferred = self._deferred_until()
+        return 0 if deferred is None else max(0.0, deferred - time.perf_counter())
+
+    def _deferred_until(self) -> float | None:
+        """Until when ready sequences wait for others still restoring (None: no wait)."""
+        if not any(a.phase == "restoring" for a in self._admitting):
+            return None
+        ready = [a.ready_at for a in self._admitting if a.phase == "prefilling"]
+        until = min(ready) + DEFER_LIMIT_S if ready else None
+        return until if until is not None and until > time.perf_counter() else None
+
+    def _prefill_ready(self) -> list[Sequence]:
+        if self._deferred_until() is not None:
+            return []
+        return [a for a in self._admitting if a.phase == "prefilling"]
 
     def _free_slots(self) -> int:
         return self.parallel - len(self._batch) - len(self._admitting)
@@ -230,14 +269,21 @@ class GenerationThread:
         if seq in self._admitting:
             self._admitting.remove(seq)
 
-    def _receive(self, *, block: bool) -> None:
+    def _receive(self, *, timeout: float | None) -> bool:
+        """Handle what is in the inbox, first waiting up to `timeout` s (None: for ever)
+        for something to arrive; True if a request was submitted."""
+        submitted = False
         while True:
             try:
-                kind, arg = self._inbox.get(block=block)
+                if timeout == 0:
+                    kind, arg = self._inbox.get_nowait()
+                else:
+                    kind, arg = self._inbox.get(timeout=timeout)
             except queue.Empty:
-                return
-            block = False
+                return submitted
+            timeout = 0
             if kind == "submit":
+                submitted = True
                 self._waiting.append(arg)
             elif kind == "cancel":
                 self._cancel(arg)
@@ -247,7 +293,7 @@ class GenerationThread:
                 arg()
             elif kind == "stop":
                 self._stopping = True
-                return
+                return submitted
 
     def _tick(self) -> None:
         while self._waiting and self._free_slots() > 0:
@@ -258,7 +304,18 @@ class GenerationThread:
             except Exception as exc:
                 self._drop_admitting(seq)
                 self._fail([seq], exc)
-        for adm in [a for a in self._admitting if a.phase == "prefilling"]:
+        ready = self._prefill_ready()
+        group = self._final_step_group(ready)
+        if group:
+            try:
+                self._prefill_group(group)
+            except Exception as exc:
+                for seq in group:
+                    self._drop_admitting(seq)
+                self._fail(group, exc)
+        for adm in ready:
+            if adm in group:
+                continue
             try:
                 self._prefill_step(adm)
             except Exception as exc:
@@ -359,6 +416,7 @@ class GenerationThread:
         if self.has_prefix:
             seq.prompt_keys = list(plan.keys) if plan is not None else self._keys(seq.prompt)
         seq.phase = "prefilling"
+        seq.ready_at = time.perf_counter()
 
     def _keys(self, tokens: list[int]) -> list[str]:
         from mlx_nbengine.cache import block_keys
@@ -423,6 +481,71 @@ class GenerationThread:
             self._finish(seq, (list(seq.cache_tokens), seq.cache), reason)
             return
         self._join(seq, seq.generated[-1])
+
+    def _final_step_group(self, ready: list[Sequence]) -> list[Sequence]:
+        """The sequences of `ready` to prefill together now (none, or at least two)."""
+        if len(ready) < 2 or self.lm.kind == "vision":
+            return []
+        bs = self.block_size
+        steps = []
+        for seq in ready:
+            n, pos = len(seq.prompt), len(seq.cache_tokens)
+            if n < 2 or pos >= n - 1:
+                continue  # a one-token prompt, or nothing left to prefill: the single path
+            start, end = self._next_step(seq)
+            if end != n - 1 or end % bs == 0 or start // bs != (end - 1) // bs:
+                continue  # not its final step, or a block ends within it: a checkpoint is due
+            steps.append((end - start, seq))
+        steps.sort(key=lambda step: step[0])
+        group: list[tuple[int, Sequence]] = []
+        for length, seq in steps:
+            trial = [*group, (length, seq)]
+            padding = len(trial) * length - sum(n for n, _ in trial)
+            if padding > GROUP_PAD_TOKENS * (len(trial) - 1):
+                break
+            group = trial
+        return [seq for _, seq in group] if len(group) > 1 else []
+
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        """Prefill each member's rest of the prompt but the last token in one model call
+        (right-padded), then let the members join the batch together."""
+        t = time.perf_counter()
+        spans = [(len(s.cache_tokens), len(s.prompt) - 1) for s in group]
+        lengths = [end - start for start, end in spans]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        rows = [
+            s.prompt[a:b] + [0] * pad for s, (a, b), pad in zip(group, spans, padding, strict=True)
+        ]
+        caches = merge_caches([s.cache for s in group])
+        for seq in group:
+            seq.cache = None
+        if max(padding):
+            for c in caches:
+                c.prepare(lengths=lengths, right_padding=padding)
+        with blas_step(width * len(group)):
+            self._forward(mx.array(rows, dtype=mx.uint32), caches)  # logits never evaluated
+            if max(padding):
+                for c in caches:
+                    c.finalize()  # right padding becomes left padding, as decode expects
+            mx.eval([c.state for c in caches])
+        seconds = time.perf_counter() - t
+        self.group_prefills += 1
+        total = sum(lengths)
+        for seq, (start, end) in zip(group, spans, strict=True):
+            seq.cache_tokens.extend(seq.prompt[start:end])
+            seq.report_computed(start, end, seconds * (end - start) / total)
+        for seq in group:
+            self._drop_admitting(seq)
+            seq.phase = "decoding"
+            seq.next_token = seq.prompt[-1]
+        try:
+            self._settle()
+        except Exception as exc:  # the batch's fault, not the joining sequences'
+            members = list(self._batch.members)
+            self._batch.clear()
+            self._fail(members, exc)
+        self._batch.add_group(group, caches)
 
     def _join(self, seq: Sequence, next_token: int) -> None:
         """Move a prefilled `seq` into the batch; the next decode step feeds `next_token`."""

@@ -46,6 +46,7 @@ class Sequence:
     next_token: int | None = None
     restore_future: Any = None
     restore_started: float = 0.0
+    ready_at: float = 0.0  # when it became ready to prefill (its restore done)
     prompt_keys: list[str] | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
