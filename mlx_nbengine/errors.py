@@ -6,6 +6,8 @@ what to do next. Internal bugs stay ordinary exceptions.
 - `EngineError`: base of every mlx_nbengine error; catch it to catch them all.
 - `ModelError`: a model could not be found, recognised, converted or loaded.
 - `CacheError`: the prefix cache could not do what was asked (store, budget, scratch file).
+- `InvalidRequestError` (`PromptTooLongError`), `EngineClosedError`: raised in the caller
+  by `Engine.submit` (and `Engine.load`'s options) for problems the caller can fix.
 """
 
 from __future__ import annotations
@@ -49,3 +51,15 @@ class DefaultModelMissingError(ModelError):
 
 class CacheError(EngineError):
     """The prefix cache could not do what was asked."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A submit argument is out of range; the message names it and the allowed range."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the model's context; shorten it."""
+
+
+class EngineClosedError(EngineError, RuntimeError):
+    """The engine was closed; load a new one to submit more requests."""

@@ -8,8 +8,9 @@ outcome); the caller only *reads* (stream, result) and asks to cancel.
 - `Completion`: the outcome of a request that ended normally or was cancelled.
 - `Report`: where every prompt block came from and what it cost (`BlockReport` each),
   plus time to first token and decode speed.
-- `InvalidRequestError`, `PromptTooLongError`, `EngineClosedError`: raised in the
-  caller by `submit` for problems the caller can fix.
+- `InvalidRequestError`, `PromptTooLongError`, `EngineClosedError` (defined in
+  `mlx_nbengine.errors`, re-exported here): raised in the caller by `submit` for
+  problems the caller can fix.
 """
 
 from __future__ import annotations
@@ -21,21 +22,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mlx_nbengine.engine.events import BlockSource, Event, Finished
-from mlx_nbengine.errors import EngineError
+from mlx_nbengine.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
+
+__all__ = [
+    "BlockReport",
+    "Completion",
+    "EngineClosedError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "Report",
+    "Request",
+]
 
 FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A submit argument is out of range; the message names it and the allowed range."""
-
-
-class PromptTooLongError(InvalidRequestError):
-    """The prompt does not fit the model's context; shorten it."""
-
-
-class EngineClosedError(EngineError, RuntimeError):
-    """The engine was closed; load a new one to submit more requests."""
 
 
 @dataclass(frozen=True)
