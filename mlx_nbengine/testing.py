@@ -42,8 +42,9 @@ __all__ = [
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 VISION_FAMILIES = ("qwen2_vl",)
-# Also buildable (plain KVCache, like llama): qwen3, the GGUF converter's third architecture.
-EXTRA_FAMILIES = ("qwen3",)
+# Also buildable (plain KVCache, like llama): qwen3 and qwen2 (Q/K/V biases), the GGUF
+# converter's other architectures.
+EXTRA_FAMILIES = ("qwen3", "qwen2")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 
@@ -144,6 +145,14 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
             "architectures": ["LlamaForCausalLM"],
             "num_hidden_layers": num_layers or 2,
             "rope_theta": 10000.0,
+        }
+    if family == "qwen2":
+        return {
+            **common,
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "num_hidden_layers": num_layers or 2,
+            "rope_theta": 1_000_000.0,
         }
     if family == "qwen3":
         return {
@@ -280,7 +289,7 @@ def make_tiny_gguf(
 ) -> Path:
     """Write a tiny model as a llama.cpp-style GGUF file at `path` and return it.
 
-    `family` is ``"llama"``, ``"qwen3"`` or ``"gemma3_text"`` (written as GGUF arch ``gemma3``,
+    `family` is ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"`` (GGUF arch ``gemma3``,
     six layers in Gemma 3's fixed 5-sliding-1-global layout). The weights come
     from `source` (a `make_tiny_model` directory of that family) or a fresh one;
     2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
@@ -296,8 +305,10 @@ def make_tiny_gguf(
     from gguf.quants import quantize
 
     path = Path(path)
-    if family not in ("llama", "gemma3_text", "qwen3"):
-        raise ValueError(f"make_tiny_gguf supports llama, gemma3_text and qwen3, not {family!r}")
+    if family not in ("llama", "gemma3_text", "qwen2", "qwen3"):
+        raise ValueError(
+            f"make_tiny_gguf supports llama, gemma3_text, qwen2 and qwen3, not {family!r}"
+        )
     if source is None:
         kw = {"num_layers": 6} if family == "gemma3_text" else {}
         source = make_tiny_model(family, tempfile.mkdtemp(prefix="tiny-gguf-src-"), seed=seed, **kw)

@@ -47,9 +47,10 @@ def logits(lm, text: str = SAMPLE) -> mx.array:
     return lm.model(mx.array(lm.encode(text))[None])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen2", "qwen3"])
 def test_f32_gguf_converts_to_the_exact_source_model(tiny, tmp_path, family):
-    # Covers the tensor renames, llama's Q/K un-permutation, Gemma's norm shift, Qwen3's QK norms.
+    # Covers the tensor renames, llama's Q/K un-permutation, Gemma's norm shift, Qwen2's
+    # Q/K/V biases, Qwen3's QK norms.
     src, gguf_file = tiny(family, "F32")
     converted = convert(gguf_file, cache_dir=tmp_path, dtype="float32", show_bar=False)
     source, result = load(src), load(converted)
