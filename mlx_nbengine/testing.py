@@ -279,6 +279,27 @@ _GGUF_GEMMA3_LAYER_NAMES = {
 }
 
 
+def _llama_cpp_rope_factors(config: dict[str, Any]) -> Any:
+    """The ``rope_freqs`` tensor llama.cpp writes for a Llama 3.x ``rope_scaling``."""
+    import numpy as np
+
+    scaling, dims = config["rope_scaling"], config["head_dim"]
+    inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    original = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(scaling["factor"])
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def make_tiny_gguf(
     family: str,
     path: str | Path,
@@ -294,8 +315,9 @@ def make_tiny_gguf(
     from `source` (a `make_tiny_model` directory of that family) or a fresh one;
     2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
     as F32, with llama.cpp's own rewrites (llama Q/K row permutation, Gemma norms
-    stored as ``1 + w``). The tokenizer goes in as GGUF ``gpt2`` (byte-level BPE)
-    metadata.
+    stored as ``1 + w``, a llama source's ``llama3`` ``rope_scaling`` stored as the
+    ``rope_freqs`` factor tensor). The tokenizer goes in as GGUF ``gpt2`` (byte-level
+    BPE) metadata.
     """
     import tempfile
 
@@ -337,6 +359,10 @@ def make_tiny_gguf(
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     if arch == "gemma3":
         writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+    scaling = config.get("rope_scaling") or {}
+    if arch == "llama" and scaling.get("rope_type") == "llama3":
+        writer.add_uint32(f"{arch}.rope.dimension_count", config["head_dim"])
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(config))
 
     tokenizer = json.loads((source / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]

@@ -4,6 +4,7 @@ embedded default model (Gemma 3 270M) answers like Gemma."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -111,6 +112,32 @@ def test_second_conversion_reuses_the_first(tiny, tmp_path):
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_new_conversion_deletes_the_same_files_conversions_by_older_versions(
+    tiny, tmp_path, monkeypatch
+):
+    import mlx_nbengine.models.gguf as gguf_mod
+
+    cache = tmp_path / "cache"
+    _, gguf_file = tiny("llama", "Q8_0")
+    monkeypatch.setattr(gguf_mod, "CONVERTER_VERSION", "0")
+    old = convert(gguf_file, cache_dir=cache, show_bar=False)
+    _, other_file = tiny("qwen3", "Q8_0")
+    other = convert(other_file, cache_dir=cache, show_bar=False)  # another file: kept
+    monkeypatch.undo()
+    mine = tmp_path / "mine" / "llama"
+    mine_old = tmp_path / "mine" / "llama-old"
+    monkeypatch.setattr(gguf_mod, "CONVERTER_VERSION", "0")
+    convert(gguf_file, output_dir=mine_old, show_bar=False)
+    monkeypatch.undo()
+
+    new = convert(gguf_file, cache_dir=cache, show_bar=False)
+    assert new != old and not old.exists()
+    assert other.exists()
+    # A directory the caller named is theirs: converting into it deletes nothing beside it.
+    convert(gguf_file, output_dir=mine, show_bar=False)
+    assert (mine_old / "config.json").is_file()
+
+
 def test_progress_hook_counts_bytes_up_to_the_total(tiny, tmp_path):
     _, gguf_file = tiny("llama", "Q8_0")
     calls: list[tuple[int, int]] = []
@@ -193,3 +220,71 @@ def test_gguf_without_a_chat_template_loads_as_a_base_model(tiny, tmp_path):
     with pytest.raises(TokenizerError, match="no chat template .*--raw"):
         lm.apply_chat_template([{"role": "user", "content": "Where is the Eiffel Tower?"}])
     assert lm.encode("Where")[0] == lm.bos_token_id
+
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama3_source(tmp_path: Path) -> Path:
+    # Llama 3.x: the rope stretches long wavelengths; llama.cpp keeps only the factors.
+    src = make_tiny_model("llama", tmp_path / "llama3-src")
+    config = json.loads((src / "config.json").read_text())
+    config["rope_scaling"] = LLAMA3_SCALING
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_llama3_rope_freqs_become_the_rope_scaling_they_came_from(tmp_path):
+    src = llama3_source(tmp_path)
+    gguf_file = make_tiny_gguf("llama", tmp_path / "llama3.gguf", source=src, quant="F32")
+    converted = convert(gguf_file, cache_dir=tmp_path / "cache", dtype="float32", show_bar=False)
+    scaling = json.loads((converted / "config.json").read_text())["rope_scaling"]
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+    assert scaling["original_max_position_embeddings"] == 8192
+    assert scaling["low_freq_factor"] == pytest.approx(1.0, rel=1e-5)
+    assert scaling["high_freq_factor"] == pytest.approx(4.0, rel=1e-5)
+
+    # Long inputs turn the stretched frequencies far enough to change the logits, so
+    # dropping the scaling would show; the converted model matches the source.
+    ids = mx.array([[2] + [(7 * i) % 500 + 5 for i in range(1500)]])
+    source, result = load(src), load(converted)
+    plain = src.parent / "llama3-plain"
+    plain.mkdir()
+    for f in src.iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    config = json.loads((plain / "config.json").read_text())
+    del config["rope_scaling"]
+    (plain / "config.json").write_text(json.dumps(config))
+    expected = source.model(ids)
+    assert not mx.allclose(load(plain).model(ids), expected, atol=1e-3)
+    assert mx.allclose(result.model(ids), expected, atol=1e-4)
+
+
+def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):
+    import gguf
+
+    src = llama3_source(tmp_path)
+    gguf_file = make_tiny_gguf("llama", tmp_path / "odd.gguf", source=src, quant="F32")
+    tensor = next(
+        t for t in gguf.GGUFReader(str(gguf_file)).tensors if t.name == "rope_freqs.weight"
+    )
+    odd = np.linspace(3.0, 1.0, tensor.n_elements, dtype=np.float32)  # no Llama 3 shape
+    data = np.memmap(
+        gguf_file,
+        dtype=np.float32,
+        mode="r+",
+        offset=tensor.data_offset,
+        shape=(tensor.n_elements,),
+    )
+    data[:] = odd
+    data.flush()
+    del data
+    with pytest.raises(UnsupportedModelError, match="do not follow Llama 3's rope scaling"):
+        convert(gguf_file, cache_dir=tmp_path / "cache", show_bar=False)
+    assert list((tmp_path / "cache").glob("*")) == []

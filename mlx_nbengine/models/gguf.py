@@ -6,7 +6,9 @@ Terms:
 - *conversion*: every tensor is dequantized with the `gguf` package
   (`gguf.quants.dequantize`), renamed to the Hugging Face / mlx-lm names, undone
   where llama.cpp rewrote it (llama's Q/K row permutation; Gemma's norm weights,
-  stored as ``w + 1``, while mlx-lm's Gemma adds the 1 itself), and written as
+  stored as ``w + 1``, while mlx-lm's Gemma adds the 1 itself; Llama 3.x's
+  ``rope_freqs`` factors, turned back into the ``rope_scaling`` they came from), and
+  written as
   ``model.safetensors`` with ``config.json``, ``tokenizer.json`` (rebuilt from the
   metadata with transformers' GGUF tokenizer builders, no torch needed) and
   ``tokenizer_config.json``.
@@ -15,7 +17,9 @@ Terms:
   source file, keyed by the file's size, mtime and sampled content plus the
   converter version, so the second `convert` of the same file is instant.
   A conversion writes into a temporary directory renamed into place at the end:
-  an interrupted one leaves nothing behind that looks finished.
+  an interrupted one leaves nothing behind that looks finished. Once it is in place,
+  the cache's conversions of the same file by other converter versions (never used
+  again) are deleted.
 
 Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``; tensor types:
 whatever `gguf.quants.dequantize` handles (F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K...).
@@ -38,12 +42,18 @@ import numpy as np
 
 from mlx_nbengine.errors import GGUFError, UnsupportedModelError
 
-__all__ = ["cache_home", "convert", "conversion_dir", "read_metadata"]
+__all__ = [
+    "cache_home",
+    "conversion_dir",
+    "convert",
+    "read_metadata",
+    "remove_older_conversions",
+]
 
 Progress = Callable[[int, int], None]
 
 # Bumped whenever the converter's output changes, so stale conversions are redone.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 _SAMPLE_BYTES = 1 << 20
 
 _MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -80,8 +90,11 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp keeps for its own use and mlx-lm computes itself.
+# Tensors llama.cpp keeps for its own use and mlx-lm computes itself (from config.json:
+# `rope_freqs` becomes ``rope_scaling``, see `_llama3_rope_scaling`).
 _SKIPPED = {"rope_freqs"}
+# How closely the rebuilt Llama 3 rope factors must match the file's (relative).
+_ROPE_RTOL = 1e-4
 
 
 def cache_home() -> Path:
@@ -182,6 +195,67 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
+
+
+def _llama3_factors(
+    dims: int, base: float, factor: float, low_wavelen: float, high_wavelen: float
+) -> np.ndarray:
+    """Llama 3's per-frequency wavelength factors (as mlx-lm's ``llama3`` rope computes)."""
+    wavelen = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)
+    smooth = (1 / wavelen - 1 / low_wavelen) / (1 / high_wavelen - 1 / low_wavelen)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen > low_wavelen, factor, 1.0)
+    return np.where((wavelen > high_wavelen) & (wavelen < low_wavelen), blended, out)
+
+
+def _llama3_rope_scaling(factors: np.ndarray, *, dims: int, base: float) -> dict | None:
+    """The ``rope_scaling`` config of llama.cpp's ``rope_freqs`` tensor, or None if all 1.
+
+    Llama 3.x stretches long wavelengths by ``factor``, keeps short ones, and blends
+    in between; llama.cpp stores only the resulting factor per frequency. In the blend,
+    ``smooth`` is linear in 1 / wavelength, so a line through the blended points gives
+    the two edge wavelengths (``original / low_freq_factor`` and ``original /
+    high_freq_factor``: only these ratios matter). The rebuilt factors must match the
+    file's, or the file uses a scheme we cannot express: an error, not a silently
+    different model.
+    """
+    r = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if r.size != dims // 2:
+        raise GGUFError(
+            f"rope_freqs has {r.size} factors, but the rope has {dims // 2} frequencies."
+        )
+    if np.allclose(r, 1.0, rtol=0, atol=_ROPE_RTOL):
+        return None
+    factor = float(r.max())
+    inv_wavelen = 1 / (2 * np.pi * base ** (np.arange(0, dims, 2) / dims))
+    stretched = r >= factor * (1 - _ROPE_RTOL)
+    kept = np.abs(r - 1) <= _ROPE_RTOL
+    blended = ~(stretched | kept)
+    if blended.sum() >= 2:
+        smooth = (1 / r[blended] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv_wavelen[blended], smooth, 1)
+        low_inv, high_inv = -intercept / slope, (1 - intercept) / slope
+    else:
+        # Nothing to fit: put each edge halfway between its neighbouring frequencies.
+        low_inv = (inv_wavelen[stretched].max() + inv_wavelen[~stretched].min()) / 2
+        high_inv = (inv_wavelen[~kept].max() + inv_wavelen[kept].min()) / 2
+        if high_inv <= low_inv:
+            high_inv = low_inv * (1 + 1e-9)
+    original = float(round(1 / low_inv))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": original * low_inv,
+        "high_freq_factor": original * high_inv,
+        "original_max_position_embeddings": original,
+    }
+    rebuilt = _llama3_factors(dims, base, factor, 1 / low_inv, 1 / high_inv)
+    if not np.allclose(rebuilt, r, rtol=_ROPE_RTOL, atol=0):
+        raise UnsupportedModelError(
+            "This GGUF's rope_freqs factors do not follow Llama 3's rope scaling, the only "
+            "per-frequency scheme this converter can express."
+        )
+    return scaling
 
 
 def _token_id(meta: dict[str, Any], token: str) -> int | None:
@@ -374,6 +448,14 @@ def convert(
     config = _config(meta, arch, tensor_names)
     if None in (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]):
         raise GGUFError(f"'{path}' lacks the {arch}.* hyper-parameters needed to build the model.")
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        dims = meta.get(f"{arch}.rope.dimension_count") or config["head_dim"]
+        scaling = _llama3_rope_scaling(
+            _tensor(rope_freqs, arch, config), dims=int(dims), base=config["rope_theta"]
+        )
+        if scaling is not None:
+            config["rope_scaling"] = scaling
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -409,4 +491,28 @@ def convert(
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    if output_dir is None:  # in the conversion cache; a directory the caller named is theirs
+        remove_older_conversions(target)
     return target
+
+
+def remove_older_conversions(target: Path) -> list[Path]:
+    """Delete the siblings of `target` that converted the same GGUF file (same name and
+    size, per their ``mlx_nbengine_source.json``) with another converter version."""
+    try:
+        source = json.loads((target / "mlx_nbengine_source.json").read_text())
+    except (OSError, ValueError):
+        return []
+    removed = []
+    for sibling in target.parent.iterdir():
+        if sibling == target or not sibling.is_dir() or sibling.name.startswith("."):
+            continue
+        try:
+            other = json.loads((sibling / "mlx_nbengine_source.json").read_text())
+        except (OSError, ValueError):
+            continue
+        same_file = (other.get("gguf"), other.get("size")) == (source["gguf"], source["size"])
+        if same_file and other.get("converter") != source["converter"]:
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    return removed
