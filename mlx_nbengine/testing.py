@@ -138,29 +138,19 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
         "eos_token_id": ids["<eos>"],
         "pad_token_id": ids["<pad>"],
     }
-    if family == "llama":
+    plain = {  # plain KVCache families: architecture class, rope base
+        "llama": ("LlamaForCausalLM", 10_000.0),
+        "qwen2": ("Qwen2ForCausalLM", 1_000_000.0),
+        "qwen3": ("Qwen3ForCausalLM", 1_000_000.0),
+    }
+    if family in plain:
+        architecture, rope_theta = plain[family]
         return {
             **common,
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+            "model_type": family,
+            "architectures": [architecture],
             "num_hidden_layers": num_layers or 2,
-            "rope_theta": 10000.0,
-        }
-    if family == "qwen2":
-        return {
-            **common,
-            "model_type": "qwen2",
-            "architectures": ["Qwen2ForCausalLM"],
-            "num_hidden_layers": num_layers or 2,
-            "rope_theta": 1_000_000.0,
-        }
-    if family == "qwen3":
-        return {
-            **common,
-            "model_type": "qwen3",
-            "architectures": ["Qwen3ForCausalLM"],
-            "num_hidden_layers": num_layers or 2,
-            "rope_theta": 1_000_000.0,
+            "rope_theta": rope_theta,
         }
     if family == "gemma3_text":
         return {

@@ -93,8 +93,8 @@ _GLOBAL_NAMES = {
 # Tensors llama.cpp keeps for its own use and mlx-lm computes itself (from config.json:
 # `rope_freqs` becomes ``rope_scaling``, see `_llama3_rope_scaling`).
 _SKIPPED = {"rope_freqs"}
-# How closely the rebuilt Llama 3 rope factors must match the file's (relative).
-_ROPE_RTOL = 1e-4
+# How closely rope factors must match: to count as 1 or `factor`, and when rebuilt.
+_ROPE_TOL = 1e-4
 
 
 def cache_home() -> Path:
@@ -224,12 +224,12 @@ def _llama3_rope_scaling(factors: np.ndarray, *, dims: int, base: float) -> dict
         raise GGUFError(
             f"rope_freqs has {r.size} factors, but the rope has {dims // 2} frequencies."
         )
-    if np.allclose(r, 1.0, rtol=0, atol=_ROPE_RTOL):
+    if np.allclose(r, 1.0, rtol=0, atol=_ROPE_TOL):
         return None
     factor = float(r.max())
     inv_wavelen = 1 / (2 * np.pi * base ** (np.arange(0, dims, 2) / dims))
-    stretched = r >= factor * (1 - _ROPE_RTOL)
-    kept = np.abs(r - 1) <= _ROPE_RTOL
+    stretched = r >= factor * (1 - _ROPE_TOL)
+    kept = np.abs(r - 1) <= _ROPE_TOL
     blended = ~(stretched | kept)
     if blended.sum() >= 2:
         smooth = (1 / r[blended] - 1 / factor) / (1 - 1 / factor)
@@ -250,7 +250,7 @@ def _llama3_rope_scaling(factors: np.ndarray, *, dims: int, base: float) -> dict
         "original_max_position_embeddings": original,
     }
     rebuilt = _llama3_factors(dims, base, factor, 1 / low_inv, 1 / high_inv)
-    if not np.allclose(rebuilt, r, rtol=_ROPE_RTOL, atol=0):
+    if not np.allclose(rebuilt, r, rtol=_ROPE_TOL, atol=0):
         raise UnsupportedModelError(
             "This GGUF's rope_freqs factors do not follow Llama 3's rope scaling, the only "
             "per-frequency scheme this converter can express."
