@@ -7,6 +7,7 @@ Prompts are random token ids (BOS first) so their block structure is exact; bloc
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -61,6 +62,26 @@ def prompt(n, seed=0):
 def edited(tokens, n_last, seed=99):
     rng = random.Random(seed)
     return tokens[:-n_last] + [rng.randrange(5, 512) for _ in range(n_last)]
+
+
+@contextlib.contextmanager
+def arriving_together(engine):
+    """Hold the generation thread between steps, so requests submitted in the block reach
+    its inbox together (as a burst does) however slowly this machine submits them."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(30)
+
+    holder = threading.Thread(target=engine._gen.call, args=(hold,))
+    holder.start()
+    assert entered.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
 
 
 def decoded(engine, tokens):
@@ -219,14 +240,16 @@ def test_requests_arriving_together_prefill_as_one_group_and_match_sequential(
     expected = [sequential.submit(p, max_tokens=24).result(timeout=60).tokens for p in short]
 
     engine = engine_factory(family, parallel=4)
-    requests = [engine.submit(p, max_tokens=24) for p in short]
+    with arriving_together(engine):
+        requests = [engine.submit(p, max_tokens=24) for p in short]
     assert [r.result(timeout=60).tokens for r in requests] == expected
     assert engine.stats()["group_prefills"] == 1
 
     for p in longs:  # stored one by one, so the edits find their blocks on disk
         engine.submit(p, max_tokens=2).result(timeout=60)
     engine._io.drain(timeout=60)
-    requests = [engine.submit(p, max_tokens=24) for p in edits]
+    with arriving_together(engine):
+        requests = [engine.submit(p, max_tokens=24) for p in edits]
     done = [r.result(timeout=60) for r in requests]
     assert engine.stats()["group_prefills"] == 2
     restored = [d.report.restored_tokens for d in done]
@@ -246,7 +269,8 @@ def test_a_group_joins_a_batch_that_is_decoding(engine_factory):
     for event in stream:
         if isinstance(event, TextDelta):
             break
-    pair = [engine.submit(prompt(n, seed=n), max_tokens=12) for n in (11, 19)]
+    with arriving_together(engine):
+        pair = [engine.submit(prompt(n, seed=n), max_tokens=12) for n in (11, 19)]
     done = [r.result(timeout=60) for r in pair]
     assert not first.done and engine.stats()["group_prefills"] == 1
     alone = engine_factory("gemma3_text", parallel=1)
