@@ -195,33 +195,11 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
     )
 
 
-def make_tiny_model(
-    family: str,
-    directory: str | Path,
-    *,
-    sliding_window: int = 64,
-    seed: int = 0,
-    num_layers: int | None = None,
-    dtype: str = "float32",
-) -> Path:
-    """Write a random-weight model directory of `family` into `directory` and return it.
-
-    `sliding_window` only matters for ``gemma3_text``; `num_layers` overrides the
-    family's default depth (llama 2, the others 4, so both layer kinds exist);
-    `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
-    """
+def _save_random_weights(model: Any, directory: Path, *, seed: int, dtype: str) -> None:
+    """Write `model`'s parameters, drawn at random from `seed`, as ``model.safetensors``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
 
-    if family in VISION_FAMILIES:
-        return make_tiny_vlm(directory, seed=seed, dtype=dtype)
-    config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
     target = getattr(mx, dtype)
     key = mx.random.key(seed)
     weights = {}
@@ -237,6 +215,34 @@ def make_tiny_model(
         weights[name] = value.astype(target)
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def make_tiny_model(
+    family: str,
+    directory: str | Path,
+    *,
+    sliding_window: int = 64,
+    seed: int = 0,
+    num_layers: int | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-weight model directory of `family` into `directory` and return it.
+
+    `sliding_window` only matters for ``gemma3_text``; `num_layers` overrides the
+    family's default depth (llama 2, the others 4, so both layer kinds exist);
+    `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
+    """
+    from mlx_lm.utils import _get_classes
+
+    if family in VISION_FAMILIES:
+        return make_tiny_vlm(directory, seed=seed, dtype=dtype)
+    config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(directory)
     return directory
@@ -424,8 +430,6 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
     and a chat template that writes ``<|vision_start|><|image_pad|><|vision_end|>``
     for an ``{"type": "image"}`` content part. `load` returns it as kind ``"vision"``.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     directory = Path(directory)
@@ -490,17 +494,7 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
     model_config = arch.ModelConfig.from_dict(working)
     model_config = update_module_configs(model_config, arch, working, ["text", "vision"])
     model = arch.Model(model_config)
-    target = getattr(mx, dtype)
-    key = mx.random.key(seed)
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        key, sub = mx.random.split(key)
-        if value.ndim >= 2:
-            fan_in = value.size // value.shape[0]
-            value = mx.random.normal(value.shape, key=sub) * fan_in**-0.5
-        weights[name] = value.astype(target)
-    mx.eval(weights)
-    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return directory
