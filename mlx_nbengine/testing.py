@@ -211,7 +211,11 @@ def _save_random_weights(model: Any, directory: Path, *, seed: int, dtype: str) 
         elif value.ndim >= 2:
             fan_in = value.size // value.shape[0]
             value = mx.random.normal(value.shape, key=sub) * fan_in**-0.5
-        # 1-D parameters keep their deterministic init (norm scales of one, zero biases).
+        elif name.endswith(".bias"):
+            # Linear biases (qwen2's Q/K/V): MLX initialises them from its global random
+            # stream, which would make the same seed write different models.
+            value = mx.random.uniform(-0.125, 0.125, value.shape, key=sub)
+        # Other 1-D parameters keep their deterministic init (norm scales of one...).
         weights[name] = value.astype(target)
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -91,14 +91,15 @@ def test_chat_template_renders_roles_and_generation_prompt(tiny_model_dir):
     assert text == "<bos><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_same_seed_writes_the_same_weights_and_another_seed_differs(tmp_path):
-    a = make_tiny_model("llama", tmp_path / "a", seed=1)
-    b = make_tiny_model("llama", tmp_path / "b", seed=1)
-    c = make_tiny_model("llama", tmp_path / "c", seed=2)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen2", "qwen2_vl"])
+def test_same_seed_writes_the_same_weights_and_another_seed_differs(tmp_path, family):
+    a = make_tiny_model(family, tmp_path / "a", seed=1)
+    b = make_tiny_model(family, tmp_path / "b", seed=1)
+    c = make_tiny_model(family, tmp_path / "c", seed=2)
     wa, wb, wc = (mx.load(str(d / "model.safetensors")) for d in (a, b, c))
-    key = "model.embed_tokens.weight"
-    assert mx.array_equal(wa[key], wb[key])
-    assert not mx.array_equal(wa[key], wc[key])
+    assert wa.keys() == wb.keys()
+    assert all(mx.array_equal(wa[k], wb[k]) for k in wa)  # biases included (qwen2)
+    assert not all(mx.array_equal(wa[k], wc[k]) for k in wa)
 
 
 def test_stored_dtype_is_upcast_to_float32_on_cpu_unless_asked(tiny_model_dir):
