@@ -539,12 +539,7 @@ class GenerationThread:
             self._drop_admitting(seq)
             seq.phase = "decoding"
             seq.next_token = seq.prompt[-1]
-        try:
-            self._settle()
-        except Exception as exc:  # the batch's fault, not the joining sequences'
-            members = list(self._batch.members)
-            self._batch.clear()
-            self._fail(members, exc)
+        self._settle_before_join()
         self._batch.add_group(group, caches)
 
     def _join(self, seq: Sequence, next_token: int) -> None:
@@ -553,13 +548,18 @@ class GenerationThread:
         seq.phase = "decoding"
         seq.next_token = next_token
         cache, seq.cache = seq.cache, None
+        self._settle_before_join()
+        self._batch.add(seq, cache)
+
+    def _settle_before_join(self) -> None:
+        """Settle the step in flight; if it fails, that is the batch's fault, not the
+        joining sequences': its members fail and the joiners start a new batch."""
         try:
             self._settle()
-        except Exception as exc:  # the batch's fault, not the joining sequence's
+        except Exception as exc:
             members = list(self._batch.members)
             self._batch.clear()
             self._fail(members, exc)
-        self._batch.add(seq, cache)
 
     def _checkpoint_prefill(self, seq: Sequence, start: int, end: int) -> None:
         if not self.has_prefix or seq.prompt_keys is None:
