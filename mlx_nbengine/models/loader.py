@@ -158,8 +158,13 @@ def _check_safetensors(file: Path) -> None:
         )
 
 
-def fingerprint_directory(path: Path, *, dtype: str | None = None) -> str:
+def fingerprint_directory(
+    path: Path, *, dtype: str | None = None, variant: str | None = None
+) -> str:
     """A stable hex digest of a model directory as loaded with `dtype`.
+
+    `variant` names a change made to the loaded model's computation (see
+    `cpu_math.speed_up`); None when it runs as the library wrote it.
 
     Covers config.json's bytes and, per weight file, its name, size, mtime, the
     safetensors header and samples of its content: a changed or replaced file
@@ -167,6 +172,8 @@ def fingerprint_directory(path: Path, *, dtype: str | None = None) -> str:
     """
     h = hashlib.sha256()
     h.update(f"mlx_nbengine-fingerprint-{_FINGERPRINT_VERSION}\0dtype={dtype}\0".encode())
+    if variant is not None:
+        h.update(f"variant={variant}\0".encode())
     h.update((path / "config.json").read_bytes())
     for file in _weight_files(path):
         st = file.stat()
@@ -287,6 +294,9 @@ def load(
     dtype = dtype or _default_dtype()
     if dtype is not None:
         _cast(model, dtype)
+    from mlx_nbengine.models import cpu_math
+
+    variant = cpu_math.VARIANT if cpu_math.speed_up(model) else None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -294,7 +304,7 @@ def load(
         kind=kind,
         model_type=model_type,
         config=config,
-        fingerprint=fingerprint_directory(path, dtype=dtype),
+        fingerprint=fingerprint_directory(path, dtype=dtype, variant=variant),
         path=path,
         dtype=dtype,
         context_length=_context_length(config),
