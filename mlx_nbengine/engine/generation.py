@@ -325,9 +325,7 @@ class GenerationThread:
             try:
                 self._decode_step()
             except Exception as exc:
-                members = list(self._batch.members)
-                self._batch.clear()
-                self._fail(members, exc)
+                self._fail_batch(exc)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
         self.failures += 1
@@ -557,9 +555,12 @@ class GenerationThread:
         try:
             self._settle()
         except Exception as exc:
-            members = list(self._batch.members)
-            self._batch.clear()
-            self._fail(members, exc)
+            self._fail_batch(exc)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        members = list(self._batch.members)
+        self._batch.clear()
+        self._fail(members, exc)
 
     def _checkpoint_prefill(self, seq: Sequence, start: int, end: int) -> None:
         if not self.has_prefix or seq.prompt_keys is None:
