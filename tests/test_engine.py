@@ -360,6 +360,40 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(engine_factory):
     assert other != alone
 
 
+def test_greedy_and_sampled_requests_in_one_batch_each_get_their_own_choice(engine_factory):
+    sampled_args = dict(max_tokens=30, temperature=0.9, seed=7)
+    alone = engine_factory("llama", parallel=1)
+    greedy_alone = alone.submit(prompt(9, seed=9), max_tokens=30).result(timeout=60).tokens
+    sampled_alone = alone.submit(prompt(14, seed=14), **sampled_args).result(timeout=60).tokens
+    engine = engine_factory("llama", parallel=4)
+    with arriving_together(engine):
+        greedy = engine.submit(prompt(9, seed=9), max_tokens=30)
+        sampled = engine.submit(prompt(14, seed=14), **sampled_args)
+    assert greedy.result(timeout=60).tokens == greedy_alone
+    assert sampled.result(timeout=60).tokens == sampled_alone
+    assert engine.stats()["group_prefills"] == 1  # prefilled together, then decoded together
+
+
+def test_sampled_requests_leaving_a_batch_early_leave_the_others_draws_unchanged(engine_factory):
+    # Members that finish while the next step is in flight drop their rows of it.
+    jobs = [(prompt(9, seed=1), 3, 1), (prompt(14, seed=2), 9, 2), (prompt(20, seed=3), 16, 3)]
+    alone = engine_factory("llama", parallel=1)
+    expected = [
+        alone.submit(p, max_tokens=n, temperature=0.8, top_p=0.9, seed=seed)
+        .result(timeout=60)
+        .tokens
+        for p, n, seed in jobs
+    ]
+    engine = engine_factory("llama", parallel=4)
+    with arriving_together(engine):
+        requests = [
+            engine.submit(p, max_tokens=n, temperature=0.8, top_p=0.9, seed=seed)
+            for p, n, seed in jobs
+        ]
+    assert [r.result(timeout=60).tokens for r in requests] == expected
+    assert [len(t) for t in expected] == [3, 9, 16]
+
+
 # --- cancellation ----------------------------------------------------------------------------
 
 

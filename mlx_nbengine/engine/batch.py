@@ -52,7 +52,7 @@ class DecodeBatch:
     def __init__(self) -> None:
         self.members: list[Any] = []
         self.caches: list[Any] | None = None
-        self.pending: mx.array | None = None
+        self.pending: Any = None  # lazy tokens (mx.array) or a sampling.HostDraw
 
     def __len__(self) -> int:
         return len(self.members)

@@ -34,7 +34,8 @@ Terms:
   before they are read (`mx.async_eval`), so MLX computes while this thread streams
   text; the pipeline is settled (step n read, nothing in flight) before a member joins,
   and a step after which a member's cache reaches a block boundary launches nothing
-  until its checkpoint is taken.
+  until its checkpoint is taken. On the CPU, sampled (temperature > 0) rows are drawn
+  in numpy when their step is read (`HostDraw`), so such steps are not pipelined.
 - *checkpoint*: when a sequence's cache reaches a block boundary (after a prefill step, or
   after the decode step that feeds the boundary's last generated token), that block's
   records are extracted (from a single-sequence copy for batched members), evaluated, and
@@ -65,7 +66,7 @@ from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
-from mlx_nbengine.engine.sampling import make_request_sampler
+from mlx_nbengine.engine.sampling import HostDraw, RequestSampler, draw_rows
 from mlx_nbengine.engine.sequence import Sequence
 
 # An idle loop woken by a request waits this long for the rest of a burst before admitting.
@@ -133,6 +134,7 @@ class GenerationThread:
         self._waiting: deque[Sequence] = deque()
         self._admitting: list[Sequence] = []
         self._launched_at = 0.0
+        self._host_sampling = True  # sampled rows are drawn in numpy (CPU: see `sampling`)
         self._batch = DecodeBatch()
         self._hot: HotCache | None = None
         self._state_layers = False
@@ -197,6 +199,7 @@ class GenerationThread:
     def _run(self) -> None:
         try:
             self.lm = self._loader()
+            self._host_sampling = mx.default_device().type == mx.DeviceType.cpu
             if self._prefix_factory is not None:
                 from mlx_nbengine.cache import layer_kinds
 
@@ -362,7 +365,8 @@ class GenerationThread:
 
     def _admit(self, seq: Sequence) -> None:
         seq.phase = "restoring"
-        seq.sampler = make_request_sampler(**seq.sampling)  # its PRNG key is made here
+        if not seq.greedy:
+            seq.sampler = RequestSampler(**seq.sampling)  # its MLX key is made here
         if not self.has_prefix:
             self._start_prefill(seq, None, 0.0)
             return
@@ -605,13 +609,20 @@ class GenerationThread:
         n = len(seq.generated) + 1  # after this step's token
         return n >= seq.max_tokens or (context is not None and len(seq.prompt) + n >= context)
 
-    def _launch(self, inputs: list[int] | mx.array) -> mx.array:
-        """Build one decode step of the batch and start computing it; its sampled tokens."""
+    def _launch(self, inputs: list[int] | mx.array | HostDraw) -> mx.array | HostDraw:
+        """Build one decode step of the batch and start computing it; its sampled tokens
+        (lazy, or drawn when read: see `sampling`)."""
         members = self._batch.members
+        if isinstance(inputs, HostDraw):
+            inputs = inputs.tolist()
         with blas_step(len(members)):
             logits = self._batch.forward(self._forward_fn, inputs)
-            tokens = self._sample(members, logits)
-            mx.async_eval(tokens)
+            if self._host_sampling and not all(m.greedy for m in members):
+                tokens = HostDraw(logits, list(members))
+                mx.async_eval(logits)
+            else:
+                tokens = self._sample(members, logits)
+                mx.async_eval(tokens)
         self._launched_at = time.perf_counter()
         return tokens
 
@@ -676,11 +687,16 @@ class GenerationThread:
         return self.lm.model(inputs, cache=cache)
 
     def _sample(self, seqs: list[Sequence], logits: mx.array) -> mx.array:
+        """Each row's next token: the argmax of greedy rows, a draw for sampled ones."""
         if all(s.greedy for s in seqs):
             return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        rows = [s.sampler(logprobs[i : i + 1]) for i, s in enumerate(seqs)]
-        return mx.concatenate([r.reshape(-1) for r in rows])
+        if self._host_sampling:  # reads the step's logits now (see `sampling`)
+            return mx.array(draw_rows(seqs, logits), dtype=mx.uint32)
+        lazy = [
+            mx.argmax(row, axis=-1) if s.greedy else s.sampler.graph(row - row.max())
+            for s, row in zip(seqs, logits.split(len(seqs)), strict=True)
+        ]
+        return mx.concatenate([t.reshape(-1).astype(mx.uint32) for t in lazy])
 
     # --- cancellation -----------------------------------------------------------------------
 
