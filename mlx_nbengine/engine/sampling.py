@@ -11,7 +11,8 @@ Two paths draw from the same distribution:
 
 - `RequestSampler.host` takes the row as a numpy array and returns a token id. The
   engine uses it on the CPU, where MLX's sort (the nucleus) and ``exp`` are scalar:
-  about 45 ms a row on a 262k vocabulary, against about 4 ms in numpy. A decode step
+  about 45 ms a row on a 262k vocabulary with ``top_p``, against about 2 ms in numpy
+  (`bench/bench_sampling.py`). A decode step
   with sampled rows is then a `HostDraw`: its logits compute while the generation
   thread streams the previous step, and its rows are drawn when it is read, so the next
   step's graph can only be built after that (steps are not pipelined).
