@@ -394,6 +394,18 @@ def test_sampled_requests_leaving_a_batch_early_leave_the_others_draws_unchanged
     assert [len(t) for t in expected] == [3, 9, 16]
 
 
+def test_the_graph_sampling_path_also_repeats_alone_and_in_a_batch(engine_factory):
+    # The path GPUs take (the CPU draws in numpy): forced here on the CPU.
+    engine = engine_factory("llama", parallel=4)
+    engine._gen._host_sampling = False
+    args = dict(max_tokens=20, temperature=0.9, top_p=0.9, seed=5)
+    alone = engine.submit(prompt(30), **args).result(timeout=60).tokens
+    with arriving_together(engine):
+        batch = [engine.submit(prompt(30), **args) for _ in range(3)]
+    assert [r.result(timeout=60).tokens for r in batch] == [alone] * 3
+    assert engine.submit(prompt(30), **{**args, "seed": 6}).result(timeout=60).tokens != alone
+
+
 # --- cancellation ----------------------------------------------------------------------------
 
 
