@@ -21,13 +21,9 @@ Run from the repository root: ``.venv/bin/python -m bench.bench_cpu_math``. Writ
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from mlx_nbengine._blas import blas_step, ensure_fast_blas
 
@@ -36,9 +32,9 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from bench.common import write_results  # noqa: E402
 from mlx_nbengine.models import cpu_math, load  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = "The river stone sat under seven green lamps by the ocean window. "
 VARIANTS = ("mlx gelu_approx", "fused rational")
 
@@ -178,21 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         f" {agreement['same_greedy_tokens']}"
     )
     text = "\n".join(lines)
-    meta = {
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "mlx": mx.__version__,
-        "prompt_tokens": len(ids),
-        "decode_steps": args.decode_steps,
-        "rounds": args.rounds,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cpu_math.json").write_text(
-        json.dumps({**meta, "rows": rows, "agreement": agreement}, indent=2)
-    )
-    (RESULTS / "cpu_math.txt").write_text(text + "\n")
-    print(text)
+    settings = {"prompt_tokens": len(ids), "decode_steps": args.decode_steps, "rounds": args.rounds}
+    write_results("cpu_math", {**settings, "rows": rows, "agreement": agreement}, text)
     return 0
 
 

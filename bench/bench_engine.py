@@ -40,7 +40,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -55,9 +54,9 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import psutil  # noqa: E402
 
+from bench.common import write_results  # noqa: E402
 from mlx_nbengine import Engine  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "tiny llama": ("llama", {}),
@@ -407,28 +406,19 @@ def main(argv: list[str] | None = None) -> int:
                 path = str(make_tiny_model(family, Path(models) / family, **kw))
                 # Block 32 and prompts / 8: the tiny models' prompts span blocks as Gemma's do.
                 rows.append(bench_model(name, path, args, block_size=32, scale=8))
-    meta = {
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "mlx": mx.__version__,
+    settings = {
         "chat_tokens": args.chat_tokens,
         "rss_tokens": args.rss_tokens,
         "ttft_tokens": args.ttft_tokens,
         "repeats": args.repeats,
         "only": args.only,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.only != "abc" or wanted is not None:
         # A partial run must not overwrite the full table the README quotes.
         print(table(rows))
         print(json.dumps(rows, indent=1))
         return 0
-    (RESULTS / "engine.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    text = table(rows)
-    (RESULTS / "engine.txt").write_text(text + "\n")
-    print(text)
-    print(f"\nwritten: {RESULTS / 'engine.json'} and engine.txt")
+    write_results("engine", {**settings, "rows": rows}, table(rows))
     return 0
 
 

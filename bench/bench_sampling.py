@@ -21,14 +21,10 @@ Run from the repository root: ``.venv/bin/python -m bench.bench_sampling``. Writ
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from mlx_nbengine._blas import ensure_fast_blas
 
@@ -38,11 +34,11 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
+from bench.common import write_results  # noqa: E402
 from mlx_nbengine import Engine  # noqa: E402
 from mlx_nbengine.engine.sampling import RequestSampler  # noqa: E402
 from mlx_nbengine.models import load  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CHATS = [
     "Write a haiku about the sea.",
     "Name three uses of a paper clip.",
@@ -161,20 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         f" {runs['sampled_graph_tokens']} tokens)"
     )
     text = "\n".join(lines)
-    meta = {
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "mlx": mx.__version__,
-        "temperature": TEMPERATURE,
-        "repeats": args.repeats,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sampling.json").write_text(
-        json.dumps({**meta, "per_step": steps, "engine": runs}, indent=2)
-    )
-    (RESULTS / "sampling.txt").write_text(text + "\n")
-    print(text)
+    settings = {"temperature": TEMPERATURE, "repeats": args.repeats}
+    write_results("sampling", {**settings, "per_step": steps, "engine": runs}, text)
     return 0
 
 
