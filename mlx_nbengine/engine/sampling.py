@@ -65,10 +65,7 @@ class RequestSampler:
     def host(self, logits: np.ndarray) -> int:
         """A token id drawn from one row of logits (1-D, any shift)."""
         shifted = logits.astype(np.float32, copy=False) - logits.max()
-        if self.inv_temp == 1.0 and self.top_p == 1.0:
-            weights = np.exp(shifted)
-        else:
-            weights = np.exp(shifted * np.float32(self.inv_temp))
+        weights = np.exp(shifted * np.float32(self.inv_temp))
         if self.top_p < 1.0:
             weights[shifted < _nucleus_threshold(shifted, self.top_p)] = 0.0
         return _inverse_cdf(weights, self._rng.random())
