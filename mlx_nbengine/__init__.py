@@ -24,12 +24,12 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    from mlx_nbengine.magics import load_ipython_extension as _load
+    from mlx_nbengine.notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    from mlx_nbengine.magics import unload_ipython_extension as _unload
+    from mlx_nbengine.notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -18,10 +18,10 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbengine import _blas
-from mlx_nbengine import magics as magics_mod
-from mlx_nbengine.chat import Conversation, PendingTurnError, turn_key
+from mlx_nbengine.notebook import magics as magics_mod
+from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
 from mlx_nbengine.errors import ModelNotFoundError
-from mlx_nbengine.render import AnswerView, TerminalView, summary_line
+from mlx_nbengine.notebook.render import AnswerView, TerminalView, summary_line
 
 # -- a fake engine with the public shape of mlx_nbengine.engine (events by class name) ------
 

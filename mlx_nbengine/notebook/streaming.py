@@ -2,7 +2,7 @@
 
 A request (``Engine.submit``) yields events from ``request.stream()`` until its
 ``Finished`` event carries the `Completion`. This module reads those events and
-feeds them to an `AnswerView` (`mlx_nbengine.render`), which redraws one display
+feeds them to an `AnswerView` (`mlx_nbengine.notebook.render`), which redraws one display
 handle about every 100 ms (its ``interval``).
 
 Terms and threads:
@@ -24,7 +24,7 @@ Terms and threads:
   the cell that started it, so every update it sends carries that cell's parent and
   lands there. The handle's thread owns the view; other threads only read it.
 - *chat turn*: with ``--chat``, the turn the answer is recorded into
-  (`mlx_nbengine.prompting.ChatTurn`). The reader finishes it with the answer (the
+  (`mlx_nbengine.notebook.prompting.ChatTurn`). The reader finishes it with the answer (the
   partial text when interrupted) or abandons it when the request fails.
 """
 
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.render import AnswerView
+from mlx_nbengine.notebook.render import AnswerView
 
 if TYPE_CHECKING:
-    from mlx_nbengine.prompting import ChatTurn
+    from mlx_nbengine.notebook.prompting import ChatTurn
 
 __all__ = ["CANCEL_GRACE_S", "BackgroundAnswer", "drive", "follow", "short_error"]
 

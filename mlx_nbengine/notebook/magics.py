@@ -3,8 +3,8 @@
 `%load_ext mlx_nbengine` registers these magics; the `Engine` then lives in the kernel
 process until `%unload_model` (or the kernel's exit). The magics are thin: they declare
 their options with IPython's `magic_arguments` (the docstrings are the help text), read
-their line and cell with `mlx_nbengine.prompting`, submit to the engine, and follow the
-request with `mlx_nbengine.streaming`, which renders through `mlx_nbengine.render`.
+their line and cell with `mlx_nbengine.notebook.prompting`, submit to the engine, and follow the
+request with `mlx_nbengine.notebook.streaming`, which renders through `mlx_nbengine.notebook.render`.
 
 Terms:
 
@@ -16,7 +16,7 @@ Terms:
   answer stays, marked interrupted, and ``-o`` still receives it; the cell then ends with
   `KeyboardInterrupt` like any interrupted cell, so "Run all" stops there.
 - *background request*: `%%llm --bg`. The cell returns at once with a `BackgroundAnswer`
-  handle whose own thread renders into that cell (see `mlx_nbengine.streaming`). Several
+  handle whose own thread renders into that cell (see `mlx_nbengine.notebook.streaming`). Several
   run at once (up to the engine's `parallel` slots, then they queue). nbclient and
   nbconvert only record output that arrives while a cell runs, so in a headless run a
   background answer is complete only if a later cell waits for it (``handle.result()``).
@@ -41,9 +41,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from mlx_nbengine import _blas
-from mlx_nbengine.chat import ChatBook, turn_key
+from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.prompting import (
+from mlx_nbengine.notebook.prompting import (
     build_prompt,
     engine_options,
     interpolate,
@@ -51,7 +51,7 @@ from mlx_nbengine.prompting import (
     parse_size,
     sampling_options,
 )
-from mlx_nbengine.render import (
+from mlx_nbengine.notebook.render import (
     AnswerView,
     TerminalView,
     format_bytes,
@@ -59,7 +59,7 @@ from mlx_nbengine.render import (
     progress_bundle,
     stats_rows,
 )
-from mlx_nbengine.streaming import CANCEL_GRACE_S, BackgroundAnswer, follow, short_error
+from mlx_nbengine.notebook.streaming import CANCEL_GRACE_S, BackgroundAnswer, follow, short_error
 
 __all__ = [
     "BackgroundAnswer",

@@ -1,7 +1,7 @@
 """From what a user wrote in a magic to what the engine is sent.
 
 Everything here runs on the kernel's main thread, while the magic's cell runs, and
-touches no engine: the magics in `mlx_nbengine.magics` call these to read their
+touches no engine: the magics in `mlx_nbengine.notebook.magics` call these to read their
 line and cell, then submit the result.
 
 Terms:
@@ -37,7 +37,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
-from mlx_nbengine.chat import Conversation, PendingTurnError, Turn
+from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, Turn
 
 __all__ = [
     "ChatTurn",
@@ -163,7 +163,7 @@ def build_prompt(
 
     `raw` sends `text` as is; otherwise it becomes the user message, after the
     `system` message if any. In a `conversation`, `key` names the turn (see
-    `mlx_nbengine.chat.turn_key`): a known key replaces that turn and the later ones.
+    `mlx_nbengine.notebook.chat.turn_key`): a known key replaces that turn and the later ones.
     """
     if raw:
         return text, None

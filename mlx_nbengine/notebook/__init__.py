@@ -1,0 +1,9 @@
+"""The notebook face: magics, prompt building, streaming into cells, rendering, chats, widgets.
+
+`magics` declares the magics (thin); `prompting` reads options and builds prompts;
+`streaming` follows a request and feeds its events to a view; `render` turns a request's
+state into display bundles; `chat` keeps named conversations; `widgets` holds the
+anywidget classes (their ES modules and CSS ship in `mlx_nbengine/notebook/static`, built
+from the repository's top-level `widgets/` folder). Imports point down only: this layer
+uses the engine, never the other way round.
+"""
