@@ -567,7 +567,7 @@ def test_a_restore_first_stores_the_queued_saves_of_its_chain(engine_factory):
         io.save(keys[b], records[b])
     restore = io.restore(tokens, better_than=0)  # outranks the saves in the queue
     gate.set()
-    plan, loaded = restore.result(timeout=60)
+    plan, loaded, _ = restore.result(timeout=60)
     assert plan.n_blocks == 3 and sorted(loaded) == [0, 1, 2]
 
 

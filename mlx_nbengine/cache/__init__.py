@@ -1,12 +1,14 @@
 """Prefix cache: whole-block keys, per-layer-kind records, disk LRU store, restore planning.
 
 See `blocks` (keys), `records` (what a block keeps per layer kind), `planner`
-(`PrefixCache`, `RestorePlan`, `prefill_steps`), `assembly` (rebuilding live
-caches), `store` (`BlockStore`, the LRU over one scratch file) and `blobfile`.
+(`PrefixCache`, `RestorePlan`, `BlockFacts`, `prefill_steps`), `followers` (which stored
+blocks followed a prefix, with their tokens), `assembly` (rebuilding live caches), `store`
+(`BlockStore`, the LRU over one scratch file) and `blobfile`.
 """
 
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys
-from mlx_nbengine.cache.planner import PrefixCache, RestorePlan, prefill_steps
+from mlx_nbengine.cache.followers import ROOT, FollowerIndex
+from mlx_nbengine.cache.planner import BlockFacts, PrefixCache, RestorePlan, prefill_steps
 from mlx_nbengine.cache.records import (
     Record,
     RecordError,
@@ -19,6 +21,9 @@ from mlx_nbengine.cache.records import (
 )
 
 __all__ = [
+    "ROOT",
+    "BlockFacts",
+    "FollowerIndex",
     "ImageSpan",
     "PrefixCache",
     "Record",

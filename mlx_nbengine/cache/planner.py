@@ -17,6 +17,12 @@ image, ``b`` not strictly inside an image's tokens.
 together for one model. It is not thread-safe: the engine calls it from its
 cache-I/O thread (plan/load/save/touch) and the generation thread (assemble).
 
+*Facts*: for the blocks a request computes, `PrefixCache.block_facts` says what the
+store knows of each (stored once? its own records held? restorable up to its end? where
+does it leave the closest stored continuation of its prefix?), so the engine can say why
+a block was computed. They rest on the `FollowerIndex` (`followers`), which `save` fills
+when given a block's parent and tokens.
+
 *Recency*: the store evicts the least recently touched record first. Touching
 a chain puts, oldest first, the records not needed at its boundary (earlier
 boundaries' state checkpoints, window slices that fell out of the window),
@@ -33,6 +39,7 @@ from typing import Any
 
 from mlx_nbengine.cache.assembly import assemble, window_blocks
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys
+from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.records import (
     KINDS,
     Record,
@@ -44,7 +51,7 @@ from mlx_nbengine.cache.records import (
     record_to_bytes,
 )
 
-__all__ = ["PrefixCache", "RestorePlan", "prefill_steps"]
+__all__ = ["BlockFacts", "PrefixCache", "RestorePlan", "prefill_steps"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,31 @@ class RestorePlan:
     @property
     def tokens(self) -> int:
         return self.n_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class BlockFacts:
+    """What the store knows about prompt block `index` (tokens ``start:end``).
+
+    ``seen``: this very block (same key) was stored once, whether or not it is still
+    held; ``held``: its own records are held (its ``"kv"`` record, or for models without
+    kv layers the first kind they have); ``chain_held``: so are those of every block
+    before it; ``restorable``: every record that restoring the prompt up to the block's
+    end needs is held; ``diverges_at``: the absolute position
+    where the prompt leaves the closest stored follower of the previous block (None when
+    a follower agrees with all the block's tokens, or none was stored; for block 0 the
+    follower must share at least half a block, `PrefixCache.root_min_shared`). A partial tail
+    block has no key: it is never seen, held nor restorable.
+    """
+
+    index: int
+    start: int
+    end: int
+    seen: bool = False
+    held: bool = False
+    chain_held: bool = False
+    restorable: bool = False
+    diverges_at: int | None = None
 
 
 def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple[int, int]]:
@@ -123,6 +155,11 @@ class PrefixCache:
         if any(w is None or w <= 0 for w in present):
             raise ValueError("every window layer needs a positive window size")
         self.max_window = max(present, default=0)
+        self.followers = FollowerIndex()
+        # Unrelated prompts share their first tokens: BOS, a chat template's header (some
+        # 30 tokens with a default system message), often a system prompt. So a stored
+        # first block counts as the same prompt edited only when it shares half a block.
+        self.root_min_shared = max(1, block_size // 2)
 
     @classmethod
     def for_cache(
@@ -200,6 +237,49 @@ class PrefixCache:
             allowed=allowed,
         )
 
+    def block_facts(
+        self, tokens: Sequence[int], keys: Sequence[str], *, first: int = 0
+    ) -> list[BlockFacts]:
+        """The `BlockFacts` of prompt blocks `first` .. last (the partial tail included).
+
+        `keys` are the prompt's whole-block keys (`RestorePlan.keys`).
+        """
+        B = self.block_size
+        own = self.kinds[0] if self.kinds else None
+        has = self.store.has
+        chain = own is not None and all(has(k, own) for k in keys[:first])
+        out = []
+        for j in range(first, -(-len(tokens) // B)):
+            start, end = j * B, min((j + 1) * B, len(tokens))
+            key = keys[j] if j < len(keys) else None
+            held = key is not None and own is not None and has(key, own)
+            chain = chain and held
+            seen = key is not None and (held or key in self.followers)
+            restorable = held and all(has(k, kind) for k, kind in self.needed(keys, j + 1))
+            parent = keys[j - 1] if j > 0 else ROOT
+            out.append(
+                BlockFacts(
+                    index=j,
+                    start=start,
+                    end=end,
+                    seen=seen,
+                    held=held,
+                    chain_held=chain,
+                    restorable=restorable,
+                    diverges_at=self._diverges_at(parent, tokens[start:end], start),
+                )
+            )
+        return out
+
+    def _diverges_at(self, parent: str, tokens: Sequence[int], start: int) -> int | None:
+        closest = self.followers.closest(parent, tokens)
+        if closest is None:
+            return None
+        _, shared = closest
+        if shared >= len(tokens) or (parent == ROOT and shared < self.root_min_shared):
+            return None
+        return start + shared
+
     # --- load, assemble ----------------------------------------------------------------------
 
     def _check(self, rec: Record, block: int, kind: RecordKind) -> None:
@@ -265,17 +345,29 @@ class PrefixCache:
 
     # --- store -------------------------------------------------------------------------------
 
-    def save(self, key: str, records: dict[RecordKind, Record]) -> bool:
+    def save(
+        self,
+        key: str,
+        records: dict[RecordKind, Record],
+        *,
+        parent: str | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> bool:
         """Store one block's records under its key; False when any was not stored.
 
         Records already held are kept as they are (equal keys mean equal prefixes).
-        Call `touch` with the chain afterwards so the recency order is right.
+        With `parent` (the previous block's key, `ROOT` for block 0) and the block's
+        `tokens`, a block now held is added to `followers`. Call `touch` with the chain
+        afterwards so the recency order is right.
         """
         ok = True
         for kind, rec in records.items():
             if self.store.has(key, kind):
                 continue
             ok = self.store.put(key, kind, record_to_bytes(rec)) and ok
+        if parent is not None and tokens is not None:
+            if any(self.store.has(key, kind) for kind in records):
+                self.followers.add(key, parent, tokens)
         return ok
 
     def touch(self, keys: Sequence[str]) -> None:

@@ -111,7 +111,7 @@ class BlockStore:
 
     Owned by one thread: the engine's cache-I/O thread is the only caller of `put`, `get`,
     `touch`, `delete`, `clear` and `close`. A lock guards every method anyway, so `stats()`
-    (and `has`) can be read from any thread, e.g. by the notebook face.
+    (and `has`, `census`) can be read from any thread, e.g. by the notebook face.
     Invariant: the recency order, the sizes and the backend hold exactly the same items, and
     `bytes_held <= budget_bytes` after every call.
     """
@@ -288,6 +288,17 @@ class BlockStore:
     def blobfile(self) -> BlobFile | None:
         """The scratch file, None when memory only; for diagnostics and tests."""
         return self._blobs if isinstance(self._blobs, BlobFile) else None
+
+    def census(self) -> tuple[int, dict[str, tuple[int, int]]]:
+        """Distinct block keys held, and per kind ``(records, bytes)``; safe from any thread."""
+        with self._lock:
+            keys = set()
+            by_kind: dict[str, tuple[int, int]] = {}
+            for (key, kind), nbytes in self._recency.items():
+                keys.add(key)
+                count, total = by_kind.get(kind, (0, 0))
+                by_kind[kind] = (count + 1, total + nbytes)
+            return len(keys), by_kind
 
     def items(self) -> list[Item]:
         """Held items, least recently used first."""

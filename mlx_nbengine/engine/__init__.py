@@ -1,10 +1,12 @@
 """The engine layer: continuous batching, streaming and the prefix cache wired together.
 
 Modules, one concept each: `engine` (the `Engine` face), `request` (the caller's handle,
-`Completion`, `Report`), `events` (what a stream yields), `generation` (the generation
-thread), `batch` (the decode batch's caches), `sequence` (one request on the generation
-thread), `sampling`, `text` (detokenizing and stop strings), `cacheio` (the cache-I/O
-thread), `memory` (giving freed memory back). Knows nothing of IPython.
+`Completion`, `Report`), `events` (what a stream yields; block sources and reasons),
+`reasons` (why a block was computed), `generation` (the generation thread), `batch` (the
+decode batch's caches), `sequence` (one request on the generation thread), `sampling`,
+`text` (detokenizing and stop strings), `cacheio` (the cache-I/O thread), `ledger` (what
+the store view shows over time), `memory` (giving freed memory back). Knows nothing of
+IPython.
 """
 
 from mlx_nbengine._blas import ensure_fast_blas
@@ -13,7 +15,14 @@ from mlx_nbengine._blas import ensure_fast_blas
 ensure_fast_blas()
 
 from mlx_nbengine.engine.engine import Engine  # noqa: E402
-from mlx_nbengine.engine.events import BlockEvent, Event, Finished, Progress, TextDelta  # noqa: E402
+from mlx_nbengine.engine.events import (  # noqa: E402
+    REASONS,
+    BlockEvent,
+    Event,
+    Finished,
+    Progress,
+    TextDelta,
+)
 from mlx_nbengine.engine.request import (  # noqa: E402
     BlockReport,
     Completion,
@@ -25,6 +34,7 @@ from mlx_nbengine.engine.request import (  # noqa: E402
 )
 
 __all__ = [
+    "REASONS",
     "BlockEvent",
     "BlockReport",
     "Completion",

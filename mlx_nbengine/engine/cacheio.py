@@ -15,8 +15,14 @@ cache miss, never a wrong answer); a failed restore fails that future.
 
 Restores jump the queue, yet must not miss blocks whose saves are still queued (a
 prompt run twice in a row): a restore first stores the queued records of its own
-chain, then plans. After a step's blocks are stored, their chain is *touched*
-suffix-first (see `PrefixCache.touch`) so that, under pressure, suffixes evict first.
+chain (and of the blocks that followed its prefixes), then plans. A restore also
+returns the `BlockFacts` of the blocks its plan does not cover, read from the store at
+that moment, from which the generation thread says why each computed block was
+computed. A save names the block's parent and tokens, so the prefix cache's follower
+index learns what followed each prefix.
+
+After a step's blocks are stored, their chain is *touched* suffix-first (see
+`PrefixCache.touch`) so that, under pressure, suffixes evict first.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_nbengine.cache.followers import ROOT
 from mlx_nbengine.engine.memory import give_back_memory
 
 CONTROL, RESTORE, SAVE = 0, 1, 2
@@ -44,7 +51,7 @@ class CacheIO:
         self._closing = False
         self.prefix: Any = None  # PrefixCache, set by `open` on this thread
         self.save_errors = 0
-        self._queued_saves: dict[str, dict] = {}  # key -> records, until stored
+        self._queued_saves: dict[str, tuple] = {}  # key -> (records, parent, tokens)
         self._queued_lock = threading.Lock()
         self.saves_dropped = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -70,36 +77,57 @@ class CacheIO:
     def restore(self, tokens: list[int], *, better_than: int) -> Future:
         """Plan the longest restorable prefix of `tokens`; load it if it beats `better_than`.
 
-        The future's result is ``(plan, records_by_block)``, or ``(plan, None)`` when the
-        plan restores no more than `better_than` tokens (the caller has a better source).
+        The future's result is ``(plan, records_by_block, facts)``: `records_by_block` is
+        None when the plan restores no more than `better_than` tokens (the caller has a
+        better source); `facts` maps each block from the plan's end to the prompt's last
+        to its `BlockFacts`.
         """
 
         def job():
             prefix = self.prefix
             if prefix is None:
-                return None, None
+                return None, None, None
             keys = prefix.keys(tokens)
             for key in keys:
                 self._store(key)
+            # And the queued blocks that followed the prompt's prefixes: the facts compare
+            # the prompt with them (an edit of a prompt that just ran).
+            parents = {ROOT, *keys}
+            with self._queued_lock:
+                followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
+            for key in followers:
+                self._store(key)
             plan = prefix.plan(tokens)
-            if plan.n_blocks == 0 or plan.tokens <= better_than:
-                return plan, None
-            plan, records = prefix.load(plan)
-            if plan.n_blocks == 0 or plan.tokens <= better_than:
-                return plan, None
-            mx.eval([r.arrays for block in records.values() for r in block.values()])
-            return plan, records
+            records = None
+            if plan.n_blocks > 0 and plan.tokens > better_than:
+                plan, records = prefix.load(plan)
+                if plan.n_blocks == 0 or plan.tokens <= better_than:
+                    records = None
+                else:
+                    mx.eval([r.arrays for block in records.values() for r in block.values()])
+            # After the load: a record found damaged there is gone now.
+            facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks)
+            return plan, records, {f.index: f for f in facts}
 
         return self.call(job, priority=RESTORE)
 
-    def save(self, key: str, records: dict, *, chain: list[str] | None = None) -> None:
+    def save(
+        self,
+        key: str,
+        records: dict,
+        *,
+        chain: list[str] | None = None,
+        parent: str | None = None,
+        tokens: list[int] | None = None,
+    ) -> None:
         """Queue one block's (already evaluated) records for the store.
 
         `chain`, when given, is the block keys from the first block to this one; it is
-        touched after the save.
+        touched after the save. `parent` (the previous block's key, `ROOT` for block 0)
+        and the block's `tokens` go to the follower index.
         """
         with self._queued_lock:
-            self._queued_saves[key] = records
+            self._queued_saves[key] = (records, parent, tokens)
 
         def job():
             self._store(key)
@@ -110,11 +138,12 @@ class CacheIO:
 
     def _store(self, key: str) -> bool:
         with self._queued_lock:
-            records = self._queued_saves.pop(key, None)
-        if records is None or self.prefix is None:
+            queued = self._queued_saves.pop(key, None)
+        if queued is None or self.prefix is None:
             return False
+        records, parent, tokens = queued
         try:
-            return self.prefix.save(key, records)
+            return self.prefix.save(key, records, parent=parent, tokens=tokens)
         except Exception:
             # A lost checkpoint is a future cache miss, not a reason to fail anyone.
             self.save_errors += 1

@@ -10,6 +10,11 @@ generation thread (a load error is raised in the caller). `close()` cancels what
 flight, joins both threads and closes the store, which deletes its scratch file; it is
 idempotent and also runs from an `atexit` hook, so a process that exits without calling
 it leaves no file behind.
+
+`Engine.load(..., store=False)` runs without a block store (no scratch file; every whole
+prompt block is computed, with reason ``"store_off"``). `cache_view()` is what the store
+view draws: the store's figures now plus the engine's `CacheLedger` (counts over all
+finished requests, history, recent evictions).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.generation import GenerationThread
+from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.engine.memory import keep_large_buffers_mapped
 from mlx_nbengine.engine.request import (
     EngineClosedError,
@@ -64,6 +70,7 @@ class Engine:
         cache_dir: str | os.PathLike | None = None,
         max_prefill_step: int = 1024,
         name: str = "model",
+        store: bool = True,
     ) -> None:
         if not isinstance(parallel, int) or parallel < 1:
             raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
@@ -81,20 +88,33 @@ class Engine:
         self._closed = False
         keep_large_buffers_mapped()
         self._io = CacheIO()
+        self._ledger = CacheLedger()
 
-        def prefix_factory(lm: Any) -> Any:
+        def prefix_factory(lm: Any) -> Any:  # runs on the cache-I/O thread
             from mlx_nbengine.cache import PrefixCache
             from mlx_nbengine.cache.store import BlockStore
 
-            store = BlockStore(budget_bytes=disk_budget, directory=cache_dir)
-            return PrefixCache.for_cache(
-                lm.make_cache(), fingerprint=lm.fingerprint, store=store, block_size=block_size
+            block_store = BlockStore(
+                budget_bytes=disk_budget, directory=cache_dir, on_event=self._ledger.store_event
             )
+            prefix = PrefixCache.for_cache(
+                lm.make_cache(),
+                fingerprint=lm.fingerprint,
+                store=block_store,
+                block_size=block_size,
+            )
+
+            def lookup(key: str, kind: str) -> tuple[list[int] | None, bool]:
+                held = any(block_store.has(key, k) for k in prefix.kinds)
+                return prefix.followers.tokens(key), held
+
+            self._ledger.attach(lookup)
+            return prefix
 
         self._gen = GenerationThread(
             loader=loader,
             io=self._io,
-            prefix_factory=prefix_factory,
+            prefix_factory=prefix_factory if store else None,
             parallel=parallel,
             block_size=block_size,
             max_prefill_step=max_prefill_step,
@@ -106,6 +126,7 @@ class Engine:
             self._io.close()
             raise
         self.model_name = name
+        self._ledger.start_clock()
         _open_engines.add(self)
 
     @classmethod
@@ -120,6 +141,7 @@ class Engine:
         dtype: str | None = None,
         max_prefill_step: int = 1024,
         progress: Callable[[int, int], None] | None = None,
+        store: bool = True,
     ) -> Engine:
         """Load `model` ("default", a model directory or a .gguf file) and start serving.
 
@@ -130,7 +152,9 @@ class Engine:
         `max_prefill_step` bounds the tokens of one prefill call when nothing else runs.
         `progress(done, total)`, when given, is called on the generation thread while a GGUF
         file is converted (tensor bytes written so far, of `total`); a model that needs no
-        conversion reports nothing. Raises a `ModelError` if the model cannot be loaded.
+        conversion reports nothing. `store=False` runs without a block store: no scratch
+        file, nothing restored from disk, every whole prompt block computed (reason
+        ``"store_off"``). Raises a `ModelError` if the model cannot be loaded.
         """
         from mlx_nbengine.models import load as load_model
 
@@ -146,6 +170,7 @@ class Engine:
             cache_dir=cache_dir,
             max_prefill_step=max_prefill_step,
             name=name,
+            store=store,
         )
 
     # --- requests ---------------------------------------------------------------------------
@@ -203,6 +228,7 @@ class Engine:
             eos=frozenset(lm.eos_token_ids),
             block_size=self.block_size,
             submitted_at=time.perf_counter(),
+            ledger=self._ledger,
         )
         with self._lock:
             if self._closed:
@@ -261,6 +287,75 @@ class Engine:
             closed=self._closed,
         )
         return out
+
+    def cache_view(self) -> dict[str, Any]:
+        """What the store view draws, JSON-ready; cheap and safe from any thread.
+
+        The store now: ``blocks_held`` (distinct block keys with a record), ``records``,
+        ``bytes_held``, ``budget_bytes``, ``file_size``, ``free_bytes``, ``backend`` (the
+        store's description; ``"off"`` without a store, whose figures are then zeros),
+        ``by_kind`` (``{"kv"|"window"|"state": {"records", "bytes"}}``). Over all finished
+        requests: ``blocks_restored``, ``blocks_computed``, ``tokens_restored``,
+        ``tokens_computed``, ``requests``; over the store's life: ``blocks_evicted``
+        (blocks that lost their last record), ``records_evicted``. ``history``: one point
+        per finished request and per eviction burst, ``{"t", "restored", "computed",
+        "evicted"}`` (cumulative blocks, ``t`` in seconds since the engine loaded), at most
+        200. ``recent_evictions``: ``{"t", "kind", "bytes", "text"}``, newest first, at
+        most 10, ``text`` the first words of the evicted block ("" if unknown).
+        """
+        view: dict[str, Any] = {"model": self.model_name, "block_size": self.block_size}
+        store = None
+        prefix = self._io.prefix if self._gen.has_prefix and not self._closed else None
+        if prefix is not None:
+            store = prefix.store
+        figures: dict[str, Any] = {
+            "blocks_held": 0,
+            "records": 0,
+            "bytes_held": 0,
+            "budget_bytes": 0,
+            "file_size": 0,
+            "free_bytes": 0,
+            "backend": "off",
+            "by_kind": {k: {"records": 0, "bytes": 0} for k in ("kv", "window", "state")},
+        }
+        if store is not None:
+            try:
+                stats = store.stats()
+                blocks, by_kind = store.census()
+            except Exception:  # a store closing under us: show it empty
+                pass
+            else:
+                figures.update(
+                    blocks_held=blocks,
+                    records=stats.records,
+                    bytes_held=stats.bytes_held,
+                    budget_bytes=stats.budget_bytes,
+                    file_size=stats.file_size,
+                    free_bytes=stats.free_bytes,
+                    backend=stats.description,
+                )
+                for kind, (count, nbytes) in by_kind.items():
+                    figures["by_kind"][kind] = {"records": count, "bytes": nbytes}
+        view.update(figures)
+        ledger = self._ledger.snapshot()
+        evictions = ledger.pop("recent_evictions")
+        view.update(ledger)
+        view["recent_evictions"] = [
+            {"t": e["t"], "kind": e["kind"], "bytes": e["bytes"], "text": self._words(e["tokens"])}
+            for e in evictions
+        ]
+        return view
+
+    def _words(self, tokens: list[int] | None, *, words: int = 8) -> str:
+        """The first `words` words of `tokens` decoded ("" when unknown or not decodable)."""
+        lm = self.model
+        if not tokens or lm is None:
+            return ""
+        try:
+            text = lm.decode(tokens, skip_special_tokens=True)
+        except Exception:  # a view must never fail on a tokenizer's quirk
+            return ""
+        return " ".join(text.split()[:words])
 
     def clear_cache(self) -> None:
         """Empty the block store and drop the hot in-memory cache.

@@ -14,6 +14,21 @@ thread). The stream of one request is:
 Block sources are the names the report and widgets use: ``"memory"`` (the hot cache
 of the previous request was reused), ``"disk"`` (records restored from the store),
 ``"computed"`` (prefilled now).
+
+Every block also carries a *reason*, named here and nowhere else:
+
+- source memory: ``"hot"``;
+- source disk: the *record kinds* read for the block joined with "+" in the order kv,
+  window, state (``"kv"``, ``"kv+window"``, ``"kv+state"``...; ``"none"`` when none
+  was read for it, e.g. a window-only model's block outside the window);
+- source computed: one of `COMPUTED_REASONS`, decided when the request is admitted
+  (see `reasons`): ``"new"`` never seen; ``"edited"`` a stored block followed the same
+  prefix but its tokens differ (`edit_at` is the first changed position); ``"evicted"``
+  this very block was stored once and its records are gone; ``"store_off"`` the engine
+  has no block store; ``"after_miss"`` an earlier block was computed, so this one's
+  chain broke; ``"tail"`` the partial last block, or the block holding the prompt's last
+  token (always computed: its logits start generation); ``"window"`` the block's own
+  records are held but the window/state records needed to stop at its end were dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +40,34 @@ if TYPE_CHECKING:
     from mlx_nbengine.engine.request import Completion
 
 BlockSource = Literal["memory", "disk", "computed"]
+ComputedReason = Literal["new", "edited", "evicted", "store_off", "after_miss", "tail", "window"]
+COMPUTED_REASONS: tuple[ComputedReason, ...] = (
+    "new",
+    "edited",
+    "evicted",
+    "store_off",
+    "after_miss",
+    "tail",
+    "window",
+)
+RECORD_ORDER = ("kv", "window", "state")
+
+REASONS: dict[str, str] = {
+    "hot": "kept in memory from the previous request",
+    "new": "never seen",
+    "edited": "edited",  # the caller adds where: "edited at token 1,234" (from edit_at)
+    "evicted": "evicted from the store",
+    "store_off": "no block store",
+    "after_miss": "after a computed block",
+    "tail": "last tokens, computed to start the answer",
+    "window": "window or state records dropped",
+}
+"""A short human phrase per computed reason (and ``"hot"``)."""
+
+
+def disk_reason(records: tuple[str, ...]) -> str:
+    """The reason of a block restored from disk: its record kinds read, joined by "+"."""
+    return "+".join(k for k in RECORD_ORDER if k in records) or "none"
 
 
 @dataclass(frozen=True)
@@ -36,13 +79,22 @@ class TextDelta:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """Prompt block `index` (tokens ``start:end``) came from `source` in `seconds`."""
+    """Prompt block `index` (tokens ``start:end``) came from `source` in `seconds`.
+
+    `reason` says why (see the module docstring); `records` are the record kinds read
+    from disk for it (empty for memory and computed blocks); `edit_at` is the absolute
+    position of the first changed token when this block is where the prompt leaves a
+    stored continuation (an ``"edited"`` block, or the tail), else None.
+    """
 
     index: int
     start: int
     end: int
     source: BlockSource
     seconds: float
+    reason: str
+    records: tuple[str, ...] = ()
+    edit_at: int | None = None
 
 
 @dataclass(frozen=True)

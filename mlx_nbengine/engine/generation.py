@@ -21,11 +21,14 @@ Terms:
   group.
 - *restore*: the prompt's prefix comes from the best of two sources. ``memory``: the
   *hot cache*, the cache of the last sequence that finished, when its tokens share a
-  longer prefix with the prompt than the disk can serve and it can be cut back to that
-  prefix (it is used as is when its tokens are a prefix of the prompt, trimmed only when
-  every layer is trimmable; a sliding window that has rotated or a recurrent state is
-  never trimmed). ``disk``: the records of the longest restorable chain of whole blocks,
-  planned and loaded by the cache-I/O thread and assembled here.
+  longer prefix with the prompt than the disk can serve, that prefix covers at least one
+  whole block or every prompt token but the last (a shared BOS alone is no restore), and
+  it can be cut back to that prefix (it is used as is when its tokens are a prefix of the
+  prompt, trimmed only when every layer is trimmable; a sliding window that has rotated
+  or a recurrent state is never trimmed). ``disk``: the records of the longest
+  restorable chain of whole blocks, planned and loaded by the cache-I/O thread and
+  assembled here. Once the source is chosen, every block left to compute gets its
+  *reason* (see `reasons`) from the facts the restore read.
 - *step*: one model call. A *prefill step* computes prompt tokens up to the next block
   boundary (or a few blocks, or the prompt's end); a *decode step* computes one token for
   every member of the batch. The loop alternates: one prefill step of each admitting
@@ -64,7 +67,9 @@ import mlx.core as mx
 from mlx_nbengine._blas import blas_step
 from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.events import RECORD_ORDER
 from mlx_nbengine.engine.memory import give_back_memory
+from mlx_nbengine.engine.reasons import computed_reasons
 from mlx_nbengine.engine.request import EngineClosedError
 from mlx_nbengine.engine.sampling import HostDraw, RequestSampler, draw_rows
 from mlx_nbengine.engine.sequence import Sequence
@@ -85,12 +90,15 @@ class HotCache:
     tokens: list[int]
     cache: list[Any]
 
-    def usable(self, prompt: list[int]) -> int:
-        """How many leading prompt tokens this cache can serve (0 if none)."""
+    def usable(self, prompt: list[int], *, block_size: int) -> int:
+        """How many leading prompt tokens this cache can serve (0 if none): worth using
+        only when they cover a whole block or every prompt token but the last."""
         limit = min(len(self.tokens), len(prompt) - 1)
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
+        if n < block_size and n < len(prompt) - 1:
+            return 0
         if n == len(self.tokens):
             return n
         trimmable = all(hasattr(c, "trim") and c.is_trimmable() for c in self.cache)
@@ -138,6 +146,7 @@ class GenerationThread:
         self._batch = DecodeBatch()
         self._hot: HotCache | None = None
         self._state_layers = False
+        self.store_off = True  # no block store (or one with a zero budget): set on load
         self.active = 0
         self.queued = 0
         self.failures = 0
@@ -207,6 +216,7 @@ class GenerationThread:
                 lm = self.lm
                 self._io.open(lambda: self._prefix_factory(lm))
                 self.has_prefix = True
+                self.store_off = self._io.prefix.store.budget_bytes == 0
         except BaseException as exc:
             self._load_error = exc
             self._release_streams()
@@ -370,7 +380,7 @@ class GenerationThread:
         if not self.has_prefix:
             self._start_prefill(seq, None, 0.0)
             return
-        better_than = self._hot.usable(seq.prompt) if self._hot is not None else 0
+        better_than = self._hot_usable(seq.prompt)
         seq.restore_started = time.perf_counter()
         fut = self._io.restore(seq.prompt, better_than=better_than)
         seq.restore_future = fut
@@ -391,9 +401,15 @@ class GenerationThread:
             self._drop_admitting(seq)
             self._fail([seq], exc)
 
+    def _hot_usable(self, prompt: list[int]) -> int:
+        if self._hot is None:
+            return 0
+        return self._hot.usable(prompt, block_size=self.block_size)
+
     def _start_prefill(self, seq: Sequence, restored: Any, seconds: float) -> None:
-        plan, records = restored if restored is not None else (None, None)
-        hot_n = self._hot.usable(seq.prompt) if self._hot is not None else 0
+        plan, records, facts = restored if restored is not None else (None, None, None)
+        hot_n = self._hot_usable(seq.prompt)
+        kinds_read = None
         if records is not None and plan.tokens > hot_n:
             t = time.perf_counter()
             cache = self._io_prefix().assemble(
@@ -403,6 +419,10 @@ class GenerationThread:
             seconds += time.perf_counter() - t
             start, source = plan.tokens, "disk"
             seq.restored_bytes = sum(r.nbytes for recs in records.values() for r in recs.values())
+            kinds_read = {
+                block: tuple(k for k in RECORD_ORDER if k in recs)
+                for block, recs in records.items()
+            }
         elif hot_n > 0:
             t = time.perf_counter()
             cache, self._hot = self._hot.take(hot_n), None
@@ -413,8 +433,12 @@ class GenerationThread:
             cache, start, source = self.lm.make_cache(), 0, None
         seq.cache = cache
         seq.cache_tokens = list(seq.prompt[:start])
+        first = start // self.block_size  # the first block not wholly restored
+        if not self.has_prefix:
+            facts = None
+        seq.set_reasons(*computed_reasons(seq.n_blocks, first, facts, store_off=self.store_off))
         if source is not None:
-            seq.report_restored(start, source, seconds)
+            seq.report_restored(start, source, seconds, records=kinds_read)
         if self.has_prefix:
             seq.prompt_keys = list(plan.keys) if plan is not None else self._keys(seq.prompt)
         seq.phase = "prefilling"
@@ -573,16 +597,30 @@ class GenerationThread:
         done = range(start // self.block_size, end // self.block_size)
         for block in done:
             chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
-            self._save_block(seq.prompt_keys[block], seq.cache, block, chain=chain)
+            self._save_block(seq.prompt_keys, seq.prompt, seq.cache, block, chain=chain)
 
     def _save_block(
-        self, key: str, cache: list[Any], block: int, *, chain: list[str] | None
+        self,
+        keys: list[str],
+        tokens: list[int],
+        cache: list[Any],
+        block: int,
+        *,
+        chain: list[str] | None,
     ) -> None:
-        from mlx_nbengine.cache import extract_block_records
+        """Send block `block` of `tokens` (chain `keys`) from `cache` to the store."""
+        from mlx_nbengine.cache import ROOT, extract_block_records
 
-        records = extract_block_records(cache, block=block, block_size=self.block_size)
+        bs = self.block_size
+        records = extract_block_records(cache, block=block, block_size=bs)
         if records:
-            self._io.save(key, records, chain=chain)
+            self._io.save(
+                keys[block],
+                records,
+                chain=chain,
+                parent=keys[block - 1] if block else ROOT,
+                tokens=list(tokens[block * bs : (block + 1) * bs]),
+            )
 
     # --- decode -----------------------------------------------------------------------------
 
@@ -665,7 +703,7 @@ class GenerationThread:
         block = len(seq.cache_tokens) // self.block_size - 1
         chain = self._keys(seq.cache_tokens)
         cache = self._batch.single_cache(index)
-        self._save_block(chain[block], cache, block, chain=chain[: block + 1])
+        self._save_block(chain, seq.cache_tokens, cache, block, chain=chain[: block + 1])
 
     def _finish(self, seq: Sequence, hot: tuple[list[int], list[Any]] | None, reason: str) -> None:
         """End `seq`; `hot` (the tokens held by a cache, the cache) becomes the hot cache."""

@@ -6,8 +6,9 @@ two threads and keeps one rule: the generation thread only *puts* (events, the f
 outcome); the caller only *reads* (stream, result) and asks to cancel.
 
 - `Completion`: the outcome of a request that ended normally or was cancelled.
-- `Report`: where every prompt block came from and what it cost (`BlockReport` each),
-  plus time to first token and decode speed.
+- `Report`: where every prompt block came from, why, and what it cost (`BlockReport`
+  each; the reasons are named in `events`), where the prompt first leaves a stored
+  continuation (`edit_at`), plus time to first token and decode speed.
 - `InvalidRequestError`, `PromptTooLongError`, `EngineClosedError` (defined in
   `mlx_nbengine.errors`, re-exported here): raised in the caller by `submit` for
   problems the caller can fix.
@@ -43,6 +44,7 @@ class BlockReport:
 
     Blocks are `block_size` tokens; the last one may be shorter (the prompt's tail).
     A block only partly restored (the hot cache ended inside it) counts as computed.
+    `reason`, `records` and `edit_at` are those of its `BlockEvent`.
     """
 
     index: int
@@ -50,6 +52,9 @@ class BlockReport:
     end: int
     source: BlockSource
     seconds: float
+    reason: str
+    records: tuple[str, ...] = ()
+    edit_at: int | None = None
 
 
 @dataclass
@@ -61,6 +66,8 @@ class Report:
     `tokens_per_s` is the decode speed after the first token (0.0 for one token).
     `restored_bytes` is the size of the records read from disk (or of the hot cache
     reused from memory); `restore_source` names where the restored prefix came from.
+    `edit_at` is the absolute position of the first prompt token that differs from a
+    stored continuation of its prefix (also when it falls in the tail), else None.
     """
 
     blocks: list[BlockReport] = field(default_factory=list)
@@ -70,17 +77,23 @@ class Report:
     tokens_per_s: float = 0.0
     restore_source: BlockSource | None = None
     restored_bytes: int = 0
+    edit_at: int | None = None
 
 
 @dataclass
 class Completion:
-    """A finished request: generated `text` and `tokens`, the `prompt_tokens` ids."""
+    """A finished request: generated `text` and `tokens`, the `prompt_tokens` ids.
+
+    `stop_reason` says what stopped a ``finish_reason == "stop"`` request: ``"eos"``
+    (an end-of-text token) or the stop string that matched; None for other endings.
+    """
 
     text: str
     tokens: list[int]
     prompt_tokens: list[int]
     finish_reason: FinishReason
     report: Report
+    stop_reason: str | None = None
 
 
 class Request:

@@ -12,6 +12,12 @@ A *sequence* goes through these phases, in order:
 `cache_tokens` is always exactly the token ids whose keys/values (or states) are in
 the sequence's cache: the prompt prefix prefilled so far, then each generated token
 once it has been fed back. Owned by the generation thread.
+
+Each prompt block is reported once (a `BlockEvent` on the stream, a `BlockReport` in the
+report) with its source and reason: restored blocks at the restore (``"hot"``, or the
+record kinds read from disk), computed ones as their last token is prefilled, with the
+reason `set_reasons` gave them at admission (see `reasons`). A finished sequence tells
+the engine's `CacheLedger` (when it has one) what its blocks cost.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_nbengine.engine.events import BlockEvent, BlockSource, Progress, TextDelta
+from mlx_nbengine.engine.events import BlockEvent, BlockSource, Progress, TextDelta, disk_reason
 from mlx_nbengine.engine.request import BlockReport, Completion, Report, Request
 from mlx_nbengine.engine.text import TextStream
 
@@ -54,6 +60,11 @@ class Sequence:
     restored_bytes: int = 0
     restore_source: BlockSource | None = None
     blocks: dict[int, BlockReport] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)  # computed blocks, set at admission
+    edits: dict[int, int] = field(default_factory=dict)  # block -> first changed position
+    disk_records: dict[int, tuple[str, ...]] = field(default_factory=dict)  # kinds read
+    stop_reason: str | None = None
+    ledger: Any = None  # the engine's CacheLedger, told when the sequence finishes
     _seconds: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -65,9 +76,23 @@ class Sequence:
         start = index * self.block_size
         return start, min(start + self.block_size, len(self.prompt))
 
-    def report_restored(self, n_tokens: int, source: BlockSource, seconds: float) -> None:
-        """Record that the first `n_tokens` prompt tokens came from `source`."""
+    def set_reasons(self, reasons: dict[int, str], edits: dict[int, int]) -> None:
+        """The reasons of the blocks to compute and where the prompt leaves a stored
+        continuation (see `reasons.computed_reasons`)."""
+        self.reasons, self.edits = reasons, edits
+
+    def report_restored(
+        self,
+        n_tokens: int,
+        source: BlockSource,
+        seconds: float,
+        *,
+        records: dict[int, tuple[str, ...]] | None = None,
+    ) -> None:
+        """Record that the first `n_tokens` prompt tokens came from `source`; `records`
+        are the record kinds read per block (disk only)."""
         self.restored, self.restore_source = n_tokens, source
+        self.disk_records = dict(records or {})
         whole = [i for i in range(self.n_blocks) if self.block_span(i)[1] <= n_tokens]
         for i in whole:
             self._add_block(i, source, seconds / len(whole))
@@ -87,8 +112,21 @@ class Sequence:
 
     def _add_block(self, index: int, source: BlockSource, seconds: float) -> None:
         start, end = self.block_span(index)
-        self.blocks[index] = BlockReport(index, start, end, source, seconds)
-        self.request._put(BlockEvent(index, start, end, source, seconds))
+        records: tuple[str, ...] = ()
+        edit_at = None
+        if source == "memory":
+            reason = "hot"
+        elif source == "disk":
+            records = self.disk_records.get(index, ())
+            reason = disk_reason(records)
+        else:
+            default = "tail" if index == self.n_blocks - 1 else "new"
+            reason = self.reasons.get(index, default)
+            edit_at = self.edits.get(index)
+        self.blocks[index] = BlockReport(
+            index, start, end, source, seconds, reason, records, edit_at
+        )
+        self.request._put(BlockEvent(index, start, end, source, seconds, reason, records, edit_at))
 
     def accept(self, token: int, *, context_length: int | None) -> str | None:
         """Take one sampled token; return the finish reason if the sequence is done."""
@@ -97,12 +135,14 @@ class Sequence:
             self.first_token_at = now
         self.last_token_at = now
         if token in self.eos:
+            self.stop_reason = "eos"
             return "stop"
         self.generated.append(token)
         delta = self.text.add(token)
         if delta:
             self.request._put(TextDelta(delta))
         if self.text.stopped:
+            self.stop_reason = self.text.stop_matched
             return "stop"
         if len(self.generated) >= self.max_tokens:
             return "length"
@@ -125,10 +165,13 @@ class Sequence:
             ),
             restore_source=self.restore_source,
             restored_bytes=self.restored_bytes,
+            edit_at=min(self.edits.values(), default=None),
         )
         n = len(self.generated)
         if n > 1 and self.last_token_at > self.first_token_at:
             report.tokens_per_s = (n - 1) / (self.last_token_at - self.first_token_at)
+        if self.ledger is not None:  # before the caller can see the result
+            self.ledger.request_finished(report)
         self.request._finish(
             Completion(
                 text=self.text.text,
@@ -136,6 +179,7 @@ class Sequence:
                 prompt_tokens=self.prompt,
                 finish_reason=reason,
                 report=report,
+                stop_reason=self.stop_reason if reason == "stop" else None,
             )
         )
         self.cache = None

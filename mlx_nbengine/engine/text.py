@@ -3,7 +3,8 @@
 A `TextStream` wraps one request's streaming detokenizer (a copy from the mlx-lm
 `TokenizerWrapper`). After each token it returns the *delta*: text that is final, i.e.
 not a possible beginning of a stop string. When a stop string appears, the text is cut
-just before it and the stream reports that it stopped. Owned by the generation thread.
+just before it and the stream reports that it stopped (`stopped`) and which stop string
+matched (`stop_matched`: the one that starts first). Owned by the generation thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self.text = ""
         self.stopped = False
+        self.stop_matched: str | None = None
 
     def add(self, token: int) -> str:
         """Feed one token; return the newly released text (may be empty)."""
@@ -40,6 +42,7 @@ class TextStream:
             if at != -1 and at < cut:
                 cut = at
                 self.stopped = True
+                self.stop_matched = s
         if not self.stopped and not final:
             cut -= self._held_back(full)
         cut = max(cut, len(self.text))
