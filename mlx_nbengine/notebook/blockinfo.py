@@ -1,0 +1,172 @@
+"""Block dicts: what the widgets draw for each prompt block, as JSON-ready dicts.
+
+The engine describes each prompt block with a `BlockEvent` (while the prompt streams in)
+or a `BlockReport` (in the finished report); both carry the same fields. The widgets get
+plain dicts instead, so that they sync to the browser, save with the notebook and render
+to static HTML without the engine at hand.
+
+Terms:
+
+- *block dict* (`block_dict`): ``{"index", "start", "end", "source", "kind", "reason",
+  "records", "seconds", "head", "last"}``. `source` is where the block's cache came from
+  (``"memory"``, ``"disk"``, ``"computed"``). `kind` is what the strip colours: the
+  source, except ``"tail"`` for the computed block that holds the prompt's last token
+  (its logits start the answer, so it is always computed). `reason` says why (see
+  `mlx_nbengine.engine.events`); `records` are the record kinds read for it (``"kv"``,
+  ``"window"``, ``"state"``). `head` and `last` are the first and last words of the
+  block's text (``""`` when no tokenizer is at hand).
+- *edit dict* (`edit_dict`): ``{"position", "block", "before", "after"}``: the first
+  prompt token that differs from the stored continuation, the block holding it, and the
+  words just before and from it.
+
+Engine objects are read by field name with defaults (`getattr`), so this module imports
+neither MLX nor the engine and accepts events from engines with or without `reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+__all__ = ["block_dict", "block_dicts", "edit_dict", "first_words", "last_words", "report_edit"]
+
+Decode = Callable[[list[int]], str]
+
+# Words shown at each end of a block: enough to recognise the passage, short enough for a row.
+WORDS = 4
+# Tokens decoded on each side of an edit: a few words' worth at any tokenizer's granularity.
+EDIT_TOKENS = 12
+# A "word" longer than this (code, URLs, text without spaces) is cut with an ellipsis.
+MAX_WORD = 24
+
+
+def _clean(text: str) -> str:
+    # Decoding a slice may split a multi-byte character; its halves decode to U+FFFD.
+    return text.strip("\ufffd")
+
+
+def _cut(word: str, *, from_end: bool = False) -> str:
+    if len(word) <= MAX_WORD:
+        return word
+    return "…" + word[-MAX_WORD:] if from_end else word[:MAX_WORD] + "…"
+
+
+def first_words(text: str, n: int = WORDS) -> str:
+    """The first `n` whitespace-separated words of `text`, joined by single spaces."""
+    words = _clean(text).split()[:n]
+    if len(words) == 1:
+        return _cut(words[0])
+    return " ".join(words)
+
+
+def last_words(text: str, n: int = WORDS) -> str:
+    """The last `n` whitespace-separated words of `text`, joined by single spaces."""
+    words = _clean(text).split()[-n:] if n else []
+    if len(words) == 1:
+        return _cut(words[0], from_end=True)
+    return " ".join(words)
+
+
+def _decode(decode: Decode | None, tokens: Sequence[int] | None, start: int, end: int) -> str:
+    if decode is None or tokens is None or start >= end:
+        return ""
+    try:
+        return decode(list(tokens[start:end]))
+    except Exception:  # noqa: BLE001 - a label must never break the answer it labels
+        return ""
+
+
+def _head_last(text: str) -> tuple[str, str]:
+    words = _clean(text).split()
+    if len(words) <= 2 * WORDS:
+        # Short block: its head shows all of it, so the last words would repeat it.
+        half = (len(words) + 1) // 2
+        return first_words(text, half), last_words(text, len(words) - half)
+    return first_words(text), last_words(text)
+
+
+def block_dict(
+    event_or_report: Any,
+    *,
+    decode: Decode | None = None,
+    tokens: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The block dict of an engine `BlockEvent` or `BlockReport`.
+
+    `tokens` are the prompt's token ids and `decode` turns ids into text (the tokenizer's
+    ``decode``); with both, `head`/`last` hold the block's first and last words, and a
+    computed block ending at the prompt's end counts as the tail even when the engine
+    names no reason.
+    """
+    block = event_or_report
+    start, end = int(block.start), int(block.end)
+    source = str(block.source)
+    records = [str(r) for r in (getattr(block, "records", None) or ())]
+    reason = getattr(block, "reason", None)
+    if not reason:
+        # Engines before block reasons: say what is certain from the source alone.
+        reason = {"memory": "hot", "disk": "+".join(records)}.get(source, "")
+    reason = str(reason)
+    is_last = tokens is not None and end >= len(tokens)
+    kind = "tail" if source == "computed" and (reason == "tail" or is_last) else source
+    head, last = _head_last(_decode(decode, tokens, start, end))
+    return {
+        "index": int(block.index),
+        "start": start,
+        "end": end,
+        "source": source,
+        "kind": kind,
+        "reason": reason,
+        "records": records,
+        "seconds": float(getattr(block, "seconds", 0.0) or 0.0),
+        "head": head,
+        "last": last,
+    }
+
+
+def block_dicts(
+    blocks: Iterable[Any],
+    *,
+    decode: Decode | None = None,
+    tokens: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """`block_dict` of each block (e.g. ``report.blocks``), in index order."""
+    out = [block_dict(b, decode=decode, tokens=tokens) for b in blocks]
+    return sorted(out, key=lambda b: b["index"])
+
+
+def edit_dict(
+    position: int,
+    tokens: Sequence[int],
+    *,
+    decode: Decode | None,
+    block_size: int,
+) -> dict[str, Any]:
+    """The edit dict for a prompt whose first changed token is at `position`.
+
+    `before` is the last words before the change, `after` the first words from it on
+    (both ``""`` without `decode`).
+    """
+    position = int(position)
+    before = _decode(decode, tokens, max(0, position - EDIT_TOKENS), position)
+    after = _decode(decode, tokens, position, min(len(tokens), position + EDIT_TOKENS))
+    return {
+        "position": position,
+        "block": position // max(1, int(block_size)),
+        "before": last_words(before, WORDS + 1),
+        "after": first_words(after, WORDS + 1),
+    }
+
+
+def report_edit(
+    report: Any,
+    tokens: Sequence[int],
+    *,
+    decode: Decode | None,
+    block_size: int,
+) -> dict[str, Any] | None:
+    """The edit dict of a finished report (its `edit_at`), or None when nothing changed."""
+    position = getattr(report, "edit_at", None)
+    if position is None:
+        return None
+    return edit_dict(position, tokens, decode=decode, block_size=block_size)

@@ -1,0 +1,778 @@
+"""The notebook's widgets: block dicts, their static HTML, the widget classes, a real run.
+
+Static HTML is read back with the standard library's HTML parser into a list of elements
+(tag, attributes, own text), so the tests check the DOM contract's selectors (classes and
+data- attributes) rather than spelling. The last tests run a tiny real model through a
+prompt and an edited re-run and draw its report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mlx_nbengine.notebook import widgets
+from mlx_nbengine.notebook.blockinfo import (
+    block_dict,
+    block_dicts,
+    edit_dict,
+    first_words,
+    last_words,
+    report_edit,
+)
+from mlx_nbengine.notebook.widgets import (
+    BlockMap,
+    BlockStrip,
+    StoreView,
+    map_html,
+    reason_phrase,
+    store_html,
+    strip_html,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+VOID = {"br", "hr", "img", "input", "meta", "link", "line", "polyline"}
+
+
+@dataclass
+class Element:
+    tag: str
+    attrs: dict[str, str]
+    text: str = ""
+    parent: Element | None = None
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+    def within(self, cls: str) -> bool:
+        node = self.parent
+        while node is not None:
+            if cls in node.classes:
+                return True
+            node = node.parent
+        return False
+
+    def all_text(self, elements: list[Element]) -> str:
+        """This element's text with its descendants' text, in document order."""
+        out = [self.text]
+        for e in elements:
+            node = e.parent
+            while node is not None and node is not self:
+                node = node.parent
+            if node is self:
+                out.append(e.text)
+        return " ".join(t for t in out if t)
+
+
+class _Collect(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[Element] = []
+        self.stack: list[Element] = []
+        self.style = False
+
+    def handle_starttag(self, tag, attrs):
+        parent = self.stack[-1] if self.stack else None
+        element = Element(tag, {k: v or "" for k, v in attrs}, parent=parent)
+        self.elements.append(element)
+        self.style = tag == "style"
+        if tag not in VOID:
+            self.stack.append(element)
+
+    def handle_startendtag(self, tag, attrs):
+        parent = self.stack[-1] if self.stack else None
+        self.elements.append(Element(tag, {k: v or "" for k, v in attrs}, parent=parent))
+
+    def handle_endtag(self, tag):
+        self.style = False
+        while self.stack:
+            if self.stack.pop().tag == tag:
+                break
+
+    def handle_data(self, data):
+        if self.stack and not self.style:
+            self.stack[-1].text += data
+
+
+def parse(html: str) -> list[Element]:
+    collector = _Collect()
+    collector.feed(html)
+    return collector.elements
+
+
+def select(elements: list[Element], cls: str, *, within: str | None = None) -> list[Element]:
+    return [e for e in elements if cls in e.classes and (within is None or e.within(within))]
+
+
+def block(index, source="disk", *, kind=None, reason="kv", records=("kv",), **extra):
+    bs = 16
+    out = {
+        "index": index,
+        "start": index * bs,
+        "end": index * bs + bs,
+        "source": source,
+        "kind": kind or source,
+        "reason": reason,
+        "records": list(records),
+        "seconds": 0.004,
+        "head": f"first words {index}",
+        "last": f"last words {index}",
+    }
+    out.update(extra)
+    return out
+
+
+def rerun_blocks() -> list[dict]:
+    """Blocks of a re-run edited in block 3: restored before it, computed from it on."""
+    return [
+        block(0, "memory", reason="hot", records=()),
+        block(1),
+        block(2, records=("kv", "window"), reason="kv+window"),
+        block(3, "computed", reason="edited", records=()),
+        block(4, "computed", reason="after_miss", records=()),
+        block(5, "computed", kind="tail", reason="tail", records=(), end=85),
+    ]
+
+
+EDIT = {"position": 53, "block": 3, "before": "words before", "after": "changed words"}
+
+
+def store_view(**extra) -> dict:
+    view = {
+        "model": "tiny",
+        "block_size": 16,
+        "blocks_held": 12,
+        "records": 24,
+        "bytes_held": 3 * 2**20,
+        "budget_bytes": 12 * 2**20,
+        "file_size": 4 * 2**20,
+        "free_bytes": 2**30,
+        "backend": "scratch file",
+        "by_kind": {
+            "kv": {"records": 12, "bytes": 2 * 2**20},
+            "window": {"records": 12, "bytes": 2**20},
+            "state": {"records": 0, "bytes": 0},
+        },
+        "blocks_restored": 30,
+        "blocks_computed": 20,
+        "tokens_restored": 480,
+        "tokens_computed": 310,
+        "blocks_evicted": 2,
+        "records_evicted": 4,
+        "requests": 5,
+        "history": [
+            {"t": 1.0, "restored": 0, "computed": 6, "evicted": 0},
+            {"t": 4.5, "restored": 30, "computed": 20, "evicted": 2},
+        ],
+        "recent_evictions": [
+            {"t": 4.4, "kind": "kv", "bytes": 4096, "text": "Once <em>upon</em> a time"},
+            {"t": 4.3, "kind": "window", "bytes": 2048, "text": ""},
+        ],
+    }
+    view.update(extra)
+    return view
+
+
+# --- blockinfo ------------------------------------------------------------------------------
+
+
+def test_block_dict_reads_an_engine_block_event():
+    from mlx_nbengine.engine.events import BlockEvent
+
+    event = BlockEvent(
+        index=2, start=32, end=48, source="disk", seconds=0.5, reason="kv+window",
+        records=("kv", "window"),
+    )  # fmt: skip
+    d = block_dict(event)
+    assert d == {
+        "index": 2,
+        "start": 32,
+        "end": 48,
+        "source": "disk",
+        "kind": "disk",
+        "reason": "kv+window",
+        "records": ["kv", "window"],
+        "seconds": 0.5,
+        "head": "",
+        "last": "",
+    }
+    json.dumps(d)  # JSON-ready: it syncs to the browser and saves with the notebook
+
+
+def test_block_dict_accepts_events_without_reasons():
+    old = SimpleNamespace(index=0, start=0, end=16, source="memory", seconds=0.1)
+    assert block_dict(old)["reason"] == "hot"
+    assert block_dict(old)["records"] == []
+    computed = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0.1)
+    assert block_dict(computed)["reason"] == ""
+
+
+def test_block_dict_kind_is_tail_for_the_last_computed_block():
+    tokens = list(range(40))
+    tail = SimpleNamespace(index=2, start=32, end=40, source="computed", seconds=0.0)
+    assert block_dict(tail, tokens=tokens)["kind"] == "tail"
+    named = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0, reason="tail")
+    assert block_dict(named)["kind"] == "tail"
+    middle = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0, reason="new")
+    assert block_dict(middle, tokens=tokens)["kind"] == "computed"
+
+
+def test_block_dict_holds_the_first_and_last_words_of_the_block_text():
+    text = "zero one two three four five six seven eight nine ten eleven".split()
+    tokens = list(range(len(text)))
+
+    def decode(ids):
+        return " ".join(text[i] for i in ids)
+
+    event = SimpleNamespace(index=0, start=0, end=12, source="disk", seconds=0, reason="kv")
+    d = block_dict(event, decode=decode, tokens=tokens)
+    assert (d["head"], d["last"]) == ("zero one two three", "eight nine ten eleven")
+    short = SimpleNamespace(index=0, start=0, end=3, source="disk", seconds=0, reason="kv")
+    d = block_dict(short, decode=decode, tokens=tokens)
+    assert (d["head"], d["last"]) == ("zero one", "two")
+
+
+def test_block_words_never_fail_and_cut_long_words():
+    def broken(ids):
+        raise ValueError("no such token")
+
+    event = SimpleNamespace(index=0, start=0, end=2, source="disk", seconds=0, reason="kv")
+    assert block_dict(event, decode=broken, tokens=[1, 2])["head"] == ""
+    assert first_words("x" * 100).endswith("…") and len(first_words("x" * 100)) <= 25
+    assert last_words("\ufffd end of it") == "end of it"
+
+
+def test_block_dicts_are_in_index_order():
+    events = [
+        SimpleNamespace(index=i, start=16 * i, end=16 * i + 16, source="disk", seconds=0)
+        for i in (2, 0, 1)
+    ]
+    assert [b["index"] for b in block_dicts(events)] == [0, 1, 2]
+
+
+def test_edit_dict_names_the_block_and_the_words_around_the_change():
+    words = [f"w{i}" for i in range(40)]
+
+    def decode(ids):
+        return " ".join(words[i] for i in ids)
+
+    edit = edit_dict(20, list(range(40)), decode=decode, block_size=16)
+    assert edit == {
+        "position": 20,
+        "block": 1,
+        "before": "w15 w16 w17 w18 w19",
+        "after": "w20 w21 w22 w23 w24",
+    }
+
+
+def test_report_edit_is_none_without_a_change():
+    assert report_edit(SimpleNamespace(), [1, 2], decode=None, block_size=16) is None
+    edit = report_edit(SimpleNamespace(edit_at=17), [1] * 40, decode=None, block_size=16)
+    assert edit == {"position": 17, "block": 1, "before": "", "after": ""}
+
+
+# --- static HTML ----------------------------------------------------------------------------
+
+
+def test_strip_html_draws_one_cell_per_block_with_pending_cells_for_the_rest():
+    blocks = rerun_blocks()[:3]
+    elements = parse(strip_html(blocks, n_blocks=6, block_size=16, prompt_tokens=85))
+    (root,) = select(elements, "mnb-strip")
+    assert root.tag == "div" and root.attrs["data-n-blocks"] == "6"
+    cells = select(elements, "mnb-block", within="mnb-strip")
+    assert [c.attrs["data-index"] for c in cells] == [str(i) for i in range(6)]
+    assert [c.attrs["data-kind"] for c in cells] == ["memory", "disk", "disk"] + ["pending"] * 3
+    assert [c.attrs["data-reason"] for c in cells[:3]] == ["hot", "kv", "kv+window"]
+    assert [c.text for c in cells[:3]] == ["M", "D", "D"]  # letters, not colour alone
+
+
+def test_strip_legend_names_every_kind_with_its_count():
+    elements = parse(strip_html(rerun_blocks(), n_blocks=6))
+    (legend,) = select(elements, "mnb-legend")
+    keys = {k.attrs["data-kind"]: k.attrs["data-count"] for k in select(elements, "mnb-key")}
+    assert keys == {"memory": "1", "disk": "2", "computed": "2", "tail": "1", "pending": "0"}
+    assert "computed" in legend.all_text(elements)
+
+
+def test_strip_marks_the_edited_block_and_the_words_around_the_change():
+    elements = parse(strip_html(rerun_blocks(), n_blocks=6, edit=EDIT))
+    cells = select(elements, "mnb-block")
+    assert [c.attrs.get("data-edit") for c in cells] == [None, None, None, "true", None, None]
+    (edit,) = select(elements, "mnb-edit")
+    assert edit.attrs["data-position"] == "53"
+    text = edit.all_text(elements)
+    assert "53" in text and "words before" in text and "changed words" in text
+
+
+def test_cells_describe_their_block_on_hover():
+    (cell,) = [c for c in select(parse(strip_html(rerun_blocks())), "mnb-block") if c.text == "T"]
+    title = cell.attrs["title"]
+    assert "tokens 80–85" in title and "computed" in title and "“first words 5" in title
+
+
+def test_model_text_is_escaped_everywhere():
+    hostile = '<em>x</em><script>alert("hi")</script>'
+    blocks = [block(0, head=hostile, last="a & b <u>"), block(1, "computed", reason="new")]
+    edit = {"position": 17, "block": 1, "before": "<i>before", "after": "</div>after"}
+    view = store_view(recent_evictions=[{"t": 1, "kind": "kv", "bytes": 1, "text": hostile}])
+    for html in (
+        strip_html(blocks, n_blocks=2, edit=edit),
+        map_html(blocks, edit=edit, layer_kinds=["kv"]),
+        store_html(view),
+    ):
+        tags = {e.tag for e in parse(html)}
+        assert not tags & {"em", "script", "i", "u"}, tags
+        assert "<script>" not in html and "</div>after" not in html
+    texts = [e.text for e in parse(map_html(blocks, edit=edit))]
+    assert hostile in texts and "a & b <u>" in texts  # shown as written
+
+
+def test_static_html_has_no_javascript():
+    for html in (
+        strip_html(rerun_blocks(), n_blocks=6, edit=EDIT),
+        map_html(rerun_blocks(), edit=EDIT),
+        store_html(store_view()),
+    ):
+        elements = parse(html)
+        assert "script" not in {e.tag for e in elements}
+        assert not any(name.startswith("on") for e in elements for name in e.attrs)
+        assert elements[0].tag == "style"  # self-contained: the widgets' CSS comes along
+
+
+def test_map_html_has_one_row_per_block_with_its_range_words_source_and_reason():
+    elements = parse(map_html(rerun_blocks(), block_size=16, prompt_tokens=85, edit=EDIT))
+    (root,) = select(elements, "mnb-map")
+    rows = select(elements, "mnb-block", within="mnb-map")
+    assert [r.tag for r in rows] == ["tr"] * 6
+    assert [r.attrs["data-kind"] for r in rows] == [
+        "memory", "disk", "disk", "computed", "computed", "tail",
+    ]  # fmt: skip
+    assert [r.attrs["data-reason"] for r in rows] == [
+        "hot", "kv", "kv+window", "edited", "after_miss", "tail",
+    ]  # fmt: skip
+    text = rows[3].all_text(elements)
+    for part in ("48–64", "first words 3", "last words 3", "computed", "edited at token 53"):
+        assert part in text, (part, text)
+    assert rows[3].attrs["data-edit"] == "true"
+    assert select(elements, "mnb-edit")[0].attrs["data-position"] == "53"
+
+
+def test_map_overview_cells_are_not_rows():
+    elements = parse(map_html(rerun_blocks()))
+    cells = select(elements, "mnb-cell", within="mnb-map")
+    assert len(cells) == 6 and not any("mnb-block" in c.classes for c in cells)
+
+
+def test_map_shows_which_layer_kinds_each_restored_block_read():
+    elements = parse(map_html(rerun_blocks(), layer_kinds=["kv", "window"]))
+    rows = select(elements, "mnb-block")
+    chips = {
+        r.attrs["data-index"]: {
+            c.attrs["data-record"]: c.attrs["data-read"]
+            for c in select(elements, "mnb-rec")
+            if c.parent is not None and c.parent.parent is r
+        }
+        for r in rows
+    }
+    assert chips["1"] == {"kv": "true", "window": "false"}
+    assert chips["2"] == {"kv": "true", "window": "true"}
+    assert chips["0"] == chips["3"] == {}  # memory and computed blocks read no records
+
+
+def test_reason_phrases_are_words():
+    assert reason_phrase({"reason": "kv+window", "source": "disk"}) == "read kv + window"
+    assert reason_phrase({"reason": "edited", "index": 3}, EDIT) == "edited at token 53"
+    assert reason_phrase({"reason": "edited", "index": 4}, EDIT) == "edited"
+    assert reason_phrase({"reason": "after_miss"}) == "after a computed block"
+
+
+def test_reason_phrases_match_the_engine():
+    from mlx_nbengine.engine.events import REASONS
+
+    for reason, phrase in REASONS.items():
+        assert widgets.REASON_PHRASES[reason] == phrase
+
+
+def test_store_html_shows_each_figure_under_a_word_label():
+    elements = parse(store_html(store_view()))
+    (root,) = select(elements, "mnb-store")
+    figures = {f.attrs["data-name"]: f.all_text(elements) for f in select(elements, "mnb-figure")}
+    assert set(figures) >= {"blocks_held", "bytes_held", "file_size", "blocks_evicted"}
+    assert "blocks held" in figures["blocks_held"] and "12" in figures["blocks_held"]
+    assert "bytes held" in figures["bytes_held"] and "3.0 MiB" in figures["bytes_held"]
+    assert "12.0 MiB" in figures["bytes_held"]  # against the budget
+    visible = " ".join(e.text for e in elements)
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b", visible), "a raw key is shown"
+
+
+def test_store_html_draws_the_budget_bar_chart_kinds_and_evictions():
+    elements = parse(store_html(store_view()))
+    (bar,) = select(elements, "mnb-bar")
+    assert bar.attrs["data-share"] == "0.2500"
+    (chart,) = select(elements, "mnb-chart")
+    assert chart.tag == "svg"
+    series = {e.attrs["data-series"] for e in elements if e.tag == "polyline"}
+    assert series == {"restored", "computed", "evicted"}
+    kinds = [e.attrs["data-record"] for e in elements if e.tag == "tr" and "data-record" in e.attrs]
+    assert kinds == ["kv", "window"]  # a kind with no records is no row
+    items = [e for e in elements if e.tag == "li" and e.within("mnb-evictions")]
+    assert len(items) == 2 and "Once <em>upon</em> a time" in items[0].all_text(elements)
+
+
+def test_store_html_tables_have_no_empty_header_row():
+    for view in (store_view(), store_view(by_kind={}, recent_evictions=[], history=[]), {}):
+        elements = parse(store_html(view))
+        for th in (e for e in elements if e.tag == "th"):
+            assert th.text.strip(), "a header cell without a label"
+        for tr in (e for e in elements if e.tag == "tr"):
+            assert tr.all_text(elements).strip(), "an empty row"
+
+
+def test_store_html_of_an_unused_store_says_so():
+    elements = parse(store_html(store_view(history=[], recent_evictions=[], by_kind={})))
+    text = " ".join(e.text for e in elements)
+    assert "no requests yet" in text and "no evictions yet" in text and "no records held" in text
+    assert "no block store" in " ".join(e.text for e in parse(store_html({"backend": "off"})))
+
+
+# --- widget classes -------------------------------------------------------------------------
+
+
+def test_strip_add_block_keeps_index_order_and_replaces_a_known_block():
+    strip = BlockStrip(n_blocks=3, block_size=16, prompt_tokens=40)
+    strip.add_block(block(2, "computed", kind="tail", reason="tail"))
+    strip.add_block(block(0))
+    strip.add_block(block(0, "memory", reason="hot"))
+    assert [(b["index"], b["source"]) for b in strip.blocks] == [(0, "memory"), (2, "computed")]
+
+
+def test_strip_add_block_from_many_threads_loses_nothing():
+    strip = BlockStrip(n_blocks=64)
+    threads = [
+        threading.Thread(target=lambda i=i: [strip.add_block(block(i * 8 + j)) for j in range(8)])
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [b["index"] for b in strip.blocks] == list(range(64))
+
+
+def test_strip_set_edit_marks_and_clears():
+    strip = BlockStrip(n_blocks=6, blocks=rerun_blocks())
+    strip.set_edit(EDIT)
+    assert strip.edit == EDIT and 'data-position="53"' in strip.html()
+    strip.set_edit(None)
+    assert strip.edit is None and "mnb-edit" not in strip.html().split("</style>")[1]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BlockStrip(n_blocks=6, block_size=16, blocks=rerun_blocks(), edit=EDIT),
+        lambda: BlockMap(blocks=rerun_blocks(), edit=EDIT, layer_kinds=["kv", "window"]),
+        lambda: StoreView(view=store_view()),
+    ],
+    ids=["strip", "map", "store"],
+)
+def test_every_widget_bundle_has_the_live_view_static_html_and_text(make):
+    widget = make()
+    data, _ = widget._repr_mimebundle_()
+    assert data[WIDGET_VIEW]["model_id"] == widget.model_id
+    assert data["text/html"] == widget.html()
+    assert data["text/plain"].strip()
+    assert widget._kind in {"strip", "map", "store"}
+    assert widget.get_state()["_kind"] == widget._kind  # the front end's dispatch
+
+
+def test_widget_state_is_json_ready():
+    for widget in (
+        BlockStrip(n_blocks=6, blocks=rerun_blocks(), edit=EDIT),
+        BlockMap(blocks=rerun_blocks(), layer_kinds=["kv"]),
+        StoreView(view=store_view()),
+    ):
+        json.dumps(widget.get_state())
+
+
+def test_widgets_load_their_front_end_from_the_widgets_folder():
+    strip = BlockStrip()
+    assert strip._esm == (REPO / "widgets" / "blocks.js").read_text(encoding="utf-8")
+    assert strip._css == (REPO / "widgets" / "blocks.css").read_text(encoding="utf-8")
+
+
+def test_front_end_uses_the_same_words_as_the_static_html():
+    js = (REPO / "widgets" / "blocks.js").read_text(encoding="utf-8")
+    for reason, phrase in widgets.REASON_PHRASES.items():
+        assert f'{reason}: "{phrase}"' in js, reason
+    for name, label in widgets.FIGURES:
+        assert f'["{name}", "{label}"]' in js, name
+    for kind, (letter, label) in widgets.KINDS.items():
+        assert f'["{kind}", "{letter}", "{label}"]' in js, kind
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to parse the ES module")
+def test_front_end_module_parses():
+    # --check parses without running it, as an ES module (read from stdin).
+    src = REPO / "widgets" / "blocks.js"
+    out = subprocess.run(
+        ["node", "--input-type=module", "--check"],
+        input=src.read_text(encoding="utf-8"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+
+
+# --- a real run -----------------------------------------------------------------------------
+
+SENTENCE = "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. "
+
+
+@pytest.fixture
+def engine(tiny_model_dir, tmp_path):
+    from mlx_nbengine import Engine
+
+    engine = Engine.load(tiny_model_dir("llama"), block_size=16, cache_dir=tmp_path)
+    yield engine
+    engine.close()
+
+
+def _run(engine, prompt):
+    from mlx_nbengine.engine import BlockEvent, Finished
+
+    request = engine.submit(prompt, max_tokens=2)
+    tokens = request.prompt_tokens
+    strip = BlockStrip(
+        n_blocks=-(-len(tokens) // engine.block_size),
+        block_size=engine.block_size,
+        prompt_tokens=len(tokens),
+    )
+    decode = engine.model.tokenizer.decode
+    completion = None
+    for event in request.stream():
+        if isinstance(event, BlockEvent):
+            strip.add_block(block_dict(event, decode=decode, tokens=tokens))
+        elif isinstance(event, Finished):
+            completion = event.completion
+    return strip, completion, decode
+
+
+def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
+    original = SENTENCE * 12
+    edited = original.replace("lazy dog", "sleepy cat", 8).replace("sleepy cat", "lazy dog", 7)
+    _, first, _ = _run(engine, original)
+    strip, completion, decode = _run(engine, edited)
+    tokens, report = completion.prompt_tokens, completion.report
+    n_blocks = -(-len(tokens) // 16)
+    assert n_blocks >= 8
+    assert [b["index"] for b in strip.blocks] == list(range(n_blocks))
+    cells = select(parse(strip.html()), "mnb-block")
+    assert len(cells) == n_blocks and "pending" not in {c.attrs["data-kind"] for c in cells}
+
+    # The first changed token, found from the two prompts' ids.
+    position = next(
+        i for i, (a, b) in enumerate(zip(first.prompt_tokens, tokens, strict=False)) if a != b
+    )
+    edit = edit_dict(position, tokens, decode=decode, block_size=16)
+    block_map = BlockMap(
+        blocks=block_dicts(report.blocks, decode=decode, tokens=tokens),
+        edit=edit,
+        block_size=16,
+        prompt_tokens=len(tokens),
+    )
+    sources = [b["source"] for b in block_map.blocks]
+    edited_block = position // 16
+    assert all(s != "computed" for s in sources[:edited_block]), sources
+    assert all(s == "computed" for s in sources[edited_block:]), sources
+    assert block_map.blocks[-1]["kind"] == "tail"
+    assert [b["source"] for b in strip.blocks] == sources  # live events agree with the report
+    assert block_map.blocks[0]["head"]  # real words from the tokenizer
+    assert "sleepy" in edit["after"]
+
+    rows = select(parse(block_map.html()), "mnb-block")
+    assert len(rows) == n_blocks
+    if getattr(report.blocks[0], "reason", None) is not None:
+        assert getattr(report, "edit_at", None) == position
+        assert block_map.blocks[edited_block]["reason"] == "edited"
+        assert {b["reason"] for b in block_map.blocks[edited_block + 1 : -1]} <= {"after_miss"}
+        assert rows[edited_block].attrs["data-reason"] == "edited"
+
+
+def test_a_real_store_view_draws_the_engines_cache_view(engine):
+    if not hasattr(engine, "cache_view"):
+        pytest.skip("this engine has no cache_view yet")
+    _run(engine, SENTENCE * 4)
+    view = engine.cache_view()
+    elements = parse(StoreView(view=view).html())
+    figures = {f.attrs["data-name"]: f.all_text(elements) for f in select(elements, "mnb-figure")}
+    assert f"{view['blocks_held']:,}" in figures["blocks_held"]
+    assert len([e for e in elements if e.tag == "polyline"]) == 3  # one request: a chart
+    json.dumps(StoreView(view=view).get_state())
+
+
+# --- the front end in a browser -------------------------------------------------------------
+
+# The ES module with a stand-in for anywidget's model (get/on/off, and set to drive it).
+PAGE = """<!doctype html><meta charset="utf-8"><style>{css}</style><body>
+<script type="module">
+import widget from "data:text/javascript;base64,{esm}";
+window.models = {{}};
+window.draw = (name, state) => {{
+  const handlers = {{}};
+  const model = {{
+    get: (key) => state[key],
+    on: (event, f) => (handlers[event] ||= []).push(f),
+    off: (event, f) => (handlers[event] = (handlers[event] || []).filter((g) => g !== f)),
+    set: (key, value) => {{
+      state[key] = value;
+      (handlers["change:" + key] || []).forEach((f) => f());
+    }},
+  }};
+  const el = document.createElement("div");
+  el.id = name;
+  document.body.append(el);
+  window.models[name] = model;
+  widget.render({{ model, el }});
+}};
+window.ready = true;
+</script>"""
+
+READ_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
+  e.dataset.index, e.dataset.kind, e.dataset.reason, e.dataset.edit || null,
+  e.getAttribute("title"), e.textContent])"""
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("needs a system Chromium")
+    import base64
+
+    esm = base64.b64encode((REPO / "widgets" / "blocks.js").read_bytes()).decode()
+    css = (REPO / "widgets" / "blocks.css").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("page") / "widgets.html"
+    path.write_text(PAGE.format(css=css, esm=esm), encoding="utf-8")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu"]
+        )
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        page.wait_for_function("window.ready === true", timeout=30_000)
+        yield page
+        browser.close()
+        assert not errors, errors
+
+
+def _static_cells(html: str, cls: str) -> list[list]:
+    return [
+        [e.attrs["data-index"], e.attrs["data-kind"], e.attrs["data-reason"],
+         e.attrs.get("data-edit"), e.attrs.get("title"), e.text]
+        for e in select(parse(html), cls)
+    ]  # fmt: skip
+
+
+def test_live_strip_draws_the_same_cells_as_the_static_html(page):
+    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
+             "blocks": rerun_blocks()[:2], "edit": None}  # fmt: skip
+    page.evaluate("(s) => window.draw('strip', s)", state)
+    live = page.evaluate(READ_CELLS, "#strip .mnb-strip .mnb-block")
+    assert live == _static_cells(strip_html(rerun_blocks()[:2], n_blocks=6), "mnb-block")
+    assert [c[1] for c in live] == ["memory", "disk"] + ["pending"] * 4
+
+
+def test_live_strip_fills_in_without_moving(page):
+    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
+             "blocks": [], "edit": None}  # fmt: skip
+    page.evaluate("(s) => window.draw('filling', s)", state)
+    before = page.evaluate(
+        "() => [...document.querySelectorAll('#filling .mnb-block')]"
+        ".map((e) => { const r = e.getBoundingClientRect(); return [r.x, r.y]; })"
+    )
+    page.evaluate("window.first = document.querySelector('#filling .mnb-block')")
+    page.evaluate("(b) => window.models.filling.set('blocks', b)", rerun_blocks())
+    page.evaluate("(e) => window.models.filling.set('edit', e)", EDIT)
+    after = page.evaluate(
+        "() => [...document.querySelectorAll('#filling .mnb-block')]"
+        ".map((e) => { const r = e.getBoundingClientRect(); return [r.x, r.y]; })"
+    )
+    assert after == before  # fixed cells laid out for all blocks from the start
+    assert page.evaluate("window.first === document.querySelector('#filling .mnb-block')")
+    live = page.evaluate(READ_CELLS, "#filling .mnb-block")
+    assert live == _static_cells(strip_html(rerun_blocks(), n_blocks=6, edit=EDIT), "mnb-block")
+    assert page.evaluate("document.querySelector('#filling .mnb-edit').dataset.position") == "53"
+
+
+def test_live_map_rows_match_the_static_html_and_hover_shows_a_block(page):
+    state = {"_kind": "map", "blocks": rerun_blocks(), "edit": EDIT, "block_size": 16,
+             "prompt_tokens": 85, "layer_kinds": ["window", "kv", "kv"]}  # fmt: skip
+    page.evaluate("(s) => window.draw('map', s)", state)
+    html = map_html(
+        rerun_blocks(),
+        edit=EDIT,
+        block_size=16,
+        prompt_tokens=85,
+        layer_kinds=["window", "kv", "kv"],
+    )
+    (title,) = select(parse(html), "mnb-title")
+    assert page.inner_text("#map .mnb-title") == title.text
+    read_rows = READ_CELLS.replace("e.textContent", "null")
+    static_rows = [[*row[:5], None] for row in _static_cells(html, "mnb-block")]
+    assert page.evaluate(read_rows, "#map .mnb-map .mnb-block") == static_rows
+    # With nothing chosen the details show the edited block; hovering shows another.
+    assert "block 3" in page.inner_text("#map .mnb-details")
+    page.hover("#map .mnb-cell[data-index='2']")
+    details = page.inner_text("#map .mnb-details")
+    assert "block 2" in details and "32–48" in details and "window read" in details
+    page.click("#map tr.mnb-block[data-index='1']")
+    page.mouse.move(0, 0)
+    assert "block 1" in page.inner_text("#map .mnb-details")
+    assert page.get_attribute("#map .mnb-cell[data-index='1']", "aria-selected") == "true"
+
+
+def test_live_store_view_shows_the_static_figures(page):
+    view = store_view()
+    page.evaluate("(v) => window.draw('store', {_kind: 'store', view: v})", view)
+    live = page.evaluate(
+        "() => [...document.querySelectorAll('#store .mnb-figure')]"
+        ".map((f) => [f.dataset.name, f.querySelector('.mnb-value').textContent])"
+    )
+    elements = parse(store_html(view))
+    static = [
+        [
+            f.attrs["data-name"],
+            next(e.text for e in elements if e.parent is f and "mnb-value" in e.classes),
+        ]
+        for f in select(elements, "mnb-figure")
+    ]
+    assert live == static
+    assert page.evaluate("document.querySelectorAll('#store svg.mnb-chart polyline').length") == 3
+    assert page.evaluate("document.querySelectorAll('#store .mnb-evictions li').length") == 2
+    text = page.inner_text("#store")
+    assert "Once <em>upon</em> a time" in text  # model text shown as written
+    assert page.evaluate("document.querySelectorAll('#store em').length") == 0
+
+
+def test_map_names_each_layer_kind_once_when_given_one_per_layer():
+    html = map_html(rerun_blocks(), layer_kinds=["window", "kv", "window", "kv"])
+    (title,) = select(parse(html), "mnb-title")
+    assert title.text.endswith("layer kinds: kv + window")
+    chips = [e.attrs["data-record"] for e in select(parse(html), "mnb-rec")]
+    assert chips[:2] == ["kv", "window"] and len(chips) == 4  # two disk blocks, two kinds

@@ -1,0 +1,691 @@
+// mlx_nbengine widgets: block strip, block map and store view (one anywidget ES module).
+//
+// The Python traitlets are the truth; this module only draws them, with the same DOM
+// (class names and data- attributes) as the static HTML that mlx_nbengine/notebook/widgets.py
+// writes, so browser tests and exported notebooks share selectors. The model's `_kind`
+// says which picture to draw. Model text is only ever set as text (never as HTML).
+
+const KINDS = [
+  ["memory", "M", "memory"],
+  ["disk", "D", "disk"],
+  ["computed", "C", "computed"],
+  ["tail", "T", "tail"],
+  ["pending", "", "pending"],
+];
+const LETTER = Object.fromEntries(KINDS.map(([kind, letter]) => [kind, letter]));
+
+const REASONS = {
+  hot: "kept in memory from the previous request",
+  new: "never seen",
+  edited: "edited",
+  evicted: "evicted from the store",
+  store_off: "no block store",
+  after_miss: "after a computed block",
+  tail: "last tokens, computed to start the answer",
+  window: "window or state records dropped",
+  none: "nothing to read",
+};
+
+// Above this many blocks the cells shrink and drop their letters.
+const DENSE_BLOCKS = 256;
+
+const FIGURES = [
+  ["blocks_held", "blocks held"],
+  ["bytes_held", "bytes held"],
+  ["file_size", "scratch file"],
+  ["blocks_restored", "blocks restored"],
+  ["blocks_computed", "blocks computed"],
+  ["blocks_evicted", "blocks evicted"],
+  ["requests", "requests"],
+];
+
+const SERIES = [
+  ["restored", "restored", "--mnb-disk", false],
+  ["computed", "computed", "--mnb-computed", false],
+  ["evicted", "evicted", "--mnb-evicted", true],
+];
+
+// --- formatting ---------------------------------------------------------------------------
+
+const int = (n) => Math.trunc(Number(n) || 0).toLocaleString("en-US");
+
+function bytes(n) {
+  let value = Number(n) || 0;
+  for (const unit of ["B", "KiB", "MiB", "GiB", "TiB"]) {
+    if (Math.abs(value) < 1024 || unit === "TiB") {
+      return unit === "B" ? `${Math.trunc(value)} B` : `${value.toFixed(1)} ${unit}`;
+    }
+    value /= 1024;
+  }
+}
+
+function seconds(s) {
+  s = Number(s) || 0;
+  if (s < 0.01) return `${(s * 1000).toFixed(1)} ms`;
+  if (s < 59.995) return `${s.toFixed(2)} s`;
+  const whole = Math.round(s);
+  return `${Math.floor(whole / 60)} min ${whole % 60} s`;
+}
+
+const plural = (n, word) => `${int(n)} ${n === 1 ? word : word + "s"}`;
+
+const kindOf = (block) => String(block.kind || block.source || "pending");
+
+function reasonPhrase(block, edit) {
+  const reason = String(block.reason || "");
+  if (reason === "edited" && edit && edit.block === block.index) {
+    return `edited at token ${int(edit.position)}`;
+  }
+  if (reason in REASONS) return REASONS[reason];
+  if (block.source === "disk" && reason) return "read " + reason.split("+").join(" + ");
+  return reason;
+}
+
+function words(block) {
+  const head = block.head || "";
+  const last = block.last || "";
+  if (head && last) return `“${head} … ${last}”`;
+  return head || last ? `“${head || last}”` : "";
+}
+
+function tip(block, edit) {
+  const parts = [
+    `block ${block.index}`,
+    `tokens ${int(block.start)}–${int(block.end)}`,
+    String(block.source || ""),
+  ];
+  const phrase = reasonPhrase(block, edit);
+  if (phrase) parts.push(phrase);
+  parts.push(seconds(block.seconds));
+  const text = words(block);
+  if (text) parts.push(text);
+  return parts.join(" · ");
+}
+
+// Each record kind once, in the order kv, window, state (others after, as met).
+function recordKinds(layerKinds) {
+  const order = ["kv", "window", "state"];
+  const rank = (k) => (order.includes(k) ? order.indexOf(k) : order.length);
+  return [...new Set(layerKinds.map(String))].sort((a, b) => rank(a) - rank(b));
+}
+
+// --- DOM ----------------------------------------------------------------------------------
+
+// h("div", {class: "x", "data-kind": "disk"}, "text", child...): strings become text nodes.
+function h(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value !== null && value !== undefined && value !== false) {
+      node.setAttribute(name, String(value));
+    }
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === "") continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function s(tag, attrs = {}, text = "") {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text) node.textContent = text;
+  return node;
+}
+
+function byIndex(blocks) {
+  const known = new Map();
+  for (const block of blocks || []) known.set(Number(block.index), block);
+  return known;
+}
+
+function kindCounts(blocks, nBlocks) {
+  const counts = Object.fromEntries(KINDS.map(([kind]) => [kind, 0]));
+  for (const block of blocks || []) counts[kindOf(block)] = (counts[kindOf(block)] || 0) + 1;
+  const known = (blocks || []).length;
+  counts.pending = Math.max(0, nBlocks - known);
+  return counts;
+}
+
+function legend(counts) {
+  return h(
+    "div",
+    { class: "mnb-legend" },
+    KINDS.map(([kind, letter, label]) =>
+      h(
+        "span",
+        { class: "mnb-key", "data-kind": kind, "data-count": counts[kind] || 0 },
+        h("span", { class: "mnb-swatch", "data-kind": kind }, letter),
+        `${label} `,
+        h("b", { class: "mnb-count" }, int(counts[kind] || 0)),
+      ),
+    ),
+  );
+}
+
+function editBox(edit) {
+  if (!edit) return null;
+  return h(
+    "div",
+    { class: "mnb-edit", "data-position": edit.position, "data-block": edit.block },
+    h(
+      "span",
+      { class: "mnb-edit-label" },
+      `first change at token ${int(edit.position)} (block ${edit.block})`,
+    ),
+    " ",
+    h(
+      "span",
+      { class: "mnb-edit-words" },
+      "…",
+      h("span", { class: "mnb-before" }, edit.before || ""),
+      h("span", { class: "mnb-caret", "aria-label": "changed here" }, "▍"),
+      h("span", { class: "mnb-after" }, edit.after || ""),
+      "…",
+    ),
+    " ",
+    h("span", { class: "mnb-edit-note" }, "blocks from here on were recomputed"),
+  );
+}
+
+// Set one cell's look from its block (or pending); touch only what changed.
+function paintCell(cell, index, block, edit) {
+  const kind = block ? kindOf(block) : "pending";
+  const attrs = {
+    "data-kind": kind,
+    "data-reason": block ? String(block.reason || "") : "",
+    "data-edit": block && edit && edit.block === index ? "true" : null,
+    title: block ? tip(block, edit) : `block ${index} · pending`,
+  };
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value === null) cell.removeAttribute(name);
+    else if (cell.getAttribute(name) !== value) cell.setAttribute(name, value);
+  }
+  const letter = block ? (LETTER[kind] ?? "?") : "";
+  if (cell.textContent !== letter) cell.textContent = letter;
+}
+
+function cellGrid(n, cls) {
+  const grid = h("div", { class: n > DENSE_BLOCKS ? "mnb-cells mnb-dense" : "mnb-cells" });
+  const cells = [];
+  for (let i = 0; i < n; i++) {
+    const cell = h("div", { class: cls, "data-index": i });
+    cells.push(cell);
+    grid.append(cell);
+  }
+  return { grid, cells };
+}
+
+// --- strip --------------------------------------------------------------------------------
+
+function drawStrip(model, root, state) {
+  const blocks = model.get("blocks") || [];
+  const edit = model.get("edit");
+  const known = byIndex(blocks);
+  const n = Math.max(model.get("n_blocks") || 0, known.size ? Math.max(...known.keys()) + 1 : 0);
+  if (state.n !== n) {
+    // Lay out every cell at once, so the strip does not move while blocks arrive.
+    state.n = n;
+    const { grid, cells } = cellGrid(n, "mnb-block");
+    state.cells = cells;
+    state.foot = h("div", { class: "mnb-foot" });
+    state.edit = h("div");
+    root.replaceChildren(grid, state.foot, state.edit);
+    root.setAttribute("data-n-blocks", n);
+  }
+  state.cells.forEach((cell, i) => paintCell(cell, i, known.get(i), edit));
+  let caption = plural(n, "block");
+  const blockSize = model.get("block_size");
+  const promptTokens = model.get("prompt_tokens");
+  if (blockSize) caption += ` of ${int(blockSize)} tokens`;
+  if (promptTokens) caption += ` · ${plural(promptTokens, "prompt token")}`;
+  state.foot.replaceChildren(
+    legend(kindCounts(blocks, n)),
+    h("span", { class: "mnb-caption" }, caption),
+  );
+  const box = editBox(edit);
+  state.edit.replaceWith((state.edit = box || h("div", { hidden: true })));
+}
+
+// --- map ----------------------------------------------------------------------------------
+
+function recordChips(block, layerKinds) {
+  const records = (block.records || []).map(String);
+  if (block.source !== "disk") return [h("span", { class: "mnb-dim" }, "—")];
+  const kinds = layerKinds.length ? layerKinds : records;
+  return kinds.map((kind) => {
+    const read = records.includes(kind);
+    return h(
+      "span",
+      {
+        class: "mnb-rec",
+        "data-record": kind,
+        "data-read": String(read),
+        title: `${kind} records ${read ? "read" : "not needed"}`,
+      },
+      kind,
+    );
+  });
+}
+
+function textCell(block) {
+  const parts = [];
+  if (block.head) parts.push(h("q", { class: "mnb-head" }, block.head));
+  if (block.last) {
+    parts.push(" ", h("span", { class: "mnb-dim" }, "…"), " ");
+    parts.push(h("q", { class: "mnb-last" }, block.last));
+  }
+  return parts;
+}
+
+function row(block, edit, layerKinds) {
+  const kind = kindOf(block);
+  return h(
+    "tr",
+    {
+      class: "mnb-block",
+      "data-index": block.index,
+      "data-kind": kind,
+      "data-reason": String(block.reason || ""),
+      "data-edit": edit && edit.block === block.index ? "true" : null,
+    },
+    h("td", { class: "mnb-num" }, String(block.index)),
+    h("td", { class: "mnb-num mnb-range" }, `${int(block.start)}–${int(block.end)}`),
+    h("td", { class: "mnb-text" }, textCell(block)),
+    h("td", {}, h("span", { class: "mnb-swatch", "data-kind": kind }, LETTER[kind] ?? "?"), " ",
+      String(block.source || "")),
+    h("td", { class: "mnb-reason" }, reasonPhrase(block, edit)),
+    h("td", { class: "mnb-num" }, seconds(block.seconds)),
+    h("td", { class: "mnb-records" }, recordChips(block, layerKinds)),
+  );
+}
+
+function details(block, edit, layerKinds) {
+  if (!block) {
+    return [h("span", { class: "mnb-dim" }, "Hover or click a block to see where it came from.")];
+  }
+  const kind = kindOf(block);
+  // Pairs per row (the list is laid out in two columns): range and time, source and
+  // reason, first and last words, then the records.
+  const items = [
+    ["tokens", `${int(block.start)}–${int(block.end)} (${int(block.end - block.start)} tokens)`],
+    ["time", seconds(block.seconds)],
+    ["source", String(block.source || "")],
+    ["reason", reasonPhrase(block, edit) || "—"],
+    ["first words", block.head || "—"],
+    ["last words", block.last || "—"],
+  ];
+  if (layerKinds.length || (block.records || []).length) {
+    const read = (block.records || []).map(String);
+    const kinds = layerKinds.length ? layerKinds : read;
+    const text =
+      block.source === "disk"
+        ? kinds.map((k) => `${k} ${read.includes(k) ? "read" : "not needed"}`).join(", ")
+        : block.source === "memory"
+          ? "none read: the live cache was reused"
+          : "all made now";
+    items.push(["records", text]);
+  }
+  return [
+    h(
+      "div",
+      { class: "mnb-details-title" },
+      h("span", { class: "mnb-swatch", "data-kind": kind }, LETTER[kind] ?? "?"),
+      ` block ${block.index}`,
+    ),
+    h("dl", {}, items.map(([term, value]) => [h("dt", {}, term), h("dd", {}, value)])),
+  ];
+}
+
+function drawMap(model, root, state) {
+  const blocks = [...(model.get("blocks") || [])].sort((a, b) => a.index - b.index);
+  const edit = model.get("edit");
+  const layerKinds = recordKinds(model.get("layer_kinds") || []);
+  const known = byIndex(blocks);
+  const n = blocks.length;
+  let head = `Block map · ${plural(n, "block")}`;
+  const blockSize = model.get("block_size");
+  const promptTokens = model.get("prompt_tokens");
+  if (blockSize) head += ` of ${int(blockSize)} tokens`;
+  if (promptTokens) head += ` · ${plural(promptTokens, "prompt token")}`;
+  if (layerKinds.length) head += ` · layer kinds: ${layerKinds.join(" + ")}`;
+
+  const { grid, cells } = cellGrid(n, "mnb-cell");
+  cells.forEach((cell, i) => {
+    paintCell(cell, i, known.get(i), edit);
+    cell.setAttribute("tabindex", "0");
+    cell.setAttribute("role", "button");
+  });
+  const panel = h("div", { class: "mnb-details", "aria-live": "polite" });
+  const rows = blocks.map((block) => row(block, edit, layerKinds));
+  const rowOf = new Map(rows.map((r) => [Number(r.getAttribute("data-index")), r]));
+  const table = h(
+    "div",
+    { class: "mnb-scroll" },
+    h(
+      "table",
+      { class: "mnb-table" },
+      h(
+        "thead",
+        {},
+        h(
+          "tr",
+          {},
+          h("th", { class: "mnb-num" }, "block"),
+          h("th", { class: "mnb-num" }, "tokens"),
+          h("th", {}, "text"),
+          h("th", {}, "source"),
+          h("th", {}, "reason"),
+          h("th", { class: "mnb-num" }, "time"),
+          h("th", {}, "records"),
+        ),
+      ),
+      h("tbody", {}, rows),
+    ),
+  );
+
+  // Hover shows a block; a click pins it (click again to unpin).
+  const show = (index) => {
+    panel.replaceChildren(...details(known.get(index), edit, layerKinds));
+  };
+  const select = (index, { scroll = false } = {}) => {
+    state.selected = index;
+    for (const node of [...cells, ...rows]) node.removeAttribute("aria-selected");
+    if (index !== null && known.has(index)) {
+      cells[index].setAttribute("aria-selected", "true");
+      const r = rowOf.get(index);
+      r.setAttribute("aria-selected", "true");
+      if (scroll) r.scrollIntoView({ block: "nearest" });
+    }
+    show(index ?? (edit ? edit.block : null));
+  };
+  const indexOf = (event) => {
+    const target = event.target.closest("[data-index]");
+    return target && root.contains(target) ? Number(target.getAttribute("data-index")) : null;
+  };
+  const onOver = (event) => {
+    const index = indexOf(event);
+    if (index !== null) show(index);
+  };
+  const onLeave = () => show(state.selected ?? (edit ? edit.block : null));
+  const onClick = (event) => {
+    const index = indexOf(event);
+    if (index === null) return;
+    const fromGrid = grid.contains(event.target);
+    select(state.selected === index ? null : index, { scroll: fromGrid });
+  };
+  const onKey = (event) => {
+    if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      onClick(event);
+    }
+  };
+  grid.addEventListener("mouseover", onOver);
+  grid.addEventListener("focusin", onOver);
+  grid.addEventListener("mouseleave", onLeave);
+  grid.addEventListener("click", onClick);
+  grid.addEventListener("keydown", onKey);
+  table.addEventListener("mouseover", onOver);
+  table.addEventListener("mouseleave", onLeave);
+  table.addEventListener("click", onClick);
+
+  root.setAttribute("data-n-blocks", n);
+  root.replaceChildren(
+    h("div", { class: "mnb-title" }, head),
+    editBox(edit) || "",
+    grid,
+    h("div", { class: "mnb-foot" }, legend(kindCounts(blocks, n))),
+    panel,
+    table,
+  );
+  select(state.selected !== undefined && known.has(state.selected) ? state.selected : null);
+}
+
+// --- store --------------------------------------------------------------------------------
+
+function figureValue(name, view) {
+  const get = (key) => view[key];
+  switch (name) {
+    case "bytes_held": {
+      const budget = Number(get("budget_bytes")) || 0;
+      return [bytes(get("bytes_held")), budget ? `of ${bytes(budget)} budget` : "no disk budget"];
+    }
+    case "file_size":
+      return [bytes(get("file_size")), `${bytes(get("free_bytes"))} free for reuse`];
+    case "blocks_restored":
+      return [int(get("blocks_restored")), `${int(get("tokens_restored"))} tokens`];
+    case "blocks_computed":
+      return [int(get("blocks_computed")), `${int(get("tokens_computed"))} tokens`];
+    case "blocks_evicted":
+      return [int(get("blocks_evicted")), plural(Number(get("records_evicted")) || 0, "record")];
+    case "blocks_held":
+      return [int(get("blocks_held")), plural(Number(get("records")) || 0, "record")];
+    default:
+      return [int(get(name)), ""];
+  }
+}
+
+function chart(history) {
+  const [w, ht, left, bottom, top, right] = [480, 132, 44, 20, 8, 10];
+  const label = {
+    role: "img",
+    "aria-label": "blocks restored, computed and evicted over time",
+  };
+  const points = (history || []).filter((p) => p && typeof p === "object");
+  if (!points.length) {
+    // A one-line chart: no empty plot area before the first request.
+    const empty = s("svg", {
+      class: "mnb-chart",
+      "data-empty": "true",
+      viewBox: `0 0 ${w} 24`,
+      ...label,
+    });
+    empty.append(s("text", { class: "mnb-axis", x: 0, y: 16 }, "no requests yet"));
+    return empty;
+  }
+  const svg = s("svg", { class: "mnb-chart", viewBox: `0 0 ${w} ${ht}`, ...label });
+  const tMax = Math.max(...points.map((p) => Number(p.t) || 0)) || 1;
+  const yMax = Math.max(...points.flatMap((p) => SERIES.map(([k]) => Number(p[k]) || 0))) || 1;
+  const plotW = w - left - right;
+  const plotH = ht - top - bottom;
+  const x = (t) => (left + (plotW * t) / tMax).toFixed(1);
+  const y = (v) => (top + plotH * (1 - v / yMax)).toFixed(1);
+  svg.append(
+    s("line", { class: "mnb-grid", x1: left, y1: y(0), x2: w - right, y2: y(0) }),
+    s("line", { class: "mnb-grid", x1: left, y1: y(yMax), x2: w - right, y2: y(yMax) }),
+    s("text", { class: "mnb-axis", x: left - 6, y: Number(y(0)) + 4, "text-anchor": "end" }, "0"),
+    s("text", { class: "mnb-axis", x: left - 6, y: Number(y(yMax)) + 4, "text-anchor": "end" },
+      int(yMax)),
+    s("text", { class: "mnb-axis", x: left, y: ht - 4 }, "0 s"),
+    s("text", { class: "mnb-axis", x: w - right, y: ht - 4, "text-anchor": "end" },
+      `${seconds(tMax)} since load`),
+  );
+  for (const [key, label, colour, dashed] of SERIES) {
+    // Cumulative counts: a step line (flat until the next point).
+    const coords = [`${x(0)},${y(0)}`];
+    let prev = 0;
+    for (const p of points) {
+      const px = x(Number(p.t) || 0);
+      const v = Number(p[key]) || 0;
+      coords.push(`${px},${y(prev)}`, `${px},${y(v)}`);
+      prev = v;
+    }
+    coords.push(`${x(tMax)},${y(prev)}`);
+    const line = s("polyline", {
+      class: "mnb-series",
+      "data-series": key,
+      fill: "none",
+      style: `stroke: var(${colour})`,
+      "stroke-width": 2,
+      points: coords.join(" "),
+    });
+    if (dashed) line.setAttribute("stroke-dasharray", "5 3");
+    line.append(s("title", {}, `${label}: ${int(prev)} blocks`));
+    svg.append(line);
+  }
+  return svg;
+}
+
+function chartLegend() {
+  return h(
+    "div",
+    { class: "mnb-legend" },
+    SERIES.map(([key, label, colour, dashed]) =>
+      h(
+        "span",
+        { class: "mnb-key", "data-series": key },
+        h("span", {
+          class: "mnb-line",
+          "data-dashed": String(dashed),
+          style: `border-color: var(${colour})`,
+        }),
+        label,
+      ),
+    ),
+  );
+}
+
+function drawStore(model, root) {
+  const view = model.get("view") || {};
+  let title = "Block store";
+  if (view.model) title += ` · ${view.model}`;
+  if (view.block_size) title += ` · blocks of ${int(view.block_size)} tokens`;
+  const figures = FIGURES.map(([name, label]) => {
+    const [value, detail] = figureValue(name, view);
+    return h(
+      "div",
+      { class: "mnb-figure", "data-name": name },
+      h("span", { class: "mnb-label" }, label),
+      h("span", { class: "mnb-value" }, value),
+      detail ? h("span", { class: "mnb-detail" }, detail) : "",
+    );
+  });
+  const held = Number(view.bytes_held) || 0;
+  const budget = Number(view.budget_bytes) || 0;
+  const share = budget ? Math.min(1, held / budget) : 0;
+  const bar = budget
+    ? [
+        h(
+          "div",
+          {
+            class: "mnb-bar",
+            "data-share": share.toFixed(4),
+            title: `bytes held: ${bytes(held)} of ${bytes(budget)}`,
+          },
+          h("span", { class: "mnb-bar-fill", style: `width: ${(share * 100).toFixed(1)}%` }),
+        ),
+        h(
+          "div",
+          { class: "mnb-bar-label" },
+          `${bytes(held)} held of ${bytes(budget)} budget (${(share * 100).toFixed(1)} %)`,
+        ),
+      ]
+    : [];
+  const kindRows = Object.entries(view.by_kind || {})
+    .filter(([, v]) => v && typeof v === "object" && (v.records || v.bytes))
+    .map(([k, v]) =>
+      h(
+        "tr",
+        { "data-record": k },
+        h("td", {}, k),
+        h("td", { class: "mnb-num" }, int(v.records)),
+        h("td", { class: "mnb-num" }, bytes(v.bytes)),
+      ),
+    );
+  const kinds = kindRows.length
+    ? h(
+        "table",
+        { class: "mnb-table mnb-kinds" },
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            h("th", {}, "record kind"),
+            h("th", { class: "mnb-num" }, "records"),
+            h("th", { class: "mnb-num" }, "bytes"),
+          ),
+        ),
+        h("tbody", {}, kindRows),
+      )
+    : h("p", { class: "mnb-empty" }, "no records held");
+  const evictions = (view.recent_evictions || []).filter((e) => e && typeof e === "object");
+  const evicted = evictions.length
+    ? h(
+        "ul",
+        { class: "mnb-evictions" },
+        evictions.map((e) =>
+          h(
+            "li",
+            { "data-record": e.kind || "" },
+            h("span", { class: "mnb-num mnb-time" }, seconds(e.t)),
+            h("span", { class: "mnb-rec", "data-read": "true" }, e.kind || ""),
+            h("span", { class: "mnb-num" }, bytes(e.bytes)),
+            h("q", { class: "mnb-head" }, e.text || ""),
+          ),
+        ),
+      )
+    : h("p", { class: "mnb-empty" }, "no evictions yet");
+  root.replaceChildren(
+    h("div", { class: "mnb-title" }, title),
+    view.backend
+      ? h(
+          "div",
+          { class: "mnb-sub" },
+          view.backend === "off" ? "no block store: every block is computed" : String(view.backend),
+        )
+      : "",
+    h("div", { class: "mnb-figures" }, figures),
+    ...bar,
+    h(
+      "div",
+      { class: "mnb-panels" },
+      h(
+        "div",
+        { class: "mnb-panel" },
+        h("div", { class: "mnb-subtitle" }, "blocks over time"),
+        chart(view.history),
+        (view.history || []).length ? chartLegend() : "",
+      ),
+      h(
+        "div",
+        { class: "mnb-panel" },
+        h("div", { class: "mnb-subtitle" }, "records by kind"),
+        kinds,
+        h("div", { class: "mnb-subtitle" }, "latest evictions"),
+        evicted,
+      ),
+    ),
+  );
+}
+
+// --- entry point --------------------------------------------------------------------------
+
+const VIEWS = {
+  strip: { draw: drawStrip, traits: ["n_blocks", "block_size", "prompt_tokens", "blocks", "edit"] },
+  map: { draw: drawMap, traits: ["blocks", "edit", "block_size", "prompt_tokens", "layer_kinds"] },
+  store: { draw: drawStore, traits: ["view"] },
+};
+
+function render({ model, el }) {
+  const kind = model.get("_kind");
+  const view = VIEWS[kind];
+  if (!view) {
+    el.textContent = `mlx_nbengine: unknown widget kind ${JSON.stringify(kind)}`;
+    return;
+  }
+  const root = h("div", { class: `mnb-root mnb-${kind}` });
+  el.append(root);
+  const state = {};
+  const update = () => view.draw(model, root, state);
+  update();
+  for (const name of view.traits) model.on(`change:${name}`, update);
+  return () => {
+    for (const name of view.traits) model.off(`change:${name}`, update);
+  };
+}
+
+export default { render };
