@@ -63,3 +63,16 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineClosedError(EngineError, RuntimeError):
     """The engine was closed; load a new one to submit more requests."""
+
+
+class ModelNotCachedError(ModelNotFoundError):
+    """A model id is not on this machine and cannot be downloaded now (offline, or the
+    Hugging Face hub unreachable); the one-line message says how to get it."""
+
+
+class AmbiguousModelError(ModelError):
+    """A folder or repository holds several GGUF files; the message lists them to pick one."""
+
+
+class ModelDownloadError(ModelError):
+    """The Hugging Face hub refused or failed a download (gated repository, HTTP error)."""

@@ -5,6 +5,10 @@ tiny random-weight model directory from `mlx_nbengine.testing.make_tiny_model`
 and returns its path; tests that need a model load it with
 `mlx_nbengine.models.load`. Keyword arguments are those of `make_tiny_model`
 (``sliding_window``, ``seed``, ``num_layers``, ``dtype``).
+
+Every test runs offline: `offline_hub` (autouse, whole session) sets ``HF_HUB_OFFLINE=1``
+and points ``HF_HOME`` / ``HF_HUB_CACHE`` at an empty temporary folder, so no test reads
+the machine's Hugging Face cache or reaches the network (kernels started by tests inherit it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ from mlx_nbengine._blas import ensure_fast_blas
 
 # Before any test imports MLX: bind MLX's matmuls to the optimized BLAS (Linux CPU).
 ensure_fast_blas()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_hub(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("hf-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_HOME", str(home))
+        mp.setenv("HF_HUB_CACHE", str(home / "hub"))
+        # huggingface_hub reads these once, at import, which may have happened already.
+        from huggingface_hub import constants
+
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(constants, "HF_HOME", str(home))
+        mp.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The models layer: load text (mlx-lm) and vision (mlx-vlm) models, import GGUF files,
-resolve the embedded default model.
+resolve the embedded default model, find models by id in the Hugging Face hub cache and
+LM Studio's folder (or download them), and list the models already on this machine.
 
 `load(path_or_name)` returns a `LoadedModel`; every failure a user can cause is a
 `ModelError` (see `mlx_nbengine.errors`) whose message says what to do.
@@ -20,5 +21,15 @@ from mlx_nbengine.models.loader import (  # noqa: E402
     model_kind,
     resolve,
 )
+from mlx_nbengine.models.sources import LocalModel, list_local_models  # noqa: E402
 
-__all__ = ["LoadedModel", "ModelError", "fingerprint_directory", "load", "model_kind", "resolve"]
+__all__ = [
+    "LoadedModel",
+    "LocalModel",
+    "ModelError",
+    "fingerprint_directory",
+    "list_local_models",
+    "load",
+    "model_kind",
+    "resolve",
+]

