@@ -4,13 +4,17 @@ One kernel per module (``python -m ipykernel_launcher`` from this interpreter, s
 installed kernelspec is needed) loads the extension and a tiny random-weight llama with
 16-token blocks, its scratch file in a temporary directory. The tests then check what a
 front end sees on the IOPub channel: display messages carrying the executing cell's
-``parent_header``, the kernel's interrupt cancelling a request, concurrent ``--bg`` cells,
-restored blocks after an edit, and ``%unload_model`` removing the scratch file.
+``parent_header``, the kernel's interrupt cancelling a request (one line, no traceback),
+concurrent ``--bg`` cells, restored blocks after an edit, the widgets' comm messages (the
+block strip under every answer, the ``--blocks`` map, the ``%llm_cache`` store view), and
+``%unload_model`` removing the scratch file.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import math
 import os
 import re
 import sys
@@ -38,6 +42,10 @@ LONG_PROMPT = "\n".join(
         "The weather today is sunny with a light breeze from the west; tomorrow it may rain.",
     ]
 )
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+INTERRUPTED_LINE = "interrupted: generation cancelled; the partial answer is kept above"
 
 
 def kernel_manager(tmp: Path, *, env: dict[str, str] | None = None) -> KernelManager:
@@ -74,10 +82,31 @@ class Cell:
         """stdout and stderr together."""
         return "".join(m["content"]["text"] for m in self.of_type("stream"))
 
-    def final_text(self) -> str:
-        """text/plain of the last display or display update of this cell."""
+    def answers(self) -> list[dict]:
+        """The display and display updates of this cell's answer (not of its widgets)."""
         shown = self.of_type("display_data", "update_display_data")
-        return shown[-1]["content"]["data"]["text/plain"] if shown else ""
+        return [m for m in shown if WIDGET_VIEW not in m["content"]["data"]]
+
+    def final_data(self) -> dict:
+        """The mimebundle of the answer's last display or display update."""
+        shown = self.answers()
+        return shown[-1]["content"]["data"] if shown else {}
+
+    def final_text(self) -> str:
+        """text/plain of the answer's last display or display update."""
+        return self.final_data().get("text/plain", "")
+
+    def widgets(self, kind: str) -> list[dict]:
+        """comm_open messages of this cell's widgets of `kind` ("strip", "map", "store")."""
+        return [
+            m
+            for m in self.of_type("comm_open")
+            if m["content"]["data"]["state"].get("_kind") == kind
+        ]
+
+    def widget_displays(self) -> list[dict]:
+        """The widget views this cell displayed, in order."""
+        return [m for m in self.of_type("display_data") if WIDGET_VIEW in m["content"]["data"]]
 
 
 class Kernel:
@@ -171,6 +200,35 @@ def parent_of(m: dict) -> str | None:
     return m["parent_header"].get("msg_id")
 
 
+def comm_id(opened: dict) -> str:
+    return opened["content"]["comm_id"]
+
+
+def state_updates(kernel: Kernel, widget: str) -> list[dict]:
+    """Every state update the kernel sent for the widget (comm id), in order, any parent."""
+    return [
+        m
+        for m in kernel.log
+        if m["msg_type"] == "comm_msg"
+        and m["content"]["comm_id"] == widget
+        and m["content"]["data"].get("method") == "update"
+    ]
+
+
+def widget_state(kernel: Kernel, opened: dict) -> dict:
+    """The widget's state now: its comm_open state with every later update applied."""
+    state = dict(opened["content"]["data"]["state"])
+    for m in state_updates(kernel, comm_id(opened)):
+        state.update(m["content"]["data"]["state"])
+    return state
+
+
+def the_strip(kernel: Kernel, cell: Cell) -> dict:
+    """The final state of the cell's (one) block strip."""
+    (opened,) = cell.widgets("strip")
+    return widget_state(kernel, opened)
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("scratch")
@@ -191,13 +249,14 @@ def kernel(tiny_model_dir, tmp_path_factory, cache_dir):
 
 
 def display_ids(cell: Cell) -> set[str]:
-    return {m["content"]["transient"]["display_id"] for m in cell.of_type("display_data")}
+    """The display id of the cell's answer (its widgets' displays left out)."""
+    return {m["content"]["transient"]["display_id"] for m in cell.answers()}
 
 
 def test_streaming_updates_one_display_in_the_executing_cell(kernel):
     cell = kernel.ok("%%llm --max-tokens 400\nHello, who are you?")
-    first = cell.of_type("display_data")
-    updates = cell.of_type("update_display_data")
+    first = [m for m in cell.answers() if m["msg_type"] == "display_data"]
+    updates = [m for m in cell.answers() if m["msg_type"] == "update_display_data"]
     assert len(first) == 1, "one display per answer"
     assert len(updates) >= 2, "the answer is updated in place while it streams"
     (display_id,) = display_ids(cell)
@@ -207,10 +266,29 @@ def test_streaming_updates_one_display_in_the_executing_cell(kernel):
     span = (updates[-1]["header"]["date"] - first[0]["header"]["date"]).total_seconds()
     assert len(updates) <= span / 0.1 + 3, (len(updates), span)
     final = updates[-1]["content"]["data"]
-    assert set(final) == {"text/plain", "text/markdown"}
+    assert set(final) == {"text/plain", "text/html"}
     assert re.search(
-        r"\d+ prompt tokens: [\d,]+ restored.*computed; first token", final["text/plain"]
+        r"\d+ prompt tokens(: [\d,]+ restored.*computed|, all computed); first token",
+        final["text/plain"],
     )
+    # Why it stopped, and how many tokens it made.
+    assert re.search(r"; (end of text after|stopped at max tokens \()\d+", final["text/plain"])
+
+
+def test_the_answer_is_the_models_text_escaped_in_a_pre_wrap_block(kernel):
+    cell = kernel.ok("%%llm --raw -o raw --max-tokens 24\nLine one <em>\nLine two")
+    answer = json.loads(kernel.value("__import__('json').dumps(raw.text)"))
+    html_text = cell.final_data()["text/html"]
+    text_block = re.search(r'<pre class="mnb-text" style="([^"]*)">(.*?)</pre>', html_text, re.S)
+    assert text_block and "white-space: pre-wrap" in text_block.group(1)
+    assert text_block.group(2) == html.escape(answer)
+    # The summary line follows in its own line, outside the text.
+    assert '<div class="mnb-status"' in html_text[text_block.end() :]
+
+
+def test_markdown_option_renders_markdown(kernel):
+    cell = kernel.ok("%%llm --markdown --max-tokens 8\nHello")
+    assert set(cell.final_data()) == {"text/plain", "text/markdown"}
 
 
 def test_o_stores_the_completion_in_the_user_namespace(kernel):
@@ -218,6 +296,46 @@ def test_o_stores_the_completion_in_the_user_namespace(kernel):
     assert kernel.value("type(answer).__name__") == "Completion"
     assert kernel.value("answer.finish_reason in ('stop', 'length')") == "True"
     assert kernel.value("len(answer.tokens) <= 8") == "True"
+
+
+def test_every_answer_has_a_block_strip_under_it_from_the_start(kernel):
+    cell = kernel.ok(f"%%llm -o striped --max-tokens 4\nA strip of its own.\n{LONG_PROMPT}")
+    n_prompt = int(kernel.value("len(striped.prompt_tokens)"))
+    (opened,) = cell.widgets("strip")
+    # Created when the request was submitted: every block laid out, none known yet.
+    first = opened["content"]["data"]["state"]
+    assert first["n_blocks"] == math.ceil(n_prompt / BLOCK)
+    assert first["block_size"] == BLOCK and first["prompt_tokens"] == n_prompt
+    assert first["blocks"] == []
+    # Shown right under the answer, in the same cell.
+    shown = cell.of_type("display_data")
+    assert WIDGET_VIEW not in shown[0]["content"]["data"]
+    assert shown[1]["content"]["data"][WIDGET_VIEW]["model_id"] == comm_id(opened)
+    assert parent_of(opened) == cell.msg_id
+
+
+def test_the_block_strip_fills_in_while_the_prompt_is_read(kernel):
+    cell = kernel.ok(f"%%llm -o live --max-tokens 4\nA live strip.\n{LONG_PROMPT}")
+    (opened,) = cell.widgets("strip")
+    with_blocks = [
+        m
+        for m in state_updates(kernel, comm_id(opened))
+        if "blocks" in m["content"]["data"]["state"]
+    ]
+    assert len(with_blocks) > 1, "one update per block as it becomes known"
+    assert all(parent_of(m) == cell.msg_id for m in with_blocks)
+    # The first block showed before the answer's last update.
+    answer_dates = [m["header"]["date"] for m in cell.answers()]
+    assert with_blocks[0]["header"]["date"] < answer_dates[-1]
+    # A prompt never seen: every block computed, the last one the tail.
+    state = the_strip(kernel, cell)
+    assert len(state["blocks"]) == state["n_blocks"]
+    kinds = [b["kind"] for b in state["blocks"]]
+    assert set(kinds[:-1]) == {"computed"} and kinds[-1] == "tail"
+    # Why each was computed: its first block differs from stored ones after the shared chat
+    # template tokens ("edited"), or nothing like it was stored ("new"); later ones follow.
+    assert {b["reason"] for b in state["blocks"][:-1]} <= {"new", "edited", "after_miss"}
+    assert state["blocks"][0]["head"], "the block's first words"
 
 
 def test_rerunning_an_edited_cell_reports_restored_blocks(kernel):
@@ -231,6 +349,37 @@ def test_rerunning_an_edited_cell_reports_restored_blocks(kernel):
     match = re.search(r"([\d,]+) restored \((\d+) blocks? from (memory|disk)", cell.final_text())
     assert match, cell.final_text()
     assert int(match.group(1).replace(",", "")) == restored
+
+
+def test_the_strip_of_an_edited_rerun_shows_restored_blocks_and_the_edit(kernel):
+    kernel.ok(f"%%llm --max-tokens 4\n{LONG_PROMPT}\nWhat is this text about?")
+    kernel.ok("%%llm --max-tokens 4\nHello")
+    cell = kernel.ok(f"%%llm -o edited --max-tokens 4\n{LONG_PROMPT}\nWho wrote this text?")
+    edit_at = int(kernel.value("edited.report.edit_at"))
+    state = the_strip(kernel, cell)
+    blocks = state["blocks"]
+    assert len(blocks) == state["n_blocks"]
+    edit_block = edit_at // BLOCK
+    assert state["edit"]["position"] == edit_at and state["edit"]["block"] == edit_block
+    # Before the edit: read from disk (a llama has only kv records); from it on: computed.
+    assert {(b["kind"], b["reason"]) for b in blocks[:edit_block]} == {("disk", "kv")}
+    assert blocks[edit_block]["reason"] in ("edited", "tail")
+    assert {b["kind"] for b in blocks[edit_block:]} <= {"computed", "tail"}
+    assert blocks[-1]["kind"] == "tail"
+
+
+def test_blocks_shows_the_block_map_after_the_answer(kernel):
+    cell = kernel.ok(f"%%llm --blocks -o mapped --max-tokens 4\n{LONG_PROMPT}\nA map, please.")
+    n_prompt = int(kernel.value("len(mapped.prompt_tokens)"))
+    (opened,) = cell.widgets("map")
+    state = widget_state(kernel, opened)
+    assert len(state["blocks"]) == math.ceil(n_prompt / BLOCK)
+    assert state["layer_kinds"] == ["kv", "kv"]  # the tiny llama's two layers
+    assert all(b["head"] for b in state["blocks"])
+    # answer, strip, map: in that order, the map's bundle with its static picture.
+    views = cell.widget_displays()
+    assert [v["content"]["data"][WIDGET_VIEW]["model_id"] for v in views][-1] == comm_id(opened)
+    assert 'class="mnb-root mnb-map"' in views[-1]["content"]["data"]["text/html"]
 
 
 def test_rerunning_a_chat_cell_with_the_same_cell_id_replaces_its_turn(kernel):
@@ -252,8 +401,12 @@ def test_interrupt_cancels_a_long_generation_and_the_kernel_stays_usable(kernel)
     kernel.km.interrupt_kernel()
     reply = kernel.wait_reply(msg_id, timeout=60)
     kernel.wait_idle(msg_id)
-    assert reply["content"]["status"] == "error"
-    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["status"] == "error"  # so "Run all" stops here
+    assert reply["content"]["ename"] == "GenerationInterrupted"  # a KeyboardInterrupt
+    # One line under the kept answer, not the traceback of where the interrupt landed.
+    assert reply["content"]["traceback"] == [INTERRUPTED_LINE]
+    (error,) = kernel.cell(msg_id).of_type("error")
+    assert error["content"]["traceback"] == [INTERRUPTED_LINE]
     assert kernel.value("partial.finish_reason") == "cancelled"
     assert 0 < int(kernel.value("len(partial.tokens)")) < 6000
     assert "[interrupted]" in kernel.cell(msg_id).final_text()
@@ -283,6 +436,12 @@ def test_background_cells_run_concurrently_into_their_own_cells(kernel):
         # set_thread_parent: every update carries the parent header of the cell that made it.
         assert {parent_of(m) for m in mine} == {cell.msg_id}
         assert "prompt tokens" in mine[-1]["content"]["data"]["text/plain"]
+        # The strip, filled in from the background thread, also reaches this cell.
+        (strip,) = cell.widgets("strip")
+        strip_updates = state_updates(kernel, comm_id(strip))
+        assert strip_updates and {parent_of(m) for m in strip_updates} == {cell.msg_id}
+        state = widget_state(kernel, strip)
+        assert len(state["blocks"]) == state["n_blocks"]
     # Concurrent: the second answer streamed before the first one had finished.
     order = [m["content"]["transient"]["display_id"] for m in updates]
     last_of_first = max(i for i, d in enumerate(order) if d == ids[first.msg_id])
@@ -296,6 +455,24 @@ def test_usage_errors_are_one_line(kernel):
     assert content["status"] == "error" and content["ename"] == "UsageError"
     shown = cell.of_type("error")
     assert not shown or len(shown[-1]["content"]["traceback"]) == 1
+
+
+def test_llm_cache_shows_the_store_view(kernel):
+    cell = kernel.ok("%llm_cache")
+    (opened,) = cell.widgets("store")
+    view = opened["content"]["data"]["state"]["view"]
+    assert view["blocks_held"] > 0 and view["blocks_restored"] > 0
+    assert view["block_size"] == BLOCK
+    (shown,) = cell.widget_displays()
+    data = shown["content"]["data"]
+    assert 'class="mnb-root mnb-store"' in data["text/html"]
+    assert data["text/plain"].startswith("Block store: ")
+
+
+def test_llm_status_names_the_loaded_model_and_its_type(kernel, tiny_model_dir):
+    cell = kernel.ok("%llm_status")
+    text = cell.final_text()
+    assert f"model                     {tiny_model_dir('llama')} (llama)" in text
 
 
 def open_files_under(pid: int, directory: Path) -> list[str]:

@@ -8,6 +8,7 @@ the same magics against the real `Engine` and a tiny model in a real kernel.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -18,10 +19,18 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbengine import _blas
+from mlx_nbengine.errors import ModelNotFoundError
 from mlx_nbengine.notebook import magics as magics_mod
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
-from mlx_nbengine.errors import ModelNotFoundError
-from mlx_nbengine.notebook.render import AnswerView, TerminalView, summary_line
+from mlx_nbengine.notebook.render import (
+    AnswerView,
+    StripFeed,
+    TerminalView,
+    cache_rows,
+    escape_markdown_html,
+    summary_line,
+)
+from mlx_nbengine.notebook.streaming import GenerationInterrupted
 
 # -- a fake engine with the public shape of mlx_nbengine.engine (events by class name) ------
 
@@ -38,6 +47,16 @@ class BlockEvent:
     end: int
     source: str
     seconds: float
+    reason: str = "new"
+    records: tuple = ()
+    edit_at: int | None = None
+
+
+@dataclass
+class Progress:
+    phase: str
+    done: int
+    total: int
 
 
 @dataclass
@@ -52,15 +71,19 @@ class Block:
     end: int
     source: str
     seconds: float = 0.01
+    reason: str = "new"
+    records: tuple = ()
 
 
 @dataclass
 class Report:
     blocks: list = field(default_factory=list)
     restored_tokens: int = 0
-    computed_tokens: int = 0
+    computed_tokens: int = 10
     ttft_s: float | None = 0.5
     tokens_per_s: float | None = 40.0
+    restore_source: str | None = None
+    edit_at: int | None = None
 
 
 @dataclass
@@ -70,16 +93,31 @@ class Completion:
     prompt_tokens: list
     finish_reason: str
     report: Report
+    stop_reason: str | None = None
+
+
+@dataclass
+class FakeLoadedModel:
+    """What the magics read of a loaded model: its type, and (for a base model) no template."""
+
+    model_type: str = "gemma3_text"
+    kind: str = "text"
+    has_chat_template: bool = True
 
 
 class FakeRequest:
+    """Ten prompt tokens in one 16-token block (the tail), then the engine's pieces of text."""
+
     def __init__(self, pieces: list[str], *, hold: bool = False) -> None:
         self.pieces = pieces
         self.hold = hold
+        self.prompt_tokens = [2] * 10
         self.cancelled = threading.Event()
         self.completion: Completion | None = None
 
     def stream(self):
+        tail = Block(0, 0, 10, "computed", reason="tail")
+        yield BlockEvent(0, 0, 10, "computed", 0.01, reason="tail")
         text = ""
         for piece in self.pieces:
             text += piece
@@ -89,7 +127,12 @@ class FakeRequest:
             self.cancelled.wait(30)
         reason = "cancelled" if self.cancelled.is_set() else "stop"
         self.completion = Completion(
-            text, list(range(len(self.pieces))), [2] * 10, reason, Report()
+            text,
+            list(range(len(self.pieces))),
+            self.prompt_tokens,
+            reason,
+            Report([tail]),
+            stop_reason="eos" if reason == "stop" else None,
         )
         yield Finished(self.completion)
 
@@ -103,8 +146,11 @@ class FakeRequest:
 class FakeEngine:
     instances: list[FakeEngine] = []
 
+    block_size = 16
+
     def __init__(self, model: str, **options) -> None:
-        self.model = model
+        self.model = FakeLoadedModel()
+        self.name = model
         self.options = options
         self.submitted: list[tuple[object, dict]] = []
         self.closed = False
@@ -123,7 +169,20 @@ class FakeEngine:
         return request
 
     def stats(self):
-        return {"blocks": 3, "disk_bytes": 3 * 4096, "active": 0, "queued": 0}
+        # Engine.stats(): the store's counters (in records) and the engine's own.
+        return {
+            "records": 6,
+            "bytes_held": 3 * 4096,
+            "hits": 10,
+            "misses": 0,
+            "description": "scratch file",
+            "active": 0,
+            "queued": 0,
+            "group_prefills": 1,
+        }
+
+    def cache_view(self):
+        return dict(CACHE_VIEW)
 
     def clear_cache(self) -> None:
         self.cleared = True
@@ -131,6 +190,29 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
+
+# What Engine.cache_view() returns after a 3-block prompt and two restores of it.
+CACHE_VIEW = {
+    "model": "default",
+    "block_size": 16,
+    "blocks_held": 3,
+    "records": 6,
+    "bytes_held": 3 * 4096,
+    "budget_bytes": 2**30,
+    "file_size": 16384,
+    "free_bytes": 10 * 2**30,
+    "backend": "scratch file",
+    "by_kind": {"kv": {"records": 3, "bytes": 8192}, "window": {"records": 3, "bytes": 4096}},
+    "blocks_restored": 6,
+    "blocks_computed": 3,
+    "tokens_restored": 96,
+    "tokens_computed": 48,
+    "blocks_evicted": 0,
+    "records_evicted": 0,
+    "requests": 3,
+    "history": [],
+    "recent_evictions": [],
+}
 
 SLOW_LOAD = threading.Event()
 BLOCKED = threading.Event()  # set by the fakes when they start waiting
@@ -277,7 +359,7 @@ def test_usage_errors_print_one_line_without_traceback(ip, capsys):
 
 def test_load_model_passes_its_options_to_the_engine(ip):
     run(ip, "%load_model default --parallel 2 --block-size 16 --disk-budget 1GiB --dtype float32")
-    assert engine().model == "default"
+    assert engine().name == "default"
     assert engine().options == {
         "parallel": 2,
         "block_size": 16,
@@ -316,7 +398,12 @@ def test_loading_another_model_closes_the_first(ip):
     first = engine()
     run(ip, "%load_model other")
     assert first.closed
-    assert engine().model == "other" and not engine().closed
+    assert engine().name == "other" and not engine().closed
+
+
+def test_load_model_no_store_runs_the_engine_without_a_block_store(ip):
+    run(ip, "%load_model default --no-store")
+    assert engine().options["store"] is False
 
 
 def test_interrupting_a_load_leaves_no_model_and_closes_the_late_engine(ip):
@@ -392,7 +479,7 @@ def test_load_model_without_conversion_shows_the_elapsed_time_only(ip, monkeypat
     assert error_of(run(ip, "%load_model slow")) is None
     assert all(not line.startswith("converting") for line in shown)
     assert any(line.startswith("loading slow… 0.") for line in shown[1:-1]), shown
-    assert shown[-1].startswith("loaded slow in ")
+    assert shown[-1].startswith("loaded slow (gemma3_text, text) in ")
 
 
 def test_unload_model_closes_the_engine_and_forgets_it(ip):
@@ -428,15 +515,9 @@ def test_raw_sends_the_text_itself_and_stop_repeats(ip):
     assert sampling == {"stop": ["END", "STOP"], "seed": 3, "temperature": 0.7}
 
 
-class BaseModel:
-    """What the magics read of a loaded base model: it has no chat template."""
-
-    has_chat_template = False
-
-
 def test_a_base_model_gets_the_cell_as_plain_text(ip):
     run(ip, "%load_model default")
-    engine().model = BaseModel()
+    engine().model = FakeLoadedModel(has_chat_template=False)
     run(ip, "%%llm\nThe Eiffel Tower is in")
     assert engine().submitted[-1][0] == "The Eiffel Tower is in"
     err = error_of(run(ip, "%%llm --system 'Be brief.'\nHi"))
@@ -458,7 +539,17 @@ def test_streamed_answer_ends_with_the_summary_line(ip, capsys):
     run(ip, "%%llm\nHi")
     out = capsys.readouterr().out
     assert "Hello, world" in out
-    assert "10 prompt tokens: 0 restored, 0 computed; first token 0.50 s; 40 tok/s" in out
+    assert (
+        "10 prompt tokens, all computed; first token 0.50 s; 40 tok/s; end of text after 2 tokens"
+    ) in out
+
+
+def test_blocks_prints_the_block_map_in_a_terminal(ip, capsys):
+    run(ip, "%load_model default")
+    assert error_of(run(ip, "%%llm --blocks\nHi")) is None
+    out = capsys.readouterr().out
+    assert "Block map: 1 block" in out
+    assert "computed" in out
 
 
 def test_background_request_returns_a_handle_at_once(ip):
@@ -480,10 +571,25 @@ def test_interrupt_cancels_the_request_and_keeps_the_partial_answer(ip):
     interrupter = interrupt_when_blocked()
     result = run(ip, "%%llm -o partial\nTell me a long story")
     interrupter.join()
-    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)  # "Run all" stops here
     assert engine().requests[-1].cancelled.is_set()
     assert ip.user_ns["partial"].text == "Hello, world"
     assert ip.user_ns["partial"].finish_reason == "cancelled"
+
+
+def test_an_interrupted_cell_shows_one_line_instead_of_a_traceback(ip, capsys):
+    run(ip, "%load_model default")
+    engine().hold = True
+    interrupter = interrupt_when_blocked()
+    capsys.readouterr()
+    result = run(ip, "%%llm\nTell me a long story")
+    interrupter.join()
+    assert isinstance(result.error_in_exec, GenerationInterrupted)
+    captured = capsys.readouterr()
+    shown = captured.out + captured.err
+    assert "Traceback" not in shown
+    assert "interrupted: generation cancelled; the partial answer is kept above" in shown
+    assert "Hello, world" in shown  # the partial answer, above the line
 
 
 # -- chat turns ---------------------------------------------------------------------------------
@@ -544,12 +650,47 @@ def test_turn_key_prefers_the_cell_id_and_falls_back_to_the_source():
 # -- %llm_cache and %llm_status ---------------------------------------------------------------
 
 
-def test_llm_cache_shows_stats_and_clear_empties_the_store(ip, capsys):
+def test_llm_cache_speaks_in_blocks_and_tokens_first(ip, capsys):
     run(ip, "%load_model default")
+    capsys.readouterr()
     run(ip, "%llm_cache")
-    assert "disk_bytes" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "block store: default"
+    labels = [line.split("  ")[1] for line in lines[1:]]
+    assert labels[:4] == ["blocks held", "bytes held", "blocks restored", "blocks computed"]
+    out = "\n".join(lines)
+    assert "blocks held      3 (6 records)" in out
+    assert "blocks restored  6 (96 tokens)" in out
+    assert "blocks evicted   0 (0 records)" in out
+    assert "12.0 KiB of 1.0 GiB budget" in out
+    assert "records by kind  kv 3 (8.0 KiB), window 3 (4.0 KiB)" in out
+    # No raw key names, no hit rate counted in records.
+    assert "bytes_held" not in out and "hit rate" not in out and "hits" not in out
+
+
+def test_llm_cache_rows_of_an_empty_store_say_no_budget_when_there_is_none():
+    rows = dict(cache_rows({"blocks_held": 0, "bytes_held": 0, "budget_bytes": 0}))
+    assert rows["blocks held"] == "0 (0 records)"
+    assert rows["bytes held"] == "0 B"
+
+
+def test_llm_cache_without_cache_view_labels_the_store_counters(ip, capsys):
+    run(ip, "%load_model default")
+    engine().cache_view = None  # an engine from before cache_view()
+    capsys.readouterr()
+    run(ip, "%llm_cache")
+    out = capsys.readouterr().out
+    assert "records held" in out and "bytes held" in out and "12.0 KiB" in out
+    assert "bytes_held" not in out and "hit rate" not in out
+    assert "group_prefills" not in out and "shared prefill" not in out  # an engine figure
+
+
+def test_llm_cache_clear_empties_the_store(ip, capsys):
+    run(ip, "%load_model default")
+    capsys.readouterr()
     run(ip, "%llm_cache clear")
     assert engine().cleared
+    assert capsys.readouterr().out.startswith("block store (cleared)")
     assert isinstance(error_of(run(ip, "%llm_cache wipe")), UsageError)
 
 
@@ -564,7 +705,15 @@ def test_llm_status_names_the_model_and_the_requests(ip, capsys):
     run(ip, "%load_model default --parallel 3")
     run(ip, "%llm_status")
     out = capsys.readouterr().out
-    assert "default" in out and "parallel" in out and "active requests" in out
+    assert "default (Gemma 3 270M, gemma3_text)" in out
+    assert "parallel" in out and "active requests" in out and "shared prefill steps" in out
+
+
+def test_llm_status_says_when_the_block_store_is_off(ip, capsys):
+    run(ip, "%load_model default --no-store")
+    capsys.readouterr()
+    run(ip, "%llm_status")
+    assert re.search(r"\n  block store +off\n", capsys.readouterr().out)
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -574,21 +723,48 @@ def test_summary_line_tells_the_block_story():
     blocks = [Block(i, i * 256, (i + 1) * 256, "disk") for i in range(7)]
     blocks.append(Block(7, 1792, 2048, "computed"))
     report = Report(blocks, restored_tokens=1792, computed_tokens=256, ttft_s=0.41, tokens_per_s=38)
-    done = Completion("x", [1], [7] * 2048, "stop", report)
+    done = Completion("x", [1] * 57, [7] * 2048, "stop", report, stop_reason="eos")
     assert summary_line(done) == (
         "2,048 prompt tokens: 1,792 restored (7 blocks from disk), 256 computed; "
-        "first token 0.41 s; 38 tok/s"
+        "first token 0.41 s; 38 tok/s; end of text after 57 tokens"
     )
 
 
 def test_summary_line_counts_memory_and_disk_blocks_separately():
     blocks = [Block(0, 0, 16, "memory"), Block(1, 16, 32, "memory"), Block(2, 32, 48, "disk")]
     report = Report(blocks, restored_tokens=48, computed_tokens=2, ttft_s=None, tokens_per_s=None)
-    done = Completion("x", [], 50, "length", report)
+    done = Completion("x", [1] * 8, 50, "length", report)
     assert summary_line(done) == (
         "50 prompt tokens: 48 restored (2 blocks from memory, 1 from disk), 2 computed; "
-        "stopped at max tokens (0)"
+        "stopped at max tokens (8)"
     )
+
+
+def test_summary_line_of_a_cold_prompt_says_all_computed_and_never_restored():
+    blocks = [Block(0, 0, 16, "computed"), Block(1, 16, 20, "computed", reason="tail")]
+    report = Report(blocks, restored_tokens=0, computed_tokens=20, restore_source=None)
+    done = Completion("x", [1], 20, "stop", report, stop_reason="eos")
+    line = summary_line(done)
+    assert line.startswith("20 prompt tokens, all computed; ")
+    assert "restored" not in line and "memory" not in line
+
+
+def test_summary_line_claims_no_block_for_tokens_restored_inside_one():
+    # The hot cache held all but the last token of a prompt shorter than a block.
+    report = Report([Block(0, 0, 10, "computed", reason="tail")], 9, 1, restore_source="memory")
+    line = summary_line(Completion("x", [1], 10, "stop", report, stop_reason="eos"))
+    assert line.startswith("10 prompt tokens: 9 restored from memory (part of a block), 1 computed")
+    assert "(from memory)" not in line and "block from" not in line
+
+
+def test_summary_line_names_the_stop_string_that_ended_the_answer():
+    done = Completion("x", [1, 2], 10, "stop", Report(), stop_reason="END")
+    assert summary_line(done).endswith("; stop string 'END' after 2 tokens")
+
+
+def test_summary_line_counts_one_token_in_the_singular():
+    done = Completion("x", [1], 10, "stop", Report(), stop_reason="eos")
+    assert summary_line(done).endswith("; end of text after 1 token")
 
 
 class FakeHandle:
@@ -617,16 +793,146 @@ def test_answer_view_updates_one_handle_at_most_every_interval():
     assert 1 <= len(handle.updates) <= 2  # 0.2 s of deltas at 0.1 s intervals
     view.refresh(force=True)
     assert handle.updates[-1]["text/plain"].startswith("0123456789")
-    assert set(handle.updates[-1]) == {"text/plain", "text/markdown"}
+    assert set(handle.updates[-1]) == {"text/plain", "text/html"}
+
+
+def answer_view(**kwargs) -> AnswerView:
+    return AnswerView(display=lambda *a, **k: FakeHandle(), **kwargs)
+
+
+def test_answer_html_keeps_the_line_breaks_in_a_pre_wrap_block():
+    view = answer_view()
+    view.apply(TextDelta("The keeper rose at dawn.\nHe wound the clock.\n\nThen he slept."))
+    html = view.bundle()["text/html"]
+    assert "The keeper rose at dawn.\nHe wound the clock.\n\nThen he slept.</pre>" in html
+    assert "white-space: pre-wrap" in html
+
+
+def test_answer_html_shows_the_models_html_as_text():
+    view = answer_view()
+    view.apply(TextDelta("<em>all</em> & <script>alert(1)</script>"))
+    bundle = view.bundle()
+    assert "&lt;em&gt;all&lt;/em&gt; &amp; &lt;script&gt;" in bundle["text/html"]
+    assert "<em>" not in bundle["text/html"] and "<script>" not in bundle["text/html"]
+    assert bundle["text/plain"].startswith("<em>all</em> & <script>")
+
+
+def test_answer_html_puts_the_summary_line_in_its_own_muted_line_below_the_text():
+    view = answer_view()
+    view.apply(TextDelta("<em>Italic?</em>"))
+    view.finish(Completion("<em>Italic?</em>", [1], 10, "stop", Report(), stop_reason="eos"))
+    html = view.bundle()["text/html"]
+    text_end = html.index("</pre>")
+    status = html.index('<div class="mnb-status"')
+    assert text_end < status
+    assert "end of text after 1 token</div>" in html[status:]
+    assert "color: var(--jp-ui-font-color2" in html[status:]
+
+
+def test_markdown_option_renders_markdown_with_the_models_html_escaped():
+    view = answer_view(markdown=True)
+    view.apply(TextDelta("**bold** <em>x</em> & `<b>code</b>`\n```\n<i>kept</i>\n```\n"))
+    bundle = view.bundle()
+    assert set(bundle) == {"text/plain", "text/markdown"}
+    markdown = bundle["text/markdown"]
+    assert "**bold** &lt;em>x&lt;/em> &amp; `<b>code</b>`" in markdown
+    assert "```\n<i>kept</i>\n```" in markdown  # code shows `<` as it is
+
+
+def test_escape_markdown_html_leaves_an_unclosed_code_fence_alone():
+    assert escape_markdown_html("a<b\n```\n<c") == "a&lt;b\n```\n<c"
 
 
 def test_answer_view_closes_an_open_code_fence_before_the_status():
-    view = AnswerView(display=lambda *a, **k: FakeHandle())
+    view = answer_view(markdown=True)
     view.apply(TextDelta("```python\nprint(1)\n"))
     view.mark_interrupted()
     markdown = view.bundle()["text/markdown"]
     assert markdown.count("```") == 2
-    assert markdown.endswith("*[interrupted]*")
+    assert markdown.endswith("\n\n---\n\n*[interrupted]*")
+
+
+def test_status_line_shows_the_prefill_progress_and_no_block_tally():
+    view = answer_view()
+    view.apply(BlockEvent(0, 0, 16, "disk", 0.01, reason="kv", records=("kv",)))
+    view.apply(Progress("prefill", 512, 2048))
+    view.apply(BlockEvent(1, 16, 32, "computed", 0.01))
+    assert view.status_line() == "prefill 512/2,048 tokens"
+
+
+# -- the block strip (a real BlockStrip widget; no kernel needed) --------------------------------
+
+
+class Recorder:
+    """IPython's `display` for a strip: records what was shown and each update of it."""
+
+    def __init__(self) -> None:
+        self.shown: list = []
+        self.updates: list = []
+
+    def __call__(self, obj, **kwargs):
+        self.shown.append(obj)
+        return self
+
+    def update(self, obj, **kwargs) -> None:
+        self.updates.append(obj)
+
+
+def strip_feed(n_blocks: int, tokens: list[int]) -> tuple[StripFeed, Recorder]:
+    from mlx_nbengine.notebook.widgets import BlockStrip
+
+    strip = BlockStrip(n_blocks=n_blocks, block_size=16, prompt_tokens=len(tokens))
+    recorder = Recorder()
+    feed = StripFeed(
+        strip,
+        tokens=tokens,
+        decode=lambda ids: " ".join(map(str, ids)),
+        block_size=16,
+        display=recorder,
+    )
+    return feed, recorder
+
+
+def test_strip_is_shown_under_the_answer_and_fills_in_as_blocks_arrive():
+    tokens = list(range(40))
+    feed, recorder = strip_feed(3, tokens)
+    shown = []
+    view = AnswerView(display=lambda b, **k: shown.append(b) or FakeHandle(), strip=feed)
+    view.show()
+    assert shown and recorder.shown == [feed.strip]  # answer first, the strip right under it
+    view.apply(BlockEvent(0, 0, 16, "disk", 0.01, reason="kv", records=("kv",)))
+    view.apply(BlockEvent(1, 16, 32, "computed", 0.02, reason="edited", edit_at=20))
+    blocks = feed.strip.blocks
+    assert [(b["index"], b["kind"], b["reason"]) for b in blocks] == [
+        (0, "disk", "kv"),
+        (1, "computed", "edited"),
+    ]
+    assert blocks[0]["head"].startswith("0 1 2")
+
+
+def test_strip_marks_the_edit_and_resends_its_final_picture_at_the_end():
+    tokens = list(range(40))
+    feed, recorder = strip_feed(3, tokens)
+    view = AnswerView(display=lambda *a, **k: FakeHandle(), strip=feed)
+    view.show()
+    blocks = [
+        Block(0, 0, 16, "disk", reason="kv", records=("kv",)),
+        Block(1, 16, 32, "computed", reason="edited"),
+        Block(2, 32, 40, "computed", reason="tail"),
+    ]
+    report = Report(blocks, restored_tokens=16, computed_tokens=24, edit_at=20)
+    view.finish(Completion("x", [1], tokens, "stop", report, stop_reason="eos"))
+    view.close()
+    assert [b["kind"] for b in feed.strip.blocks] == ["disk", "computed", "tail"]
+    assert feed.strip.edit["position"] == 20 and feed.strip.edit["block"] == 1
+    assert recorder.updates == [feed.strip]  # its saved text/html is the final picture
+    cells = re.findall(r'class="mnb-block" data-index="\d+" data-kind="(\w+)"', feed.strip.html())
+    assert cells == ["disk", "computed", "tail"]
+
+
+def test_terminal_view_has_no_strip():
+    feed, _ = strip_feed(1, [1])
+    assert TerminalView(write=lambda s: None, strip=feed).strip is None
 
 
 def test_terminal_view_appends_new_text_and_the_status_once():

@@ -3,8 +3,9 @@
 `%load_ext mlx_nbengine` registers these magics; the `Engine` then lives in the kernel
 process until `%unload_model` (or the kernel's exit). The magics are thin: they declare
 their options with IPython's `magic_arguments` (the docstrings are the help text), read
-their line and cell with `mlx_nbengine.notebook.prompting`, submit to the engine, and follow the
-request with `mlx_nbengine.notebook.streaming`, which renders through `mlx_nbengine.notebook.render`.
+their line and cell with `mlx_nbengine.notebook.prompting`, submit to the engine, and follow
+the request with `mlx_nbengine.notebook.streaming`, which renders through
+`mlx_nbengine.notebook.render`.
 
 Terms:
 
@@ -14,12 +15,18 @@ Terms:
 - *foreground request*: a plain `%%llm` cell. The cell stays busy while the main thread
   renders the answer into it; the kernel's interrupt cancels the request. The partial
   answer stays, marked interrupted, and ``-o`` still receives it; the cell then ends with
-  `KeyboardInterrupt` like any interrupted cell, so "Run all" stops there.
+  `GenerationInterrupted` (a `KeyboardInterrupt` shown as one line), so "Run all" stops
+  there.
 - *background request*: `%%llm --bg`. The cell returns at once with a `BackgroundAnswer`
   handle whose own thread renders into that cell (see `mlx_nbengine.notebook.streaming`). Several
   run at once (up to the engine's `parallel` slots, then they queue). nbclient and
   nbconvert only record output that arrives while a cell runs, so in a headless run a
   background answer is complete only if a later cell waits for it (``handle.result()``).
+
+In a kernel (a notebook front end) every answer gets a block strip under it, `--blocks`
+adds the block map after the answer and `%llm_cache` shows the store view: the widgets of
+`mlx_nbengine.notebook.widgets`, whose bundles also carry static ``text/html`` for exported
+notebooks. Terminal IPython gets their text instead.
 
 Errors the user can fix (no model loaded, an unknown option, an empty cell, a model that
 fails to load, a prompt the engine rejects) raise `UsageError`: IPython prints one line,
@@ -29,6 +36,7 @@ no traceback.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 import threading
@@ -41,8 +49,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from mlx_nbengine import _blas
-from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.errors import EngineError
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
+from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.notebook.prompting import (
     build_prompt,
     engine_options,
@@ -53,16 +62,25 @@ from mlx_nbengine.notebook.prompting import (
 )
 from mlx_nbengine.notebook.render import (
     AnswerView,
+    StripFeed,
     TerminalView,
+    cache_rows,
     format_bytes,
     key_value_bundle,
     progress_bundle,
     stats_rows,
 )
-from mlx_nbengine.notebook.streaming import CANCEL_GRACE_S, BackgroundAnswer, follow, short_error
+from mlx_nbengine.notebook.streaming import (
+    CANCEL_GRACE_S,
+    BackgroundAnswer,
+    GenerationInterrupted,
+    follow,
+    short_error,
+)
 
 __all__ = [
     "BackgroundAnswer",
+    "GenerationInterrupted",
     "LLMMagics",
     "LLMSession",
     "interpolate",
@@ -89,6 +107,8 @@ class LLMSession:
     cell_id: str | None = None
     cell_source: str = ""
     chat_calls: int = 0
+    # The loaded model's record kind per layer, for the block map (asked once per load).
+    layer_kinds: list[str] | None = None
 
     def next_turn_key(self, source: str) -> str:
         """Key of the next chat call in the running cell (`source` where IPython gave none)."""
@@ -101,8 +121,47 @@ class LLMSession:
 
 # Keys of Engine.stats() that describe the engine, not its block store (%llm_status shows them).
 _ENGINE_STAT_KEYS = frozenset(
-    {"model", "parallel", "block_size", "active", "queued", "failures", "save_errors", "closed"}
+    {
+        "model",
+        "parallel",
+        "block_size",
+        "active",
+        "queued",
+        "failures",
+        "save_errors",
+        "group_prefills",
+        "closed",
+    }
 )
+# Readable names of models `%load_model` knows by a short name.
+_MODEL_TITLES = {"default": "Gemma 3 270M"}
+
+
+def model_label(name: str, loaded: Any) -> str:
+    """`name` as given to `%load_model`, with what it is: "default (Gemma 3 270M, gemma3_text)"."""
+    details = [_MODEL_TITLES[name]] if name in _MODEL_TITLES else []
+    model_type = getattr(loaded, "model_type", None)
+    if isinstance(model_type, str) and model_type:
+        details.append(model_type)
+    if getattr(loaded, "kind", None) == "vision":
+        details.append("vision")
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def _widgets() -> Any:
+    """The widgets module, or None where it cannot load (then the magics show text only)."""
+    try:
+        from mlx_nbengine.notebook import widgets
+    except (ImportError, OSError):  # anywidget missing, or the widgets' files
+        return None
+    return widgets
+
+
+def _decoder(engine: Any) -> Any:
+    """The loaded model's ``decode`` (token ids -> text), for block words; None without one."""
+    tokenizer = getattr(getattr(engine, "model", None), "tokenizer", None)
+    decode = getattr(tokenizer, "decode", None)
+    return decode if callable(decode) else None
 
 
 def _blas_hint() -> str | None:
@@ -178,16 +237,18 @@ class LLMMagics(Magics):
         # A kernel's front end redraws a display in place; a terminal prints every update.
         return hasattr(self.shell, "kernel")
 
-    def _display(self, bundle: dict[str, str], **kwargs: Any) -> Any:
+    def _display(self, obj: Any, **kwargs: Any) -> Any:
+        """Show `obj`: a mimebundle dict (sent raw), or an object IPython formats (a widget)."""
         from IPython.display import display
 
-        return display(bundle, raw=True, **kwargs)
+        return display(obj, raw=isinstance(obj, dict), **kwargs)
 
     def close_engine(self) -> str | None:
         """Close the engine (and its scratch file); return the model name it served."""
         session = self.session
         engine, model = session.engine, session.model
         session.engine, session.model, session.options = None, None, {}
+        session.layer_kinds = None
         if engine is None:
             return None
         for handle in session.background:
@@ -229,6 +290,11 @@ class LLMMagics(Magics):
         help="directory of the scratch file (default: tmp)",
     )
     @argument("--dtype", metavar="T", default=None, help="compute dtype, e.g. bfloat16 or float32")
+    @argument(
+        "--no-store",
+        action="store_true",
+        help="run without a block store (every prompt block is computed)",
+    )
     @line_magic
     def load_model(self, line: str) -> None:
         """Load a model into this kernel and start its engine.
@@ -321,7 +387,7 @@ class LLMMagics(Magics):
         loaded = getattr(engine, "model", None)
         what_kind = f" ({loaded.model_type}, {loaded.kind})" if hasattr(loaded, "kind") else ""
         done = f"loaded {model}{what_kind} in {elapsed:.1f} s"
-        handle.update({"text/plain": done, "text/markdown": done}, raw=True)
+        handle.update({"text/plain": done}, raw=True)
         return engine
 
     # -- %unload_model -------------------------------------------------------------------
@@ -360,16 +426,24 @@ class LLMMagics(Magics):
         "--interpolate", action="store_true", help="substitute {name} from the user namespace"
     )
     @argument("--bg", action="store_true", help="run in the background; return a handle")
+    @argument(
+        "--markdown", action="store_true", help="render the answer as Markdown (HTML shown as text)"
+    )
+    @argument("--blocks", action="store_true", help="show the block map after the answer")
     @cell_magic
     def llm(self, line: str, cell: str) -> None:
         """Ask the loaded model; the cell body is the prompt.
 
         The prompt goes through the model's chat template unless --raw (a base model,
         one without a chat template, always gets the text as is). The answer streams
-        into this cell, followed by one line on where the prompt's blocks came from
-        (memory, disk or computed) and the speed. Interrupting the kernel cancels the
-        request and keeps the partial answer. `-o VAR` stores the `Completion` (with
-        --bg: the `BackgroundAnswer` handle, whose `.result()` waits for it).
+        into this cell as the model wrote it (line breaks kept, any HTML shown as text;
+        --markdown renders it as Markdown), followed by one line on where the prompt's
+        tokens came from, the speed and why generation stopped. In a notebook a strip
+        under the answer shows each prompt block: from memory, from disk, computed, or
+        the tail; --blocks adds a map of every block, its words and why it was computed.
+        Interrupting the kernel cancels the request and keeps the partial answer. `-o VAR`
+        stores the `Completion` (with --bg: the `BackgroundAnswer` handle, whose
+        `.result()` waits for it).
 
         --chat NAME continues a conversation kept in the kernel. Re-running a cell
         replaces its turn and every later one; the cell is recognised by the cell id
@@ -407,11 +481,20 @@ class LLMMagics(Magics):
                 chat.abandon()
             raise UsageError(short_error(exc)) from None
 
-        view_class = AnswerView if self._updates_in_place() else TerminalView
-        view = view_class(title=args.chat or "")
+        if self._updates_in_place():
+            view = AnswerView(
+                title=args.chat or "",
+                markdown=args.markdown,
+                strip=self._strip_feed(engine, request),
+            )
+        else:
+            view = TerminalView(title=args.chat or "")
         view.show()
+        after = (
+            (lambda completion: self._show_block_map(engine, completion)) if args.blocks else None
+        )
         if args.bg:
-            self._start_background(request, view, args, chat)
+            self._start_background(request, view, args, chat, after=after)
             return None
         try:
             completion, interrupted = follow(request, view, turn=chat)
@@ -419,15 +502,75 @@ class LLMMagics(Magics):
             raise UsageError(short_error(exc)) from None
         if args.output is not None:
             self.shell.user_ns[args.output] = completion
+        if after is not None and completion is not None:
+            after(completion)
         if interrupted:
-            raise KeyboardInterrupt("generation cancelled; the partial answer is kept above")
+            raise GenerationInterrupted()
         return None
 
-    def _start_background(self, request, view, args, chat) -> BackgroundAnswer:
+    def _strip_feed(self, engine: Any, request: Any) -> StripFeed | None:
+        """The block strip for `request`, all its blocks pending; None without widgets."""
+        block_size = getattr(engine, "block_size", None)
+        tokens = getattr(request, "prompt_tokens", None)
+        widgets = _widgets()
+        if widgets is None or not isinstance(block_size, int) or tokens is None:
+            return None
+        strip = widgets.BlockStrip(
+            n_blocks=math.ceil(len(tokens) / block_size),
+            block_size=block_size,
+            prompt_tokens=len(tokens),
+        )
+        return StripFeed(strip, tokens=tokens, decode=_decoder(engine), block_size=block_size)
+
+    def _show_block_map(self, engine: Any, completion: Any) -> None:
+        """`--blocks`: every prompt block of `completion`, its words, source and reason."""
+        widgets = _widgets()
+        if widgets is None:
+            return
+        report, tokens = completion.report, completion.prompt_tokens
+        block_size = int(getattr(engine, "block_size", 0) or 0)
+        decode = _decoder(engine)
+        edit_at = getattr(report, "edit_at", None)
+        block_map = widgets.BlockMap(
+            blocks=block_dicts(report.blocks, decode=decode, tokens=tokens),
+            edit=(
+                None
+                if edit_at is None
+                else edit_dict(edit_at, tokens, decode=decode, block_size=block_size)
+            ),
+            block_size=block_size,
+            prompt_tokens=len(tokens),
+            layer_kinds=self._layer_kinds(engine),
+        )
+        if self._updates_in_place():
+            self._display(block_map)
+        else:
+            self._display({"text/plain": block_map.text()})
+
+    def _layer_kinds(self, engine: Any) -> list[str]:
+        """The model's record kind per layer ("kv", "window", "state"); [] if unknown."""
+        session = self.session
+        if session.layer_kinds is None:
+            session.layer_kinds = []
+            call = getattr(getattr(engine, "_gen", None), "call", None)
+            model = getattr(engine, "model", None)
+            if call is not None and hasattr(model, "make_cache"):
+                from mlx_nbengine.cache import layer_kinds
+
+                # A cache belongs to the generation thread (MLX streams are per thread).
+                try:
+                    session.layer_kinds = [
+                        str(k) for k in call(lambda: layer_kinds(model.make_cache()))
+                    ]
+                except Exception:  # noqa: BLE001 - the map shows the records read without them
+                    session.layer_kinds = []
+        return session.layer_kinds
+
+    def _start_background(self, request, view, args, chat, *, after=None) -> BackgroundAnswer:
         session = self.session
         session.background_count += 1
         label = args.output or args.chat or f"bg{session.background_count}"
-        handle = BackgroundAnswer(request, view, label=label, turn=chat)
+        handle = BackgroundAnswer(request, view, label=label, turn=chat, after=after)
         # Finished handles live on in the user's variables, not here.
         session.background = [h for h in session.background if not h.done()]
         session.background.append(handle)
@@ -442,7 +585,12 @@ class LLMMagics(Magics):
     @argument("action", nargs="?", choices=["clear"], help="`clear` empties the block store")
     @line_magic
     def llm_cache(self, line: str) -> None:
-        """Show the block store's statistics; `%llm_cache clear` empties it."""
+        """Show the block store: blocks held, restored, computed and evicted; bytes; records.
+
+        In a notebook this is the store view widget (with a chart of restored, computed
+        and evicted blocks over the session); in a terminal, a table. `%llm_cache clear`
+        empties the store first.
+        """
         args = parse_options(self.llm_cache, line, "%llm_cache")
         engine = self._require_engine()
         if args.action == "clear":
@@ -453,12 +601,22 @@ class LLMMagics(Magics):
                     "`%load_model` starts with an empty one"
                 )
             clear()
-        stats = {k: v for k, v in engine.stats().items() if k not in _ENGINE_STAT_KEYS}
-        hits, misses = stats.get("hits"), stats.get("misses")
-        if isinstance(hits, int) and isinstance(misses, int) and hits + misses:
-            stats["hit rate"] = f"{hits / (hits + misses):.0%}"
         title = "block store (cleared)" if args.action == "clear" else "block store"
-        self._display(key_value_bundle(title, stats_rows(stats)))
+        cache_view = getattr(engine, "cache_view", None)
+        if cache_view is None:
+            # Engines before cache_view(): the store's own counters (in records), labelled.
+            stats = {k: v for k, v in engine.stats().items() if k not in _ENGINE_STAT_KEYS}
+            self._display(key_value_bundle(title, stats_rows(stats)))
+            return
+        view = cache_view()
+        widgets = _widgets()
+        if self._updates_in_place() and widgets is not None:
+            if args.action == "clear":
+                self._display({"text/plain": "block store cleared"})
+            self._display(widgets.StoreView(view=view))
+            return
+        model = view.get("model")
+        self._display(key_value_bundle(f"{title}: {model}" if model else title, cache_rows(view)))
 
     @line_magic
     def llm_status(self, line: str = "") -> None:
@@ -471,8 +629,12 @@ class LLMMagics(Magics):
             return
         stats = session.engine.stats()
         running = sum(1 for handle in session.background if not handle.done())
-        rows: list[tuple[str, Any]] = [("model", session.model)]
+        loaded = getattr(session.engine, "model", None)
+        rows: list[tuple[str, Any]] = [("model", model_label(session.model or "-", loaded))]
         for name, value in session.options.items():
+            if name == "store":
+                rows.append(("block store", "on" if value else "off"))
+                continue
             shown = format_bytes(value) if name == "disk_budget" else value
             rows.append((name.replace("_", " "), shown))
         rows += [
@@ -480,6 +642,7 @@ class LLMMagics(Magics):
             ("queued requests", stats.get("queued", "-")),
             ("background cells running", running),
             ("failed requests", stats.get("failures", "-")),
+            ("shared prefill steps", stats.get("group_prefills", "-")),
             ("conversations", ", ".join(session.chats.names()) or "-"),
         ]
         self._display(key_value_bundle("mlx_nbengine", rows))

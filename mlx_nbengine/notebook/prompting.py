@@ -12,7 +12,8 @@ Terms:
 - *interpolation* (``%%llm --interpolate``): ``{name}`` in the cell replaced by the
   user namespace's value; off by default because code prompts contain braces.
 - *engine options*: the keyword arguments of ``Engine.load`` that `%load_model` was
-  given (``parallel`` and ``block_size`` always; the others only when given).
+  given (``parallel`` and ``block_size`` always; the others only when given;
+  ``--no-store`` becomes ``store=False``).
 - *sampling options*: the keyword arguments of ``Engine.submit`` the user gave
   (``max_tokens``, ``temperature``, ``seed``, ``stop``); the others are left out so
   the engine's defaults stay the single source of truth.
@@ -123,6 +124,8 @@ def engine_options(args: Any) -> dict[str, Any]:
         options["cache_dir"] = os.path.expanduser(args.cache_dir)
     if args.dtype is not None:
         options["dtype"] = args.dtype
+    if getattr(args, "no_store", False):
+        options["store"] = False
     return options
 
 

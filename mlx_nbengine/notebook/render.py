@@ -1,36 +1,58 @@
-"""What the notebook shows: one updatable display per answer, and readable tables.
+"""What the notebook shows: one updatable display per answer, its block strip, readable tables.
 
 Terms:
 
 - *answer view* (`AnswerView`): the single display output of one `%%llm` request. It is
   created once in the executing cell (`display(..., display_id=True)`) and then updated in
-  place, at most every `interval` seconds, with a bundle of ``text/plain`` and
-  ``text/markdown``. Whoever owns the view calls `apply` for each engine event and
-  `refresh` regularly; the view itself starts no thread.
+  place, at most every `interval` seconds. Whoever owns the view calls `apply` for each
+  engine event and `refresh` regularly; the view itself starts no thread.
+- *answer bundle*: ``text/plain`` and ``text/html``. The model's text is shown as the model
+  wrote it: HTML-escaped inside a ``white-space: pre-wrap`` block, so line breaks stay and
+  any markup in the text (``<em>``...) shows as text, never as formatting. With
+  ``markdown=True`` (``%%llm --markdown``) the bundle is ``text/markdown`` instead, the
+  model's HTML still escaped (Markdown stays Markdown, tags never become HTML).
 - *state*: ``queued`` (submitted, nothing heard yet), ``running``, ``done``,
   ``interrupted`` (cancelled; the partial text stays) or ``failed``.
-- *summary line*: the block story of a finished request, e.g.
+- *status line*: below the text, visually apart (a small muted line): the prefill
+  progress while the prompt is read ("prefill 512/2,048 tokens"), then the *summary line*.
+- *summary line*: the block story of a finished request and why it stopped, e.g.
   "2,048 prompt tokens: 1,792 restored (7 blocks from disk), 256 computed; first token
-  0.41 s; 38 tok/s".
+  0.41 s; 38 tok/s; end of text after 57 tokens". "restored" appears only when tokens
+  really were restored; a cold prompt reads "2,048 prompt tokens, all computed".
+- *strip feed* (`StripFeed`): a `BlockStrip` widget shown as a second display output right
+  under the answer, created when the request is submitted with one pending cell per prompt
+  block, filled in as `BlockEvent`s arrive and marked with the edit at the end. Terminal
+  IPython gets no strip (`TerminalView` writes text only).
 
-Only duck typing on the engine's events and completions (their class names and fields, as
-in CONTRACTS.md), so this module imports neither MLX nor the engine.
+Only duck typing on the engine's events and completions (their class names and fields,
+read with `getattr` defaults where a field is newer), so this module imports neither MLX
+nor the engine; the widget classes come in from the caller.
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
+import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from mlx_nbengine.notebook.blockinfo import block_dict, block_dicts, edit_dict
+
 __all__ = [
+    "ANSWER_METADATA_KEY",
     "AnswerView",
+    "StripFeed",
     "TerminalView",
+    "answer_facts",
+    "cache_rows",
     "format_bytes",
     "key_value_bundle",
     "progress_bundle",
     "stats_rows",
+    "stop_phrase",
     "summary_line",
 ]
 
@@ -49,32 +71,85 @@ def format_bytes(n: int | float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def summary_line(completion: Any) -> str:
-    """One line: where the prompt's tokens came from, time to first token, decode speed."""
-    report = completion.report
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+# -- the summary line ------------------------------------------------------------------------
+
+
+def _restored_part(report: Any) -> str | None:
+    """ "1,792 restored (7 blocks from disk)", or None when nothing was restored."""
+    restored = int(getattr(report, "restored_tokens", 0) or 0)
+    if restored <= 0:
+        return None
     sources = Counter(getattr(block, "source", None) for block in report.blocks)
     counts = [(sources[s], s) for s in ("memory", "disk") if sources[s]]
-    # "7 blocks from disk", or "2 blocks from memory, 5 from disk".
-    restored_blocks = [f"{n} {'block' if n == 1 else 'blocks'} from {s}" for n, s in counts[:1]]
-    restored_blocks += [f"{n} from {s}" for n, s in counts[1:]]
-    restored = f"{report.restored_tokens:,} restored"
-    if restored_blocks:
-        restored += f" ({', '.join(restored_blocks)})"
-    elif report.restored_tokens and getattr(report, "restore_source", None):
-        # Restored tokens that end inside a block: the block itself counts as computed.
-        restored += f" (from {report.restore_source})"
+    if counts:
+        # "7 blocks from disk", or "2 blocks from memory, 5 from disk".
+        (n, source), *rest = counts
+        where = [f"{_plural(n, 'block')} from {source}", *(f"{m} from {s}" for m, s in rest)]
+        return f"{restored:,} restored ({', '.join(where)})"
+    # Tokens restored inside a block that still counts as computed (the hot cache of a
+    # short prompt): true, but no block came back, so no block count is claimed.
+    source = getattr(report, "restore_source", None)
+    where = f" from {source}" if source else ""
+    return f"{restored:,} restored{where} (part of a block)"
+
+
+def stop_phrase(completion: Any) -> str:
+    """Why generation stopped and how many tokens it made: "end of text after 57 tokens"."""
+    n = len(completion.tokens)
+    reason = completion.finish_reason
+    if reason == "length":
+        return f"stopped at max tokens ({n:,})"
+    if reason == "cancelled":
+        return f"cancelled after {_plural(n, 'token')}"
+    stop = getattr(completion, "stop_reason", None)
+    if stop == "eos":
+        return f"end of text after {_plural(n, 'token')}"
+    if stop:
+        return f"stop string {stop!r} after {_plural(n, 'token')}"
+    return f"stopped after {_plural(n, 'token')}"
+
+
+def summary_line(completion: Any) -> str:
+    """One line: where the prompt's tokens came from, speed, and why generation stopped."""
+    report = completion.report
     # `prompt_tokens` is the list of prompt ids (an int is accepted too).
     n_prompt = completion.prompt_tokens
     if not isinstance(n_prompt, int):
         n_prompt = len(n_prompt)
-    parts = [f"{n_prompt:,} prompt tokens: {restored}, {report.computed_tokens:,} computed"]
+    restored = _restored_part(report)
+    if restored is None:
+        head = f"{_plural(n_prompt, 'prompt token')}, all computed"
+    else:
+        head = (
+            f"{_plural(n_prompt, 'prompt token')}: {restored}, {report.computed_tokens:,} computed"
+        )
+    parts = [head]
     if report.ttft_s is not None:
         parts.append(f"first token {report.ttft_s:.2f} s")
     if report.tokens_per_s:
         parts.append(f"{report.tokens_per_s:.0f} tok/s")
-    if completion.finish_reason == "length":
-        parts.append(f"stopped at max tokens ({len(completion.tokens):,})")
+    parts.append(stop_phrase(completion))
     return "; ".join(parts)
+
+
+# -- the answer bundle -----------------------------------------------------------------------
+
+# Inline styles (a notebook's saved HTML has no stylesheet of ours) with JupyterLab's theme
+# variables and fallbacks. The text keeps the prose font: a base model writes prose.
+_TEXT_STYLE = (
+    "white-space: pre-wrap; overflow-wrap: anywhere; margin: 0; padding: 0; border: 0; "
+    "background: none; font-family: var(--jp-content-font-family, inherit); "
+    "font-size: inherit; line-height: var(--jp-content-line-height, 1.5); color: inherit"
+)
+_TITLE_STYLE = "font-weight: bold; margin-bottom: 0.25em"
+_STATUS_STYLE = (
+    "margin-top: 0.4em; font-size: 0.85em; font-style: normal; "
+    "color: var(--jp-ui-font-color2, #757575)"
+)
 
 
 def _close_fences(markdown: str) -> str:
@@ -84,13 +159,64 @@ def _close_fences(markdown: str) -> str:
     return markdown
 
 
+# Code (fenced blocks, then inline spans) where Markdown shows `<` as it is anyway.
+_MD_CODE = re.compile(r"(```.*?(?:```|\Z)|`[^`\n]*`)", re.DOTALL)
+
+
+def escape_markdown_html(text: str) -> str:
+    """`text` for Markdown with its HTML shown as text: ``&`` and ``<`` escaped outside code.
+
+    Inside code spans and fenced blocks Markdown prints characters as they are (an escape
+    there would show as ``&lt;``), so those parts are left alone.
+    """
+    parts = _MD_CODE.split(text)
+    for i in range(0, len(parts), 2):  # even parts are outside code
+        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;")
+    return "".join(parts)
+
+
+def _escape_md(text: str) -> str:
+    return html.escape(text, quote=False).replace("*", r"\*").replace("_", r"\_")
+
+
+ANSWER_METADATA_KEY = "mlx_nbengine"
+
+
+def answer_facts(completion: Any) -> dict[str, Any]:
+    """What a finished answer's display carries as metadata (under `ANSWER_METADATA_KEY`):
+    prompt tokens, tokens restored from memory and from disk, tokens computed, time to first
+    token, and `document`, a digest of the prompt's first block (answers that share it are
+    re-runs of one document; None for a prompt shorter than a block). The demo's table is
+    read back from these in the saved notebook."""
+    report = completion.report
+    # The prompt's ids (a bare count is accepted too, as in `summary_line`).
+    ids = completion.prompt_tokens
+    prompt = [] if isinstance(ids, int) else list(ids)
+    source = getattr(report, "restore_source", None)
+    restored = report.restored_tokens
+    blocks = report.blocks
+    block_size = blocks[0].end - blocks[0].start if blocks else 0
+    document = None
+    if block_size and len(prompt) > block_size:
+        head = ",".join(map(str, prompt[:block_size])).encode()
+        document = hashlib.sha256(head).hexdigest()[:16]
+    return {
+        "prompt_tokens": ids if isinstance(ids, int) else len(prompt),
+        "restored_memory": restored if source == "memory" else 0,
+        "restored_disk": restored if source == "disk" else 0,
+        "computed": report.computed_tokens,
+        "ttft_s": report.ttft_s,
+        "document": document,
+    }
+
+
 class AnswerView:
     """The live display of one request's answer; owned by the thread that feeds it events.
 
     `display` is IPython's `display` function (injectable for tests). The first `show`
-    creates the output in the current cell; every later change goes through the same
-    display handle, so the output stays in the cell that created it even when a background
-    thread does the updating.
+    creates the output in the current cell (and the `strip`'s, right under it); every later
+    change goes through the same display handle, so the output stays in the cell that
+    created it even when a background thread does the updating.
     """
 
     def __init__(
@@ -98,6 +224,8 @@ class AnswerView:
         *,
         title: str = "",
         interval: float = 0.1,
+        markdown: bool = False,
+        strip: StripFeed | None = None,
         display: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -105,17 +233,19 @@ class AnswerView:
             from IPython.display import display
         self.title = title
         self.interval = interval
+        self.markdown = markdown
+        self.strip = strip
         self.text = ""
         self.state = "queued"
         self.progress = ""
         self.summary = ""
         self.error = ""
-        self.blocks: Counter[str] = Counter()
         self._display = display
         self._clock = clock
         self._handle: Any = None
         self._dirty = False
         self._last = 0.0
+        self.facts: dict[str, Any] | None = None  # `answer_facts`, once finished
 
     # -- events ---------------------------------------------------------------------------
 
@@ -127,25 +257,20 @@ class AnswerView:
             self.state = "running"
             self.progress = ""
         elif kind == "BlockEvent":
-            self.blocks[event.source] += 1
+            # The strip shows the blocks (and stays); the status line keeps the progress.
+            if self.strip is not None:
+                self.strip.add(event)
             self.state = "running"
-            if not self.text:
-                self.progress = self._block_progress()
         elif kind == "Progress":
             self.state = "running"
             if not self.text:
-                done, total = event.done, event.total
-                self.progress = f"{event.phase} {done:,}/{total:,}" if total else event.phase
+                self.progress = _progress_phrase(event)
         elif kind == "Finished":
             self.finish(event.completion)
             return
         else:
             return
         self._dirty = True
-
-    def _block_progress(self) -> str:
-        parts = [f"{n} {source}" for source, n in sorted(self.blocks.items())]
-        return "blocks: " + ", ".join(parts)
 
     def finish(self, completion: Any, *, interrupted: bool = False) -> None:
         """Final text and summary line from the engine's `Completion`."""
@@ -154,6 +279,9 @@ class AnswerView:
         cancelled = interrupted or completion.finish_reason == "cancelled"
         self.state = "interrupted" if cancelled else "done"
         self.summary = summary_line(completion)
+        self.facts = answer_facts(completion)
+        if self.strip is not None:
+            self.strip.finish(completion)
         self._dirty = True
 
     def fail(self, message: str) -> None:
@@ -181,24 +309,62 @@ class AnswerView:
             return f"[failed] {self.error}"
         return self.summary
 
-    def bundle(self) -> Bundle:
+    def plain(self) -> str:
         status = self.status_line()
-        plain = self.text
-        markdown = _close_fences(self.text)
-        if self.title:
-            plain = f"[{self.title}]\n{plain}"
-            markdown = f"**{self.title}**\n\n{markdown}"
+        plain = f"[{self.title}]\n{self.text}" if self.title else self.text
         if status:
             plain = f"{plain.rstrip()}\n\n{status}" if plain.strip() else status
+        return plain
+
+    def html(self) -> str:
+        """The answer as HTML: the text escaped, as written; the status line muted below."""
+        parts = ['<div class="mnb-answer">']
+        if self.title:
+            parts.append(
+                f'<div class="mnb-title" style="{_TITLE_STYLE}">{html.escape(self.title)}</div>'
+            )
+        if self.text:
+            # <pre> keeps the line breaks even where a sanitizer drops the style.
+            parts.append(
+                f'<pre class="mnb-text" style="{_TEXT_STYLE}">{html.escape(self.text)}</pre>'
+            )
+        status = self.status_line()
+        if status:
+            parts.append(
+                f'<div class="mnb-status" data-state="{self.state}" style="{_STATUS_STYLE}">'
+                f"{html.escape(status)}</div>"
+            )
+        parts.append("</div>")
+        return "".join(parts)
+
+    def markdown_text(self) -> str:
+        markdown = _close_fences(escape_markdown_html(self.text))
+        if self.title:
+            markdown = f"**{_escape_md(self.title)}**\n\n{markdown}"
+        status = self.status_line()
+        if status:
+            # A thematic break and italics: the status never reads as part of the answer.
             note = f"*{_escape_md(status)}*"
-            markdown = f"{markdown.rstrip()}\n\n{note}" if markdown.strip() else note
-        return {"text/plain": plain, "text/markdown": markdown}
+            markdown = f"{markdown.rstrip()}\n\n---\n\n{note}" if markdown.strip() else note
+        return markdown
+
+    def bundle(self) -> Bundle:
+        if self.markdown:
+            return {"text/plain": self.plain(), "text/markdown": self.markdown_text()}
+        return {"text/plain": self.plain(), "text/html": self.html()}
+
+    def metadata(self) -> dict[str, Any]:
+        return {ANSWER_METADATA_KEY: self.facts} if self.facts is not None else {}
 
     def show(self) -> None:
-        """Create the display output in the current cell."""
-        self._handle = self._display(self.bundle(), raw=True, display_id=True)
+        """Create the display output in the current cell (and the strip's, right under it)."""
+        self._handle = self._display(
+            self.bundle(), raw=True, display_id=True, metadata=self.metadata()
+        )
         self._dirty = False
         self._last = self._clock()
+        if self.strip is not None:
+            self.strip.show()
 
     def refresh(self, *, force: bool = False) -> bool:
         """Send the current bundle if something changed and `interval` has passed."""
@@ -210,7 +376,7 @@ class AnswerView:
         now = self._clock()
         if not force and now - self._last < self.interval:
             return False
-        self._handle.update(self.bundle(), raw=True)
+        self._handle.update(self.bundle(), raw=True, metadata=self.metadata())
         self._dirty = False
         self._last = now
         return True
@@ -218,16 +384,25 @@ class AnswerView:
     def close(self) -> None:
         """The request ended: send the final state now."""
         self.refresh(force=True)
+        if self.strip is not None:
+            self.strip.close()
+
+
+def _progress_phrase(event: Any) -> str:
+    done, total = event.done, event.total
+    verb = "restored" if event.phase == "restore" else event.phase
+    return f"{verb} {done:,}/{total:,} tokens" if total else event.phase
 
 
 class TerminalView(AnswerView):
     """An `AnswerView` for a shell without a front end that updates displays (terminal IPython).
 
     Re-printing the whole answer every 100 ms would flood a terminal, so this view writes
-    only the new text as it arrives, then the status line once at the end.
+    only the new text as it arrives, then the status line once at the end. No strip.
     """
 
     def __init__(self, *, write: Callable[[str], Any] | None = None, **kwargs: Any) -> None:
+        kwargs.pop("strip", None)
         super().__init__(display=lambda *a, **k: None, **kwargs)
         if write is None:
             import sys
@@ -258,34 +433,160 @@ class TerminalView(AnswerView):
             self._closed = True
 
 
-def _escape_md(text: str) -> str:
-    return text.replace("*", r"\*").replace("_", r"\_")
+# -- the block strip ---------------------------------------------------------------------------
+
+
+class StripFeed:
+    """Feeds one request's prompt blocks to a `BlockStrip` shown under its answer.
+
+    `strip` is the widget (created with `n_blocks` pending cells when the request was
+    submitted); `decode` and `tokens` (the prompt's ids) give each block its first and last
+    words; `display` is IPython's `display`. The thread that owns the `AnswerView` owns this
+    too. Each `add` syncs the widget at once (one comm message per block), so the strip fills
+    in live during the prefill. `close` re-sends the display so that its saved
+    ``text/html`` (what nbconvert shows) is the final picture, not the pending one.
+    """
+
+    def __init__(
+        self,
+        strip: Any,
+        *,
+        tokens: Sequence[int] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        block_size: int,
+        display: Callable[..., Any] | None = None,
+    ) -> None:
+        if display is None:
+            from IPython.display import display
+        self.strip = strip
+        self.tokens = tokens
+        self.decode = decode
+        self.block_size = block_size
+        self._display = display
+        self._handle: Any = None
+
+    def show(self) -> None:
+        self._handle = self._display(self.strip, display_id=True)
+
+    def add(self, event: Any) -> None:
+        """A `BlockEvent` arrived: fill in its cell."""
+        self.strip.add_block(block_dict(event, decode=self.decode, tokens=self.tokens))
+
+    def finish(self, completion: Any) -> None:
+        """The report is final: every block as reported, and the edit marked."""
+        tokens = completion.prompt_tokens
+        if isinstance(tokens, int):  # a count, not the ids: use the ids given at submit
+            tokens = self.tokens
+        report = completion.report
+        if report.blocks:
+            self.strip.add_blocks(block_dicts(report.blocks, decode=self.decode, tokens=tokens))
+        position = getattr(report, "edit_at", None)
+        if position is not None and tokens is not None:
+            self.strip.set_edit(
+                edit_dict(position, tokens, decode=self.decode, block_size=self.block_size)
+            )
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.update(self.strip)
+
+    def html(self) -> str:
+        return self.strip.html()
+
+
+# -- tables ------------------------------------------------------------------------------------
 
 
 def key_value_bundle(title: str, rows: Iterable[tuple[str, Any]]) -> Bundle:
-    """A two-column table as text/plain (aligned) and text/markdown."""
+    """A two-column table (labels, values) as text/plain (aligned) and text/html (no header)."""
     rows = [(str(k), str(v)) for k, v in rows]
     width = max((len(k) for k, _ in rows), default=0)
     plain = "\n".join([title, *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
-    md_rows = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    markdown = f"**{title}**\n\n| | |\n|---|---|\n{md_rows}" if rows else f"**{title}**"
-    return {"text/plain": plain, "text/markdown": markdown}
+    cells = "".join(
+        f'<tr><th style="text-align: left; padding-right: 1.5em; font-weight: normal; '
+        f'color: var(--jp-ui-font-color2, #757575)">{html.escape(k)}</th>'
+        f'<td style="text-align: left">{html.escape(v)}</td></tr>'
+        for k, v in rows
+    )
+    table = f'<table class="mnb-table"><tbody>{cells}</tbody></table>' if rows else ""
+    heading = f'<div style="font-weight: bold">{html.escape(title)}</div>'
+    markup = f'<div class="mnb-kv">{heading}{table}</div>'
+    return {"text/plain": plain, "text/html": markup}
+
+
+def cache_rows(view: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Rows of `%llm_cache` from `engine.cache_view()`: blocks and tokens first, records after."""
+    get = view.get
+
+    def num(key: str) -> int:
+        return int(get(key) or 0)
+
+    budget = num("budget_bytes")
+    held = format_bytes(num("bytes_held"))
+    rows = [
+        ("blocks held", f"{num('blocks_held'):,} ({_plural(num('records'), 'record')})"),
+        ("bytes held", f"{held} of {format_bytes(budget)} budget" if budget else held),
+        (
+            "blocks restored",
+            f"{num('blocks_restored'):,} ({_plural(num('tokens_restored'), 'token')})",
+        ),
+        (
+            "blocks computed",
+            f"{num('blocks_computed'):,} ({_plural(num('tokens_computed'), 'token')})",
+        ),
+        (
+            "blocks evicted",
+            f"{num('blocks_evicted'):,} ({_plural(num('records_evicted'), 'record')})",
+        ),
+        ("requests", f"{num('requests'):,}"),
+    ]
+    kinds = [
+        f"{kind} {int(v.get('records') or 0):,} ({format_bytes(v.get('bytes') or 0)})"
+        for kind, v in (get("by_kind") or {}).items()
+        if isinstance(v, Mapping) and v.get("records")
+    ]
+    if kinds:
+        rows.append(("records by kind", ", ".join(kinds)))
+    size, free = format_bytes(num("file_size")), format_bytes(num("free_bytes"))
+    rows.append(("scratch file", f"{size} ({free} free inside for reuse)"))
+    if get("backend"):
+        rows.append(("backend", str(get("backend"))))
+    return rows
+
+
+# Labels for `Engine.stats()` keys (engines without `cache_view`): words, never the raw keys.
+STAT_LABELS: dict[str, str] = {
+    "records": "records held",
+    "bytes_held": "bytes held",
+    "budget_bytes": "budget",
+    "file_size": "scratch file",
+    "free_bytes": "free inside the scratch file",
+    "hits": "records restored",
+    "misses": "records not found",
+    "stored": "records stored",
+    "evicted": "records evicted",
+    "rejected": "records too large to store",
+    "description": "backend",
+    "group_prefills": "shared prefill steps",
+    "save_errors": "save errors",
+}
 
 
 def stats_rows(stats: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Rows for a stats mapping: byte counts readable, nested mappings flattened."""
+    """Rows for a stats mapping: labels for known keys, byte counts readable, nesting flattened."""
     rows: list[tuple[str, Any]] = []
     for key, value in stats.items():
+        label = STAT_LABELS.get(key, key.replace("_", " "))
         if isinstance(value, Mapping):
-            rows.extend((f"{key}.{k}", v) for k, v in stats_rows(value))
+            rows.extend((f"{label}: {k}", v) for k, v in stats_rows(value))
         elif _is_byte_count(key, value):
-            rows.append((key, f"{format_bytes(value)} ({int(value):,} B)"))
+            rows.append((label, format_bytes(value)))
         elif isinstance(value, float):
-            rows.append((key, f"{value:.3g}"))
+            rows.append((label, f"{value:.3g}"))
         elif isinstance(value, int) and not isinstance(value, bool):
-            rows.append((key, f"{value:,}"))
+            rows.append((label, f"{value:,}"))
         else:
-            rows.append((key, value))
+            rows.append((label, value))
     return rows
 
 

@@ -23,16 +23,23 @@ Terms and threads:
   (``mlx-nbengine-<label>``), which sets ipykernel's thread parent to the header of
   the cell that started it, so every update it sends carries that cell's parent and
   lands there. The handle's thread owns the view; other threads only read it.
+  The thread also runs in a copy of the cell's context, so the widget messages it sends
+  (the block strip's updates) carry that cell's parent too.
 - *chat turn*: with ``--chat``, the turn the answer is recorded into
   (`mlx_nbengine.notebook.prompting.ChatTurn`). The reader finishes it with the answer (the
   partial text when interrupted) or abandons it when the request fails.
+- *interrupted cell*: a foreground cell whose request the user interrupted ends with
+  `GenerationInterrupted`, a `KeyboardInterrupt` (so "Run all" stops there) that IPython
+  shows as one line instead of a traceback: the partial answer above is what matters.
 """
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +49,14 @@ from mlx_nbengine.notebook.render import AnswerView
 if TYPE_CHECKING:
     from mlx_nbengine.notebook.prompting import ChatTurn
 
-__all__ = ["CANCEL_GRACE_S", "BackgroundAnswer", "drive", "follow", "short_error"]
+__all__ = [
+    "CANCEL_GRACE_S",
+    "BackgroundAnswer",
+    "GenerationInterrupted",
+    "drive",
+    "follow",
+    "short_error",
+]
 
 # How long a cancelled request may take to deliver its final event before we stop waiting.
 CANCEL_GRACE_S = 10.0
@@ -51,6 +65,21 @@ CANCEL_GRACE_S = 10.0
 def short_error(exc: BaseException) -> str:
     """The one-line message shown for `exc` (its text, else its class name)."""
     return str(exc) or type(exc).__name__
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """The user interrupted a foreground `%%llm` cell; its partial answer stays shown.
+
+    A `KeyboardInterrupt`, so the cell ends in error and "Run all" stops there; IPython
+    shows exceptions that define `_render_traceback_` with the lines it returns, so the
+    cell gets one line, not the internal traceback of wherever the interrupt landed.
+    """
+
+    def __init__(self, message: str = "generation cancelled; the partial answer is kept above"):
+        super().__init__(message)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"interrupted: {self}"]
 
 
 _END = object()
@@ -159,12 +188,20 @@ class BackgroundAnswer:
     """
 
     def __init__(
-        self, request: Any, view: AnswerView, *, label: str = "", turn: ChatTurn | None = None
+        self,
+        request: Any,
+        view: AnswerView,
+        *,
+        label: str = "",
+        turn: ChatTurn | None = None,
+        after: Callable[[Any], None] | None = None,
     ) -> None:
         self.request = request
         self.view = view
         self.label = label
         self.turn = turn
+        # Run on the handle's thread with the finished `Completion` (e.g. the block map).
+        self.after = after
         self.completion: Any = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -198,8 +235,13 @@ class BackgroundAnswer:
         """Start following the request; call on the main thread, in the cell that asked."""
         # The parent header of the executing cell, so the thread's output goes there.
         parent = shell.get_parent() if hasattr(shell, "get_parent") else None
+        # The kernel keeps the cell's parent for comm messages in a context variable.
+        context = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=self._run, args=(shell, parent), name=f"mlx-nbengine-{self.label}", daemon=True
+            target=context.run,
+            args=(self._run, shell, parent),
+            name=f"mlx-nbengine-{self.label}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -211,6 +253,8 @@ class BackgroundAnswer:
             self.completion, _ = drive(self.request, self.view)
             if self.turn is not None:
                 self.turn.finish(self.text)
+            if self.after is not None and self.completion is not None:
+                self.after(self.completion)
         except BaseException as exc:  # noqa: BLE001 - kept for result()
             self.error = exc
             self.view.fail(short_error(exc))
@@ -226,6 +270,10 @@ class BackgroundAnswer:
         return f"<BackgroundAnswer {self.label!r} {state}, {len(self.text):,} chars>"
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        # Showing the handle (e.g. after `handle.result()`) shows the answer as it stands:
-        # what a headless run records, since it misses updates sent after the --bg cell.
-        return self.view.bundle()
+        # Showing the handle (e.g. after `handle.result()`) shows the answer as it stands,
+        # with its block strip's picture: what a headless run records, since it misses
+        # updates sent after the --bg cell.
+        bundle = self.view.bundle()
+        if self.view.strip is not None and "text/html" in bundle:
+            bundle["text/html"] += self.view.strip.html()
+        return bundle
