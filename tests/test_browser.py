@@ -1,0 +1,375 @@
+"""The widgets in a real JupyterLab, driven through Debian's Chromium with Playwright.
+
+One scenario per module (`lab_run`), as a person would do it: JupyterLab starts on
+loopback (`lab_server.lab_server`), the browser opens a notebook that loads a tiny
+random-weight llama with 16-token blocks and runs a long-prompt ``%%llm --blocks`` cell;
+then the cell's last line is edited in the editor (click, select, type) and the cell
+re-run with Shift+Enter, and ``%llm_cache`` runs. After each step the test reads the DOM
+of the rendered widgets (the contract's selectors: ``.mnb-strip .mnb-block`` cells with
+``data-kind``, the ``.mnb-edit`` marker's ``data-position``, the ``.mnb-store`` figures).
+The tests below check what was read.
+
+The expected edit position comes from the tokenizer here, not from the kernel: the first
+token at which the edited prompt's chat-templated ids differ from the first prompt's.
+
+Screenshots of the notebook in the light and the dark theme land in the module's output
+directory (``browser0/screenshots`` under pytest's temporary directory), and are copied
+to ``$MLX_NBENGINE_SCREENSHOTS`` when that is set. Without Chromium (Debian's
+``chromium`` package) or Playwright the module is skipped with the reason; Playwright's
+own browser download is never used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is missing")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip(
+        "no system Chromium (Debian package `chromium`); .ci/run installs it",
+        allow_module_level=True,
+    )
+
+from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
+from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
+from test_nbconvert import chat_tokens, first_change  # noqa: E402
+
+FIRST_LAST_LINE = "Summarize this text."
+EDITED_LAST_LINE = "Translate this text."
+RESTORED = {"memory", "disk"}
+# Every wait in the browser, in milliseconds: generous for a busy 2-core machine.
+WAIT_MS = 90_000
+
+
+@dataclass
+class Step:
+    """What the DOM showed after one cell ran."""
+
+    strip: list[dict]  # per .mnb-strip .mnb-block: index, kind, reason
+    map_rows: list[dict]  # per .mnb-map .mnb-block row
+    edits: list[int]  # data-position of every .mnb-edit in the cell's output
+    roots: int  # .mnb-strip, .mnb-map and .mnb-store elements in the cell
+    static_roots: int  # those of them inside a static text/html output
+
+
+@dataclass
+class LabRun:
+    """The scenario's record: the two prompts' ids, the edited source, what each step showed."""
+
+    tokens_first: list[int]
+    tokens_edited: list[int]
+    source_after_edit: str
+    first: Step
+    rerun: Step
+    store_figures: dict[str, str] = field(default_factory=dict)
+    store: Step | None = None
+    screenshots: dict[str, Path] = field(default_factory=dict)
+    console_errors: list[str] = field(default_factory=list)
+
+    @property
+    def n_blocks(self) -> int:
+        return math.ceil(len(self.tokens_edited) / BLOCK)
+
+    @property
+    def edit_at(self) -> int:
+        return first_change(self.tokens_first, self.tokens_edited)
+
+
+# --- the page -------------------------------------------------------------------------------
+
+APP = "window.jupyterapp"
+NOTEBOOK = f"{APP}.shell.currentWidget"
+
+READ_CELL = """(index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const data = (e) => ({index: Number(e.dataset.index), kind: e.dataset.kind,
+                        reason: e.dataset.reason});
+  return {
+    strip: [...cell.querySelectorAll('.mnb-strip .mnb-block')].map(data),
+    map_rows: [...cell.querySelectorAll('.mnb-map .mnb-block')].map(data),
+    edits: [...cell.querySelectorAll('.mnb-edit')].map(e => Number(e.dataset.position)),
+    // Roots drawn by the static text/html fallback rather than by the live widget.
+    static_roots: [...cell.querySelectorAll('.mnb-strip, .mnb-map, .mnb-store')]
+      .filter(e => e.closest('.jp-RenderedHTMLCommon, [data-mime-type="text/html"]')).length,
+    roots: cell.querySelectorAll('.mnb-strip, .mnb-map, .mnb-store').length,
+  };
+}"""
+
+STRIP_DONE = """([index, n]) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const blocks = [...cell.querySelectorAll('.mnb-strip .mnb-block')];
+  return blocks.length === n && blocks.every(b => b.dataset.kind !== 'pending');
+}"""
+
+
+def wait_kernel_idle(page) -> None:
+    # Optional chaining throughout: the app object appears only once JupyterLab has started.
+    page.wait_for_function(
+        "() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel"
+        "?.status === 'idle'",
+        timeout=WAIT_MS,
+    )
+
+
+def prompt_text(page, index: int) -> str:
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputPrompt").inner_text()
+
+
+def run_cell(page, index: int, keys: str = "Shift+Enter") -> None:
+    """Focus cell `index`'s editor, press `keys`, wait for a new execution count."""
+    before = prompt_text(page, index).strip()
+    editor = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".cm-content")
+    editor.click()
+    page.keyboard.press(keys)
+    page.wait_for_function(
+        """([index, before]) => {
+          const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[index]
+            .querySelector('.jp-InputPrompt').textContent.trim();
+          return /^\\[\\d+\\]:$/.test(p) && p !== before;
+        }""",
+        arg=[index, before],
+        timeout=WAIT_MS,
+    )
+    wait_kernel_idle(page)
+    errors = (
+        page.locator(".jp-Notebook .jp-Cell")
+        .nth(index)
+        .locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    )
+    assert not [t for t in errors.all_inner_texts() if "Error" in t], errors.all_inner_texts()
+
+
+def cell_source(page, index: int) -> str:
+    return page.evaluate(
+        f"(i) => {NOTEBOOK}.content.widgets[i].model.sharedModel.getSource()", index
+    )
+
+
+def replace_last_line(page, index: int, text: str) -> None:
+    """Select the last line of cell `index` in its editor and type `text` over it."""
+    editor = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+End")
+    page.keyboard.press("Shift+Home")
+    page.keyboard.type(text)
+
+
+def read_cell(page, index: int) -> Step:
+    return Step(**page.evaluate(READ_CELL, index))
+
+
+def wait_strip(page, index: int, n_blocks: int) -> None:
+    page.wait_for_function(STRIP_DONE, arg=[index, n_blocks], timeout=WAIT_MS)
+
+
+def screenshot(page, out: Path, theme: str, cells: dict[str, int]) -> dict[str, Path]:
+    """Each cell of `cells` (name: index) alone, then the window; PNG paths by name."""
+    first = min(cells.values())
+    shots = {}
+    for name, index in cells.items():
+        path = out / f"{name}-{theme}.png"
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+        cell.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+        page.wait_for_timeout(200)
+        cell.screenshot(path=path)
+        shots[f"{name}-{theme}"] = path
+    # The whole window last, scrolled to the edited cell: strip, map and store together.
+    page.locator(".jp-Notebook .jp-Cell").nth(first).evaluate(
+        "(e) => e.scrollIntoView({block: 'start'})"
+    )
+    page.wait_for_timeout(200)
+    shots[f"notebook-{theme}"] = out / f"notebook-{theme}.png"
+    page.screenshot(path=shots[f"notebook-{theme}"])
+    return shots
+
+
+def set_theme(page, theme: str, *, light: bool) -> None:
+    page.evaluate(f"(t) => {APP}.commands.execute('apputils:change-theme', {{theme: t}})", theme)
+    page.wait_for_function(
+        "(light) => document.body.dataset.jpThemeLight === String(light)",
+        arg=light,
+        timeout=WAIT_MS,
+    )
+    page.wait_for_timeout(500)  # the theme's CSS applies, transitions end
+
+
+# --- the scenario ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
+    model = tiny_model_dir("llama")
+    tmp = tmp_path_factory.mktemp("browser")
+    out = tmp / "screenshots"
+    out.mkdir()
+    first_prompt = f"{LONG_PROMPT}\n{FIRST_LAST_LINE}"
+    # Paths relative to the notebook (the kernel's working directory): the screenshots
+    # show no temporary directories.
+    cells = [
+        f"%load_ext mlx_nbengine\n%load_model tiny-llama --block-size {BLOCK} --cache-dir scratch",
+        f"%%llm --max-tokens 4 --blocks\n{first_prompt}",
+        "%llm_cache",
+    ]
+    tokens_first = chat_tokens(model, first_prompt)
+    tokens_edited = chat_tokens(model, f"{LONG_PROMPT}\n{EDITED_LAST_LINE}")
+    n_blocks = math.ceil(len(tokens_edited) / BLOCK)
+    assert n_blocks == math.ceil(len(tokens_first) / BLOCK)
+
+    console_errors: list[str] = []
+    kernel_env = {"MLX_NBENGINE_HOME": str(tmp / "cache-home")}
+    with lab_server(tmp / "lab", kernel_extra_env=kernel_env) as server:
+        shutil.copytree(model, server.root / "tiny-llama")
+        (server.root / "scratch").mkdir()
+        (server.root / "browser_tiny.ipynb").write_text(json.dumps(notebook_json(cells)))
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            )
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 1200})
+                page.set_default_timeout(WAIT_MS)
+                page.on(
+                    "console",
+                    lambda m: console_errors.append(m.text) if m.type == "error" else None,
+                )
+                try:
+                    page.goto(server.notebook_url("browser_tiny.ipynb"), timeout=WAIT_MS)
+                    wait_kernel_idle(page)
+                    page.evaluate(f"() => {{ {APP}.shell.collapseLeft(); }}")
+
+                    run_cell(page, 0)
+                    run_cell(page, 1)
+                    wait_strip(page, 1, n_blocks)
+                    first = read_cell(page, 1)
+
+                    replace_last_line(page, 1, EDITED_LAST_LINE)
+                    source_after_edit = cell_source(page, 1)
+                    run_cell(page, 1)
+                    wait_strip(page, 1, n_blocks)
+                    rerun = read_cell(page, 1)
+
+                    run_cell(page, 2, "Control+Enter")
+                    page.wait_for_selector(
+                        ".jp-Notebook .jp-Cell >> nth=2 >> .mnb-store", timeout=WAIT_MS
+                    )
+                    store_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+                    figures = store_cell.evaluate(
+                        """(cell) => Object.fromEntries([...cell.querySelectorAll(
+                             '.mnb-store .mnb-figure')].map(f => [f.dataset.name,
+                             f.querySelector('.mnb-value').textContent.trim()]))"""
+                    )
+                    store = read_cell(page, 2)
+
+                    # Let the answer's last update and the widgets settle before pictures.
+                    page.wait_for_timeout(500)
+                    cells_to_shoot = {"llm-cell": 1, "store": 2}
+                    shots = screenshot(page, out, "light", cells_to_shoot)
+                    set_theme(page, "JupyterLab Dark", light=False)
+                    shots |= screenshot(page, out, "dark", cells_to_shoot)
+                except Exception:
+                    page.screenshot(path=out / "failure.png")
+                    (out / "console-errors.txt").write_text("\n".join(console_errors))
+                    raise
+            finally:
+                browser.close()
+
+    if os.environ.get("MLX_NBENGINE_SCREENSHOTS"):
+        target = Path(os.environ["MLX_NBENGINE_SCREENSHOTS"])
+        target.mkdir(parents=True, exist_ok=True)
+        for path in shots.values():
+            shutil.copy2(path, target / path.name)
+    return LabRun(
+        tokens_first=tokens_first,
+        tokens_edited=tokens_edited,
+        source_after_edit=source_after_edit,
+        first=first,
+        rerun=rerun,
+        store_figures=figures,
+        store=store,
+        screenshots=shots,
+        console_errors=console_errors,
+    )
+
+
+def kinds(blocks: list[dict]) -> list[str]:
+    return [b["kind"] for b in sorted(blocks, key=lambda b: b["index"])]
+
+
+# --- the checks -----------------------------------------------------------------------------
+
+
+def test_the_answer_is_drawn_by_the_live_widgets_not_the_static_fallback(lab_run):
+    for step in (lab_run.first, lab_run.rerun, lab_run.store):
+        assert step.roots > 0
+        assert step.static_roots == 0, "drawn by the text/html fallback"
+    widget_errors = [e for e in lab_run.console_errors if re.search(r"widget|mnb|esm", e, re.I)]
+    assert not widget_errors
+
+
+def test_the_strip_has_one_cell_per_prompt_block(lab_run):
+    assert [b["index"] for b in lab_run.first.strip] == list(range(lab_run.n_blocks))
+    assert [b["index"] for b in lab_run.rerun.strip] == list(range(lab_run.n_blocks))
+
+
+def test_a_new_prompt_computes_every_block_and_ends_with_the_tail(lab_run):
+    assert kinds(lab_run.first.strip) == ["computed"] * (lab_run.n_blocks - 1) + ["tail"]
+    assert {b["reason"] for b in lab_run.first.strip[:-1]} == {"new"}
+    assert lab_run.first.edits == [], "nothing was edited yet"
+
+
+def test_the_edit_typed_in_the_editor_is_the_cells_new_source(lab_run):
+    source = lab_run.source_after_edit
+    assert source.endswith(f"\n{EDITED_LAST_LINE}"), source[-80:]
+    assert FIRST_LAST_LINE not in source
+    assert source.startswith("%%llm --max-tokens 4 --blocks\n")
+
+
+def test_the_rerun_restores_the_blocks_before_the_edit_and_computes_the_rest(lab_run):
+    edit_block = lab_run.edit_at // BLOCK
+    got = kinds(lab_run.rerun.strip)
+    assert edit_block >= 2, "the edit is near the end of a long prompt"
+    assert set(got[:edit_block]) <= RESTORED, got
+    assert set(got[edit_block:-1]) <= {"computed"}, got
+    assert got[-1] == "tail"
+    if edit_block < lab_run.n_blocks - 1:
+        assert lab_run.rerun.strip[edit_block]["reason"] == "edited"
+
+
+def test_the_edit_marker_sits_at_the_first_changed_token(lab_run):
+    assert lab_run.rerun.edits, "an .mnb-edit marker in the re-run cell"
+    assert set(lab_run.rerun.edits) == {lab_run.edit_at}
+
+
+def test_the_block_map_has_one_row_per_block_with_the_strips_kinds(lab_run):
+    assert kinds(lab_run.rerun.map_rows) == kinds(lab_run.rerun.strip)
+    assert [b["reason"] for b in lab_run.rerun.map_rows] == [
+        b["reason"] for b in lab_run.rerun.strip
+    ]
+
+
+def test_the_store_view_shows_the_blocks_held(lab_run):
+    held = lab_run.store_figures.get("blocks_held", "")
+    assert int(held.replace(",", "") or 0) > 0, lab_run.store_figures
+    restored = lab_run.store_figures.get("blocks_restored", "0")
+    assert int(restored.replace(",", "")) >= lab_run.edit_at // BLOCK
+
+
+def test_screenshots_are_saved_in_light_and_dark(lab_run):
+    for theme in ("light", "dark"):
+        for name in ("notebook", "llm-cell", "store"):
+            path = lab_run.screenshots[f"{name}-{theme}"]
+            assert path.stat().st_size > 10_000, path
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    light = lab_run.screenshots["store-light"].read_bytes()
+    assert light != lab_run.screenshots["store-dark"].read_bytes()
