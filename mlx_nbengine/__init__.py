@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+import os
+
 from mlx_nbengine._blas import ensure_fast_blas
+
+# transformers (imported by mlx-lm's tokenizers) prints "PyTorch was not found..." into the
+# cell of every kernel without torch; MLX never needs torch, so that advice is noise here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # Before anything imports MLX: on Linux CPU this binds MLX's matmuls to OpenBLAS.
 ensure_fast_blas()

@@ -1,10 +1,14 @@
-"""Command line: ``python -m mlx_nbengine {demo,convert,blas}``.
+"""Command line: ``python -m mlx_nbengine {demo,convert,html,blas}``.
 
-- ``demo``: load the default model (Gemma 3 270M; converted from its GGUF on
-  first use, with a progress bar) and stream a greedy completion of a fixed
-  prompt, then print prefill and decode speed.
+- ``demo``: the main job (`mlx_nbengine.demo`): execute the quickstart notebook
+  headless on the default model (Gemma 3 270M; converted from its GGUF on first use,
+  with a progress bar), a line per cell, then a table of each answer's restored and
+  computed tokens, time to first token and each edited re-run's speed-up;
+  ``--quick`` sends the same story straight to the engine.
 - ``convert FILE.gguf``: convert a GGUF file into the conversion cache and print
   the MLX model directory.
+- ``html NOTEBOOK``: export an executed notebook to HTML whose block pictures need no
+  kernel and no network (`mlx_nbengine.notebook.export`).
 - ``blas``: say whether MLX got the optimized BLAS in this process.
 """
 
@@ -15,56 +19,13 @@ import sys
 import time
 
 from mlx_nbengine._blas import ensure_fast_blas
-
-DEMO_PROMPT = "The Eiffel Tower is located in the city of"
+from mlx_nbengine.demo import DEFAULT_OUT
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import mlx.core as mx
+    from mlx_nbengine.demo import main as demo_main
 
-    from mlx_nbengine._blas import blas_step
-    from mlx_nbengine.models import load
-
-    started = time.perf_counter()
-    print(f"Loading {args.model} ...", file=sys.stderr, flush=True)
-    lm = load(args.model)
-    print(f"Loaded {lm.model_type} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    prompt = lm.encode(args.prompt)
-    print(args.prompt, end="", flush=True)
-
-    # Prefill in 256-token steps, as the engine does, then greedy decode one token at a time.
-    started = time.perf_counter()
-    cache = lm.make_cache()
-    for start in range(0, len(prompt), 256):
-        step = prompt[start : start + 256]
-        with blas_step(len(step)):
-            logits = lm.model(mx.array(step)[None], cache=cache)
-            mx.eval(logits[0, -1], [c.state for c in cache])
-    token = mx.argmax(logits[0, -1])
-    prefill_s = time.perf_counter() - started
-
-    detokenizer = lm.tokenizer.detokenizer
-    detokenizer.reset()
-    started = time.perf_counter()
-    generated = 0
-    for _ in range(args.max_tokens):
-        if int(token.item()) in lm.eos_token_ids:
-            break
-        detokenizer.add_token(int(token.item()))
-        print(detokenizer.last_segment, end="", flush=True)
-        generated += 1
-        with blas_step(1):
-            token = mx.argmax(lm.model(token.reshape(1, 1), cache=cache)[0, -1])
-            mx.eval(token)
-    detokenizer.finalize()
-    print(detokenizer.last_segment)
-    decode_s = time.perf_counter() - started
-    print(
-        f"prefill {len(prompt)} tokens at {len(prompt) / prefill_s:.1f} tok/s, "
-        f"decode {generated} tokens at {generated / max(decode_s, 1e-9):.1f} tok/s",
-        file=sys.stderr,
-    )
-    return 0
+    return demo_main(args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -74,6 +35,13 @@ def _convert(args: argparse.Namespace) -> int:
     out = convert(args.file, cache_dir=args.cache_dir)
     print(f"converted in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     print(out)
+    return 0
+
+
+def _html(args: argparse.Namespace) -> int:
+    from mlx_nbengine.notebook.export import write_html
+
+    print(write_html(args.notebook, args.out))
     return 0
 
 
@@ -94,15 +62,30 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m mlx_nbengine", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stream a greedy completion from the default model")
+    demo = sub.add_parser(
+        "demo", help="run the quickstart notebook headless: a long prompt, an edit, the re-run"
+    )
     demo.add_argument("--model", default="default", help="'default', a model directory or a .gguf")
-    demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-tokens", type=int, default=40)
+    demo.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"where the executed notebook and its HTML go (default ./{DEFAULT_OUT}/)",
+    )
+    demo.add_argument(
+        "--quick", action="store_true", help="skip the notebook: the same story through the engine"
+    )
     demo.set_defaults(run=_demo)
     conv = sub.add_parser("convert", help="convert a GGUF file into an MLX model directory")
     conv.add_argument("file", help="path of the .gguf file")
     conv.add_argument("--cache-dir", default=None, help="where conversions are kept")
     conv.set_defaults(run=_convert)
+    html = sub.add_parser(
+        "html", help="export an executed notebook to HTML with its block pictures (no kernel)"
+    )
+    html.add_argument("notebook", help="path of the .ipynb file")
+    html.add_argument("-o", "--out", default=None, help="the HTML file (default: beside it)")
+    html.set_defaults(run=_html)
     blas = sub.add_parser("blas", help="report whether the optimized BLAS is in use")
     blas.set_defaults(run=_blas)
 

@@ -1,5 +1,5 @@
-"""`python -m mlx_nbengine`: demo streams a greedy completion, convert prints the converted
-directory, errors are one line with a non-zero exit."""
+"""`python -m mlx_nbengine`: demo tells the story (tests/test_demo.py has the notebook run),
+convert prints the converted directory, errors are one line with a non-zero exit."""
 
 from __future__ import annotations
 
@@ -24,11 +24,17 @@ def cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_streams_a_completion_of_the_prompt_and_reports_speed(tiny_model_dir, tmp_path):
-    out = cli("demo", "--model", str(tiny_model_dir("llama")), "--max-tokens", "4", home=tmp_path)
+def test_demo_quick_runs_the_story_and_ends_with_the_table(tiny_model_dir, tmp_path):
+    out = cli("demo", "--quick", "--model", str(tiny_model_dir("llama")), home=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("The Eiffel Tower is located in the city of")
-    assert "prefill" in out.stderr and "decode 4 tokens" in out.stderr
+    lines = out.stdout.splitlines()
+    # The edited re-run restores the document's blocks and says so, block by block.
+    second = next(line for line in lines if line.startswith("second "))
+    assert second.split()[1].endswith("T") and "C" not in second.split()[1][:-1]
+    header = next(i for i, line in enumerate(lines) if line.startswith("answer  prompt"))
+    rows = {line.split()[0]: line for line in lines[header + 2 :]}
+    assert set(rows) == {"answer", "first", "second"}
+    assert rows["first"].endswith("-") and rows["second"].endswith("x")
 
 
 def test_convert_prints_the_model_directory_and_reuses_it(tmp_path):
@@ -50,3 +56,25 @@ def test_errors_are_one_line_with_a_nonzero_exit(tmp_path):
 def test_blas_reports_its_state(tmp_path):
     out = cli("blas", home=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("optimized BLAS active:")
+
+
+def test_html_exports_the_static_block_pictures_even_with_widget_state(tmp_path):
+    import nbformat
+
+    from mlx_nbengine.notebook.widgets import BlockStrip
+
+    strip = BlockStrip(n_blocks=2, block_size=16, prompt_tokens=20)
+    strip.add_block({"index": 0, "start": 0, "end": 16, "source": "disk", "reason": "kv"})
+    bundle = {k: v for k, v in strip._repr_mimebundle_()[0].items()}
+    model_id = bundle["application/vnd.jupyter.widget-view+json"]["model_id"]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%%llm", outputs=[])]
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data=bundle)]
+    state = {model_id: {"model_name": "AnyModel", "state": {"_model_name": "AnyModel"}}}
+    nb.metadata.widgets = {"application/vnd.jupyter.widget-state+json": {"state": state}}
+    path = tmp_path / "saved.ipynb"
+    nbformat.write(nb, path)
+    out = cli("html", str(path), home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    page = Path(out.stdout.strip()).read_text()
+    assert 'data-kind="disk"' in page and "mnb-strip" in page.split("<body")[1]

@@ -91,6 +91,13 @@ def test_wheel_ships_the_widgets_folder_as_package_data(wheel):
             assert shipped == (REPO / "widgets" / name).read_bytes(), name
 
 
+def test_wheel_ships_the_notebooks_for_the_demo(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        for notebook in (REPO / "notebooks").glob("*.ipynb"):
+            shipped = zf.read(f"mlx_nbengine/examples/{notebook.name}")
+            assert shipped == notebook.read_bytes(), notebook.name
+
+
 def test_wheel_holds_every_module_of_the_source_tree(wheel):
     # The package list in pyproject.toml is explicit: a new subpackage must be added there.
     with zipfile.ZipFile(wheel) as zf:

@@ -1,0 +1,80 @@
+"""`python -m mlx_nbengine demo`: the quickstart executed headless, then the story's table.
+
+The notebook run executes `notebooks/quickstart.ipynb` (its `%load_model default` swapped
+for a tiny random-weight llama) in a kernel of this interpreter; the tests check the
+progress lines, the files it writes and the closing table: the edited re-run restored
+the document's blocks and got a speed-up over its first run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_nbengine.demo import Row, add_speedups, table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    work = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_NBENGINE_HOME": str(work / "home")}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_nbengine", "demo", "--model", str(tiny_model_dir("llama"))],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out, work / "mlx-nbengine-demo"
+
+
+def test_the_demo_prints_a_progress_line_per_cell(demo_run):
+    out, _ = demo_run
+    assert out.returncode == 0, out.stderr
+    cells = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    n = int(cells[0].split("/")[1].split("]")[0])
+    assert len(cells) == n and cells[1].lstrip("[ 0123456789/]").startswith("%load_model")
+    assert all(line.rstrip().endswith(" s") for line in cells)
+
+
+def test_the_demo_writes_the_executed_notebook_with_widget_state_and_its_html(demo_run):
+    out, folder = demo_run
+    nb = json.loads((folder / "quickstart.ipynb").read_text())
+    assert "application/vnd.jupyter.widget-state+json" in nb["metadata"]["widgets"]
+    html = (folder / "quickstart.html").read_text()
+    # The static pictures are in the page itself (no kernel, no network needed).
+    assert 'class="mnb-root mnb-map' in html or "mnb-map" in html.split("<body")[1]
+    assert str(folder.name) in out.stdout
+
+
+def test_the_demo_ends_with_the_table_and_the_edited_rerun_is_faster(demo_run):
+    out, _ = demo_run
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("answer  prompt"))
+    rows = {line.split()[0]: line.split() for line in lines[header + 2 :] if line.strip()}
+    assert {"first", "second"} <= set(rows)
+    assert rows["first"][-1] == "-"
+    assert rows["second"][-1].endswith("x") and float(rows["second"][-1][:-1]) > 1
+
+
+def test_speedups_compare_each_rerun_with_its_documents_cold_run():
+    rows = add_speedups(
+        [
+            Row("a", 900, 0, 0, 900, 4.0, document="d1"),
+            Row("b", 40, 0, 0, 40, 0.2, document=None),
+            Row("c", 890, 0, 768, 122, 0.5, document="d1"),
+            Row("d", 900, 0, 0, 900, 5.0, document="d2"),
+        ]
+    )
+    assert [r.speedup for r in rows] == [None, None, 8.0, None]
+    text = table(rows)
+    assert text.splitlines()[0].split()[:2] == ["answer", "prompt"]
+    assert "8.0x" in text and "0 / 768" in text
