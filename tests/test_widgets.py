@@ -148,6 +148,16 @@ def rerun_blocks() -> list[dict]:
 EDIT = {"position": 53, "block": 3, "before": "words before", "after": "changed words"}
 
 
+def long_blocks(n: int, edited: int) -> list[dict]:
+    """`n` blocks of a re-run edited in block `edited`: read from disk before it, computed
+    from it on, the last one the tail."""
+    out = [block(i) for i in range(edited)]
+    out.append(block(edited, "computed", reason="edited", records=()))
+    out += [block(i, "computed", reason="after_miss", records=()) for i in range(edited + 1, n)]
+    out[-1] = block(n - 1, "computed", kind="tail", reason="tail", records=())
+    return out
+
+
 def store_view(**extra) -> dict:
     view = {
         "model": "tiny",
@@ -253,6 +263,59 @@ def test_block_words_never_fail_and_cut_long_words():
     assert last_words("\ufffd end of it") == "end of it"
 
 
+# A vocabulary whose decode keeps special tokens, as a tokenizer's plain decode does.
+VOCAB = ["<bos>", "<|im_start|>", "<|im_end|>", "user", "\n", "The", " quick", " brown", " fox"]
+SPECIAL = {0, 1, 2}
+
+
+def decode_vocab(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def test_block_words_leave_out_the_special_tokens_the_caller_names():
+    tokens = [0, 1, 3, 4, 5, 6, 7, 8, 2]
+    event = SimpleNamespace(index=0, start=0, end=9, source="disk", seconds=0, reason="kv")
+    kept = block_dict(event, decode=decode_vocab, tokens=tokens)
+    assert "<bos>" in kept["head"]  # without `special`: what decode gives
+    d = block_dict(event, decode=decode_vocab, tokens=tokens, special=SPECIAL)
+    assert (d["head"], d["last"]) == ("user The quick", "brown fox")
+    (listed,) = block_dicts([event], decode=decode_vocab, tokens=tokens, special=[0, 1, 2])
+    assert listed == d  # a list (a tokenizer's all_special_ids) works as well as a set
+
+
+def test_a_block_of_special_tokens_only_has_no_words():
+    event = SimpleNamespace(index=0, start=0, end=2, source="disk", seconds=0, reason="kv")
+    d = block_dict(event, decode=decode_vocab, tokens=[0, 1], special=SPECIAL)
+    assert (d["head"], d["last"]) == ("", "")
+
+
+def test_edit_words_leave_out_special_tokens():
+    tokens = [0, 1, 3, 4, 5, 2, 1, 6, 7, 8, 2]
+    edit = edit_dict(7, tokens, decode=decode_vocab, block_size=4, special=SPECIAL)
+    assert edit == {"position": 7, "block": 1, "before": "user The", "after": "quick brown fox"}
+    report = SimpleNamespace(edit_at=7)
+    assert report_edit(report, tokens, decode=decode_vocab, block_size=4, special=SPECIAL) == edit
+
+
+def test_block_words_leave_out_a_real_tokenizers_special_tokens(tmp_path):
+    from tokenizers import Tokenizer
+
+    from mlx_nbengine.testing import SPECIAL_TOKENS, make_tiny_tokenizer
+
+    tok = Tokenizer.from_file(str(make_tiny_tokenizer(tmp_path) / "tokenizer.json"))
+    tokens = tok.encode("<|im_start|>user\nThe quick brown fox<|im_end|>").ids
+    special = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False)
+
+    event = SimpleNamespace(index=0, start=0, end=len(tokens), source="disk", seconds=0)
+    assert "<bos>" in block_dict(event, decode=decode, tokens=tokens)["head"]
+    d = block_dict(event, decode=decode, tokens=tokens, special=special)
+    words = f"{d['head']} {d['last']}"
+    assert "<" not in words and words.split() == ["user", "The", "quick", "brown", "fox"]
+
+
 def test_block_dicts_are_in_index_order():
     events = [
         SimpleNamespace(index=i, start=16 * i, end=16 * i + 16, source="disk", seconds=0)
@@ -315,6 +378,19 @@ def test_strip_marks_the_edited_block_and_the_words_around_the_change():
     assert "53" in text and "words before" in text and "changed words" in text
 
 
+def test_strip_without_show_edit_marks_the_cell_but_leaves_the_banner_to_the_map():
+    elements = parse(strip_html(rerun_blocks(), n_blocks=6, edit=EDIT, show_edit=False))
+    assert not select(elements, "mnb-edit")
+    cells = select(elements, "mnb-block")
+    assert [c.attrs.get("data-edit") for c in cells] == [None, None, None, "true", None, None]
+    strip = BlockStrip(n_blocks=6, blocks=rerun_blocks(), edit=EDIT, show_edit=False)
+    assert not select(parse(strip.html()), "mnb-edit")
+    assert strip.get_state()["show_edit"] is False  # the live widget reads it too
+    assert select(
+        parse(BlockStrip(n_blocks=6, blocks=rerun_blocks(), edit=EDIT).html()), "mnb-edit"
+    )
+
+
 def test_cells_describe_their_block_on_hover():
     (cell,) = [c for c in select(parse(strip_html(rerun_blocks())), "mnb-block") if c.text == "T"]
     title = cell.attrs["title"]
@@ -366,6 +442,34 @@ def test_map_html_has_one_row_per_block_with_its_range_words_source_and_reason()
         assert part in text, (part, text)
     assert rows[3].attrs["data-edit"] == "true"
     assert select(elements, "mnb-edit")[0].attrs["data-position"] == "53"
+
+
+def _css_rules() -> list[tuple[str, str]]:
+    """(selectors, declarations) of each rule in the widgets' CSS, comments left out."""
+    css = re.sub(r"/\*.*?\*/", "", (REPO / "widgets" / "blocks.css").read_text(), flags=re.S)
+    css = re.sub(r"@media[^{]*\{((?:[^{}]*\{[^{}]*\})*)\s*\}", r"\1", css)
+    return [(sel.strip(), body) for sel, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)]
+
+
+def test_static_map_shows_every_row_without_a_height_limit():
+    many = [block(i) for i in range(widgets.TALL_ROWS + 20)]
+    html = map_html(many)
+    rows = select(parse(html), "mnb-block", within="mnb-map")
+    assert len(rows) == len(many)
+    # Only the live map of a long prompt scrolls (its ES module sets data-tall).
+    assert not [e for e in parse(html) if "data-tall" in e.attrs]
+    for selectors, body in _css_rules():
+        if "max-height" in body:
+            assert all('[data-tall="true"]' in s for s in selectors.split(",")), selectors
+
+
+def test_map_words_wrap_instead_of_being_cut_short():
+    for selectors, body in _css_rules():
+        if "mnb-text" in selectors or "mnb-reason" in selectors:
+            assert "ellipsis" not in body and "overflow: hidden" not in body, selectors
+    rules = dict(_css_rules())
+    assert "white-space: normal" in rules[".mnb-root table.mnb-table td.mnb-text"]
+    assert "white-space: normal" in rules[".mnb-root table.mnb-table td.mnb-reason"]
 
 
 def test_map_overview_cells_are_not_rows():
@@ -428,6 +532,57 @@ def test_store_html_draws_the_budget_bar_chart_kinds_and_evictions():
     assert kinds == ["kv", "window"]  # a kind with no records is no row
     items = [e for e in elements if e.tag == "li" and e.within("mnb-evictions")]
     assert len(items) == 2 and "Once <em>upon</em> a time" in items[0].all_text(elements)
+
+
+def _series_x(elements: list[Element]) -> dict[str, list[float]]:
+    return {
+        e.attrs["data-series"]: [float(xy.split(",")[0]) for xy in e.attrs["points"].split()]
+        for e in elements
+        if e.tag == "polyline"
+    }
+
+
+def test_store_chart_spaces_requests_evenly_whatever_their_times():
+    # Loading takes most of the time since load: the first request comes late, the rest fast.
+    history = [
+        {"t": 60.0, "restored": 0, "computed": 10, "evicted": 0},
+        {"t": 60.5, "restored": 9, "computed": 11, "evicted": 0},
+        {"t": 61.0, "restored": 19, "computed": 12, "evicted": 3},
+    ]
+    elements = parse(store_html(store_view(history=history)))
+    (chart,) = select(elements, "mnb-chart")
+    assert chart.attrs["data-x"] == "requests" and chart.attrs["data-points"] == "3"
+    for xs in _series_x(elements).values():
+        edges = sorted(set(xs))
+        steps = {round(b - a, 1) for a, b in zip(edges, edges[1:], strict=False)}
+        assert len(edges) == 4 and len(steps) == 1, edges  # one even band per request
+    labels = [e.text for e in elements if e.tag == "text" and e.parent is chart]
+    assert "requests" in labels and "blocks" in labels and not any("load" in t for t in labels)
+    assert {"1", "3"} <= set(labels)  # the first and last requests
+
+
+def test_store_chart_of_one_request_draws_a_line_across():
+    history = [{"t": 9.0, "restored": 0, "computed": 13, "evicted": 0}]
+    elements = parse(store_html(store_view(history=history)))
+    for key, xs in _series_x(elements).items():
+        assert max(xs) - min(xs) > 100, key  # a visible line, not a lone corner
+    assert "requests" in [e.text for e in elements if e.tag == "text"]
+
+
+def test_store_chart_legend_draws_each_series_colour_and_dash_pattern():
+    elements = parse(store_html(store_view()))
+
+    def look(line: Element) -> tuple[str, str]:
+        return line.attrs["style"], line.attrs.get("stroke-dasharray", "")
+
+    series = {e.attrs["data-series"]: look(e) for e in elements if e.tag == "polyline"}
+    keys = {
+        e.parent.parent.attrs["data-series"]: look(e)
+        for e in elements
+        if e.tag == "line" and e.within("mnb-legend")
+    }
+    assert keys == series
+    assert len({dash for _, dash in series.values()}) == 3  # told apart without colour
 
 
 def test_store_html_tables_have_no_empty_header_row():
@@ -520,6 +675,9 @@ def test_front_end_uses_the_same_words_as_the_static_html():
         assert f'["{name}", "{label}"]' in js, name
     for kind, (letter, label) in widgets.KINDS.items():
         assert f'["{kind}", "{letter}", "{label}"]' in js, kind
+    for key, label, colour, dash in widgets.SERIES:
+        assert f'["{key}", "{label}", "{colour}", "{dash}"]' in js, key
+    assert f"const TALL_ROWS = {widgets.TALL_ROWS};" in js
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to parse the ES module")
@@ -600,6 +758,9 @@ def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
     assert block_map.blocks[-1]["kind"] == "tail"
     assert [b["source"] for b in strip.blocks] == sources  # live events agree with the report
     assert block_map.blocks[0]["head"]  # real words from the tokenizer
+    special = engine.model.text_tokenizer.all_special_ids
+    (first_block,) = block_dicts(report.blocks[:1], decode=decode, tokens=tokens, special=special)
+    assert tokens[0] in special and "<" not in first_block["head"]  # no <bos> shown
     assert "sleepy" in edit["after"]
 
     rows = select(parse(block_map.html()), "mnb-block")
@@ -630,7 +791,10 @@ PAGE = """<!doctype html><meta charset="utf-8"><style>{css}</style><body>
 <script type="module">
 import widget from "data:text/javascript;base64,{esm}";
 window.models = {{}};
-window.draw = (name, state) => {{
+window.els = {{}};
+// attach false: render into an element not yet on the page (as a notebook may), so the
+// test can attach it later with window.attach(name).
+window.draw = (name, state, attach = true) => {{
   const handlers = {{}};
   const model = {{
     get: (key) => state[key],
@@ -643,10 +807,12 @@ window.draw = (name, state) => {{
   }};
   const el = document.createElement("div");
   el.id = name;
-  document.body.append(el);
+  if (attach) document.body.append(el);
   window.models[name] = model;
+  window.els[name] = el;
   widget.render({{ model, el }});
 }};
+window.attach = (name) => document.body.append(window.els[name]);
 window.ready = true;
 </script>"""
 
@@ -768,6 +934,134 @@ def test_live_store_view_shows_the_static_figures(page):
     text = page.inner_text("#store")
     assert "Once <em>upon</em> a time" in text  # model text shown as written
     assert page.evaluate("document.querySelectorAll('#store em').length") == 0
+
+
+def test_live_strip_without_show_edit_marks_the_cell_but_shows_no_banner(page):
+    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
+             "blocks": rerun_blocks(), "edit": EDIT, "show_edit": False}  # fmt: skip
+    page.evaluate("(s) => window.draw('quiet', s)", state)
+    assert page.locator("#quiet .mnb-edit").count() == 0
+    assert page.get_attribute("#quiet .mnb-block[data-index='3']", "data-edit") == "true"
+    page.evaluate("window.models.quiet.set('show_edit', true)")
+    assert page.get_attribute("#quiet .mnb-edit", "data-position") == "53"
+
+
+# Where each of a map's rows lies against its rows' box: -1 above, 0 inside, 1 below.
+ROW_PLACES = """(id) => {
+  const box = document.querySelector(`#${id} .mnb-scroll`).getBoundingClientRect();
+  const head = document.querySelector(`#${id} thead`).getBoundingClientRect().height;
+  return [...document.querySelectorAll(`#${id} tr.mnb-block`)].map((row) => {
+    const r = row.getBoundingClientRect();
+    return r.bottom <= box.top + head + 1 ? -1 : r.top >= box.bottom - 1 ? 1 : 0;
+  });
+}"""
+
+
+def _draw_map(page, name, blocks, edited, *, attach=True):
+    edit = {"position": edited * 16 + 2, "block": edited, "before": "a", "after": "b"}
+    state = {"_kind": "map", "blocks": blocks, "edit": edit, "block_size": 16,
+             "prompt_tokens": 16 * len(blocks), "layer_kinds": ["kv"]}  # fmt: skip
+    page.evaluate("([n, s, a]) => window.draw(n, s, a)", [name, state, attach])
+
+
+def test_live_map_of_up_to_forty_blocks_shows_every_row(page):
+    n = widgets.TALL_ROWS
+    _draw_map(page, "forty", long_blocks(n, n - 4), n - 4)
+    assert page.get_attribute("#forty .mnb-scroll", "data-tall") is None
+    assert page.evaluate(ROW_PLACES, "forty") == [0] * n  # the edited and tail rows too
+
+
+@pytest.mark.parametrize("attach", [True, False], ids=["on-the-page", "attached-later"])
+def test_live_map_of_a_long_prompt_opens_at_its_first_computed_block(page, attach):
+    name = f"long-{attach}".lower()
+    n, edited = widgets.TALL_ROWS + 40, widgets.TALL_ROWS + 32
+    _draw_map(page, name, long_blocks(n, edited), edited, attach=attach)
+    if not attach:
+        page.evaluate("(n) => window.attach(n)", name)
+        page.wait_for_function(
+            "(n) => document.querySelector(`#${n} .mnb-scroll`).scrollTop > 0", arg=name
+        )
+    assert page.get_attribute(f"#{name} .mnb-scroll", "data-tall") == "true"
+    places = page.evaluate(ROW_PLACES, name)
+    assert places[edited:] == [0] * (n - edited)  # from the edit to the tail, in sight
+    assert places[0] == -1 and places[edited - 1] == 0  # restored context just above
+
+
+# A notebook page's own table and list rules, with the selectors JupyterLab and nbconvert
+# use for rendered HTML output, placed after the widgets' CSS so only specificity can win.
+PAGE_RULES = """
+.jp-RenderedHTMLCommon table { table-layout: fixed; margin: 0 auto 1em; border: none; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th, .jp-RenderedHTMLCommon tr {
+  padding: 0.5em; line-height: normal; white-space: normal; max-width: none; border: none; }
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td,
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon th,
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon tr { text-align: right; }
+.jp-RenderedHTMLCommon tbody tr:nth-child(odd) { background: rgb(255, 0, 0); }
+.jp-RenderedHTMLCommon ul:not(.list-inline) { padding-left: 2em; }
+.jp-RenderedHTMLCommon ul { list-style: disc; }
+"""
+
+READ_STYLES = """(id) => {
+  const style = (sel, prop) => getComputedStyle(document.querySelector(`#${id} ${sel}`))[prop];
+  const table = document.querySelector(`#${id} .mnb-map table`).getBoundingClientRect();
+  const text = document.querySelector(`#${id} td.mnb-text`).getBoundingClientRect();
+  return {
+    layout: style(".mnb-map table", "tableLayout"),
+    text: [style("td.mnb-text", "textAlign"), style("td.mnb-text", "whiteSpace")],
+    range: style("td.mnb-range", "textAlign"),
+    source: [style("td.mnb-text + td", "textAlign"), style("td.mnb-text + td", "whiteSpace")],
+    header: style(".mnb-map th:nth-child(3)", "textAlign"),
+    stripes: style(".mnb-map tbody tr", "backgroundColor"),
+    list: [style(".mnb-evictions", "paddingLeft"), style(".mnb-evictions", "listStyleType")],
+    textShare: text.width / table.width,
+  };
+}"""
+
+
+def test_static_tables_keep_their_own_alignment_and_widths_on_a_notebook_page(page):
+    html = map_html(rerun_blocks(), edit=EDIT, layer_kinds=["kv"]) + store_html(store_view())
+    page.evaluate(
+        """([html, rules]) => {
+          const out = document.createElement("div");
+          out.id = "rendered";
+          out.className = "jp-RenderedHTMLCommon jp-OutputArea-output";
+          out.style.width = "1000px";
+          out.innerHTML = html;
+          const style = document.createElement("style");
+          style.textContent = rules;
+          document.body.append(out, style);
+        }""",
+        [html, PAGE_RULES],
+    )
+    styles = page.evaluate(READ_STYLES, "rendered")
+    assert styles["layout"] == "auto"
+    assert styles["text"] == ["left", "normal"]  # words wrap, never cut
+    assert styles["range"] == "right" and styles["header"] == "left"
+    assert styles["source"] == ["left", "nowrap"]
+    assert styles["stripes"] != "rgb(255, 0, 0)"
+    assert styles["list"] == ["0px", "none"]
+    assert styles["textShare"] > 0.25  # not one of seven equal fixed columns
+
+
+def test_live_store_chart_counts_requests_and_draws_its_legend_lines(page):
+    view = store_view()
+    page.evaluate("(v) => window.draw('chart', {_kind: 'store', view: v})", view)
+    assert page.get_attribute("#chart svg.mnb-chart", "data-x") == "requests"
+    live = page.evaluate(
+        "() => [...document.querySelectorAll('#chart svg.mnb-chart polyline')]"
+        ".map((l) => [l.dataset.series, l.getAttribute('points')])"
+    )
+    static = [
+        [e.attrs["data-series"], e.attrs["points"]]
+        for e in parse(store_html(view))
+        if e.tag == "polyline"
+    ]
+    assert live == static
+    dashes = page.evaluate(
+        "() => [...document.querySelectorAll('#chart .mnb-legend line')]"
+        ".map((l) => l.getAttribute('stroke-dasharray'))"
+    )
+    assert dashes == [None, "7 3", "2 2"]
 
 
 def test_map_names_each_layer_kind_once_when_given_one_per_layer():

@@ -39,11 +39,17 @@ const FIGURES = [
   ["requests", "requests"],
 ];
 
+// [history key, label, colour variable, SVG dash pattern]: the dash patterns tell the
+// lines apart without colour; the legend draws the same ones.
 const SERIES = [
-  ["restored", "restored", "--mnb-disk", false],
-  ["computed", "computed", "--mnb-computed", false],
-  ["evicted", "evicted", "--mnb-evicted", true],
+  ["restored", "restored", "--mnb-disk", ""],
+  ["computed", "computed", "--mnb-computed", "7 3"],
+  ["evicted", "evicted", "--mnb-evicted", "2 2"],
 ];
+
+// Above this many rows the live map's rows scroll in a tall box that opens at the first
+// computed block; up to it every row shows, the edited and tail ones included.
+const TALL_ROWS = 40;
 
 // --- formatting ---------------------------------------------------------------------------
 
@@ -245,7 +251,8 @@ function drawStrip(model, root, state) {
     legend(kindCounts(blocks, n)),
     h("span", { class: "mnb-caption" }, caption),
   );
-  const box = editBox(edit);
+  // show_edit false: the cell stays marked, the banner is left to a block map below.
+  const box = model.get("show_edit") === false ? null : editBox(edit);
   state.edit.replaceWith((state.edit = box || h("div", { hidden: true })));
 }
 
@@ -274,7 +281,8 @@ function textCell(block) {
   const parts = [];
   if (block.head) parts.push(h("q", { class: "mnb-head" }, block.head));
   if (block.last) {
-    parts.push(" ", h("span", { class: "mnb-dim" }, "…"), " ");
+    // A no-break space: a wrapped row breaks after the ellipsis, never before it.
+    parts.push("\u00a0", h("span", { class: "mnb-dim" }, "…"), " ");
     parts.push(h("q", { class: "mnb-last" }, block.last));
   }
   return parts;
@@ -361,9 +369,10 @@ function drawMap(model, root, state) {
   const panel = h("div", { class: "mnb-details", "aria-live": "polite" });
   const rows = blocks.map((block) => row(block, edit, layerKinds));
   const rowOf = new Map(rows.map((r) => [Number(r.getAttribute("data-index")), r]));
+  const tall = n > TALL_ROWS;
   const table = h(
     "div",
-    { class: "mnb-scroll" },
+    { class: "mnb-scroll", "data-tall": tall ? "true" : null },
     h(
       "table",
       { class: "mnb-table" },
@@ -441,6 +450,41 @@ function drawMap(model, root, state) {
     table,
   );
   select(state.selected !== undefined && known.has(state.selected) ? state.selected : null);
+  if (state.observer) state.observer.disconnect();
+  state.observer = null;
+  if (tall) {
+    const first = blocks.find((block) => block.source === "computed");
+    if (first) state.observer = openAt(table, rowOf.get(Number(first.index)), rows.at(-1));
+  }
+}
+
+// Scroll the tall rows' box (only it, never the page) so that `row` sits near its top: up
+// to three rows of restored context above it, fewer where that would push the `last` row
+// (the tail) out of sight. The box has no size until it is on the page, so wait for one;
+// returns the observer waiting (null when done at once).
+function openAt(box, row, last) {
+  if (!row) return null;
+  const place = () => {
+    const head = box.querySelector("thead");
+    const headHeight = head ? head.getBoundingClientRect().height : 0;
+    const top = row.getBoundingClientRect().top;
+    const span = last.getBoundingClientRect().bottom - top;
+    const room = box.clientHeight - headHeight - span;
+    const context = Math.max(0, Math.min(3 * row.getBoundingClientRect().height, room));
+    box.scrollTop += top - box.getBoundingClientRect().top - headHeight - context;
+  };
+  if (box.isConnected && box.clientHeight) {
+    place();
+    return null;
+  }
+  const observer = new ResizeObserver(() => {
+    if (box.clientHeight) {
+      observer.disconnect();
+      place();
+    }
+  });
+  observer.observe(box);
+  return observer;
 }
 
 // --- store --------------------------------------------------------------------------------
@@ -467,11 +511,15 @@ function figureValue(name, view) {
   }
 }
 
+// The history as step lines: x is the request (each history point gets an equal band, in
+// order), y the running total of blocks restored, computed and evicted. Not seconds since
+// load: loading the model takes most of that time and would squeeze every request into the
+// right edge. Each band draws its point's totals across its width, so one request is a line.
 function chart(history) {
   const [w, ht, left, bottom, top, right] = [480, 132, 44, 20, 8, 10];
   const label = {
     role: "img",
-    "aria-label": "blocks restored, computed and evicted over time",
+    "aria-label": "blocks restored, computed and evicted, by request",
   };
   const points = (history || []).filter((p) => p && typeof p === "object");
   if (!points.length) {
@@ -485,34 +533,66 @@ function chart(history) {
     empty.append(s("text", { class: "mnb-axis", x: 0, y: 16 }, "no requests yet"));
     return empty;
   }
-  const svg = s("svg", { class: "mnb-chart", viewBox: `0 0 ${w} ${ht}`, ...label });
-  const tMax = Math.max(...points.map((p) => Number(p.t) || 0)) || 1;
-  const yMax = Math.max(...points.flatMap((p) => SERIES.map(([k]) => Number(p[k]) || 0))) || 1;
+  const n = points.length;
+  const svg = s("svg", {
+    class: "mnb-chart",
+    "data-x": "requests",
+    "data-points": n,
+    viewBox: `0 0 ${w} ${ht}`,
+    ...label,
+  });
+  const value = (p, key) => Math.trunc(Number(p[key]) || 0);
+  const yMax = Math.max(...points.flatMap((p) => SERIES.map(([k]) => value(p, k)))) || 1;
   const plotW = w - left - right;
   const plotH = ht - top - bottom;
-  const x = (t) => (left + (plotW * t) / tMax).toFixed(1);
-  const y = (v) => (top + plotH * (1 - v / yMax)).toFixed(1);
+  const x = (i) => left + (plotW * i) / n;
+  const y = (v) => top + plotH * (1 - v / yMax);
+  const f = (v) => v.toFixed(1);
+  const tick = (i, text) =>
+    s("text", { class: "mnb-axis", x: f(x(i)), y: ht - 5, "text-anchor": "middle" }, text);
   svg.append(
-    s("line", { class: "mnb-grid", x1: left, y1: y(0), x2: w - right, y2: y(0) }),
-    s("line", { class: "mnb-grid", x1: left, y1: y(yMax), x2: w - right, y2: y(yMax) }),
-    s("text", { class: "mnb-axis", x: left - 6, y: Number(y(0)) + 4, "text-anchor": "end" }, "0"),
-    s("text", { class: "mnb-axis", x: left - 6, y: Number(y(yMax)) + 4, "text-anchor": "end" },
+    s("line", { class: "mnb-grid", x1: left, y1: f(y(0)), x2: w - right, y2: f(y(0)) }),
+    s("line", { class: "mnb-grid", x1: left, y1: f(y(yMax)), x2: w - right, y2: f(y(yMax)) }),
+    s("text", { class: "mnb-axis", x: left - 6, y: f(y(0) + 4), "text-anchor": "end" }, "0"),
+    s("text", { class: "mnb-axis", x: left - 6, y: f(y(yMax) + 4), "text-anchor": "end" },
       int(yMax)),
-    s("text", { class: "mnb-axis", x: left, y: ht - 4 }, "0 s"),
-    s("text", { class: "mnb-axis", x: w - right, y: ht - 4, "text-anchor": "end" },
-      `${seconds(tMax)} since load`),
+    s("text", { class: "mnb-axis", x: left - 6, y: f(y(yMax) + 15), "text-anchor": "end" },
+      "blocks"),
+    tick(0.5, "1"),
   );
-  for (const [key, label, colour, dashed] of SERIES) {
-    // Cumulative counts: a step line (flat until the next point).
-    const coords = [`${x(0)},${y(0)}`];
-    let prev = 0;
-    for (const p of points) {
-      const px = x(Number(p.t) || 0);
-      const v = Number(p[key]) || 0;
-      coords.push(`${px},${y(prev)}`, `${px},${y(v)}`);
-      prev = v;
-    }
-    coords.push(`${x(tMax)},${y(prev)}`);
+  if (n > 1) svg.append(tick(n - 0.5, int(n)));
+  // The title sits between the first and last ticks (a lone tick is in the middle).
+  svg.append(
+    s(
+      "text",
+      {
+        class: "mnb-axis mnb-axis-title",
+        x: f(n > 1 ? x(n / 2) : x(1) - 4),
+        y: ht - 5,
+        "text-anchor": n > 1 ? "middle" : "end",
+      },
+      "requests",
+    ),
+  );
+  points.forEach((p, i) => {
+    // One hover target per request: its totals in words.
+    const band = s("rect", {
+      class: "mnb-band",
+      x: f(x(i)),
+      y: top,
+      width: f(x(i + 1) - x(i)),
+      height: plotH,
+      fill: "transparent",
+    });
+    const totals = SERIES.map(([k, lbl]) => `${int(value(p, k))} ${lbl}`).join(" · ");
+    band.append(s("title", {}, `request ${i + 1}: ${totals}`));
+    svg.append(band);
+  });
+  for (const [key, label, colour, dash] of SERIES) {
+    const coords = points.flatMap((p, i) => {
+      const v = f(y(value(p, key)));
+      return [`${f(x(i))},${v}`, `${f(x(i + 1))},${v}`];
+    });
     const line = s("polyline", {
       class: "mnb-series",
       "data-series": key,
@@ -521,29 +601,32 @@ function chart(history) {
       "stroke-width": 2,
       points: coords.join(" "),
     });
-    if (dashed) line.setAttribute("stroke-dasharray", "5 3");
-    line.append(s("title", {}, `${label}: ${int(prev)} blocks`));
+    if (dash) line.setAttribute("stroke-dasharray", dash);
+    line.append(s("title", {}, `${label}: ${int(value(points[n - 1], key))} blocks`));
     svg.append(line);
   }
   return svg;
 }
 
 function chartLegend() {
+  // Each key draws a piece of its series' line: the same colour and dash pattern.
   return h(
     "div",
     { class: "mnb-legend" },
-    SERIES.map(([key, label, colour, dashed]) =>
-      h(
-        "span",
-        { class: "mnb-key", "data-series": key },
-        h("span", {
-          class: "mnb-line",
-          "data-dashed": String(dashed),
-          style: `border-color: var(${colour})`,
-        }),
-        label,
-      ),
-    ),
+    SERIES.map(([key, label, colour, dash]) => {
+      const swatch = s("svg", { class: "mnb-line", viewBox: "0 0 20 4", "aria-hidden": "true" });
+      const line = s("line", {
+        x1: 0,
+        y1: 2,
+        x2: 20,
+        y2: 2,
+        style: `stroke: var(${colour})`,
+        "stroke-width": 2,
+      });
+      if (dash) line.setAttribute("stroke-dasharray", dash);
+      swatch.append(line);
+      return h("span", { class: "mnb-key", "data-series": key }, swatch, label);
+    }),
   );
 }
 
@@ -646,7 +729,7 @@ function drawStore(model, root) {
       h(
         "div",
         { class: "mnb-panel" },
-        h("div", { class: "mnb-subtitle" }, "blocks over time"),
+        h("div", { class: "mnb-subtitle" }, "blocks by request (running totals)"),
         chart(view.history),
         (view.history || []).length ? chartLegend() : "",
       ),
@@ -665,7 +748,10 @@ function drawStore(model, root) {
 // --- entry point --------------------------------------------------------------------------
 
 const VIEWS = {
-  strip: { draw: drawStrip, traits: ["n_blocks", "block_size", "prompt_tokens", "blocks", "edit"] },
+  strip: {
+    draw: drawStrip,
+    traits: ["n_blocks", "block_size", "prompt_tokens", "blocks", "edit", "show_edit"],
+  },
   map: { draw: drawMap, traits: ["blocks", "edit", "block_size", "prompt_tokens", "layer_kinds"] },
   store: { draw: drawStore, traits: ["view"] },
 };
@@ -685,6 +771,7 @@ function render({ model, el }) {
   for (const name of view.traits) model.on(`change:${name}`, update);
   return () => {
     for (const name of view.traits) model.off(`change:${name}`, update);
+    if (state.observer) state.observer.disconnect();
   };
 }
 

@@ -15,6 +15,10 @@ Terms:
   `mlx_nbengine.engine.events`); `records` are the record kinds read for it (``"kv"``,
   ``"window"``, ``"state"``). `head` and `last` are the first and last words of the
   block's text (``""`` when no tokenizer is at hand).
+- *special tokens* (`special`): token ids the caller marks special (a tokenizer's
+  ``all_special_ids``: ``<bos>``, ``<|im_start|>``...). They are dropped before decoding,
+  so the words shown are the prompt's text, never its chat template's markers, whatever
+  `decode` keeps.
 - *edit dict* (`edit_dict`): ``{"position", "block", "before", "after"}``: the first
   prompt token that differs from the stored continuation, the block holding it, and the
   words just before and from it.
@@ -25,7 +29,7 @@ neither MLX nor the engine and accepts events from engines with or without `reas
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 __all__ = ["block_dict", "block_dicts", "edit_dict", "first_words", "last_words", "report_edit"]
@@ -67,11 +71,20 @@ def last_words(text: str, n: int = WORDS) -> str:
     return " ".join(words)
 
 
-def _decode(decode: Decode | None, tokens: Sequence[int] | None, start: int, end: int) -> str:
+def _decode(
+    decode: Decode | None,
+    tokens: Sequence[int] | None,
+    start: int,
+    end: int,
+    special: frozenset[int] = frozenset(),
+) -> str:
     if decode is None or tokens is None or start >= end:
         return ""
+    ids = [int(t) for t in tokens[start:end] if int(t) not in special]
+    if not ids:
+        return ""
     try:
-        return decode(list(tokens[start:end]))
+        return decode(ids)
     except Exception:  # noqa: BLE001 - a label must never break the answer it labels
         return ""
 
@@ -90,13 +103,14 @@ def block_dict(
     *,
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
+    special: Collection[int] = frozenset(),
 ) -> dict[str, Any]:
     """The block dict of an engine `BlockEvent` or `BlockReport`.
 
     `tokens` are the prompt's token ids and `decode` turns ids into text (the tokenizer's
-    ``decode``); with both, `head`/`last` hold the block's first and last words, and a
-    computed block ending at the prompt's end counts as the tail even when the engine
-    names no reason.
+    ``decode``); with both, `head`/`last` hold the block's first and last words (without
+    the `special` token ids), and a computed block ending at the prompt's end counts as
+    the tail even when the engine names no reason.
     """
     block = event_or_report
     start, end = int(block.start), int(block.end)
@@ -109,7 +123,7 @@ def block_dict(
     reason = str(reason)
     is_last = tokens is not None and end >= len(tokens)
     kind = "tail" if source == "computed" and (reason == "tail" or is_last) else source
-    head, last = _head_last(_decode(decode, tokens, start, end))
+    head, last = _head_last(_decode(decode, tokens, start, end, frozenset(special)))
     return {
         "index": int(block.index),
         "start": start,
@@ -129,9 +143,11 @@ def block_dicts(
     *,
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
+    special: Collection[int] = frozenset(),
 ) -> list[dict[str, Any]]:
     """`block_dict` of each block (e.g. ``report.blocks``), in index order."""
-    out = [block_dict(b, decode=decode, tokens=tokens) for b in blocks]
+    special = frozenset(special)
+    out = [block_dict(b, decode=decode, tokens=tokens, special=special) for b in blocks]
     return sorted(out, key=lambda b: b["index"])
 
 
@@ -141,15 +157,17 @@ def edit_dict(
     *,
     decode: Decode | None,
     block_size: int,
+    special: Collection[int] = frozenset(),
 ) -> dict[str, Any]:
     """The edit dict for a prompt whose first changed token is at `position`.
 
     `before` is the last words before the change, `after` the first words from it on
-    (both ``""`` without `decode`).
+    (both ``""`` without `decode`; `special` token ids are left out of both).
     """
     position = int(position)
-    before = _decode(decode, tokens, max(0, position - EDIT_TOKENS), position)
-    after = _decode(decode, tokens, position, min(len(tokens), position + EDIT_TOKENS))
+    special = frozenset(special)
+    before = _decode(decode, tokens, max(0, position - EDIT_TOKENS), position, special)
+    after = _decode(decode, tokens, position, min(len(tokens), position + EDIT_TOKENS), special)
     return {
         "position": position,
         "block": position // max(1, int(block_size)),
@@ -164,9 +182,10 @@ def report_edit(
     *,
     decode: Decode | None,
     block_size: int,
+    special: Collection[int] = frozenset(),
 ) -> dict[str, Any] | None:
     """The edit dict of a finished report (its `edit_at`), or None when nothing changed."""
     position = getattr(report, "edit_at", None)
     if position is None:
         return None
-    return edit_dict(position, tokens, decode=decode, block_size=block_size)
+    return edit_dict(position, tokens, decode=decode, block_size=block_size, special=special)

@@ -9,14 +9,17 @@ package as ``mlx_nbengine/notebook/static/``):
   cache), ``disk`` (D, records read from the block store), ``computed`` (C, prefilled
   now), ``tail`` (T, the computed block holding the prompt's last token) or ``pending``
   (not known yet). All `n_blocks` cells are laid out from the start, so the strip fills
-  in while the prompt streams without moving.
+  in while the prompt streams without moving. It marks the edited block's cell and, unless
+  `show_edit` is False (when a block map follows and shows it), the edit's words too.
 - `BlockMap` (``%%llm --blocks``): per block its token range, first and last words,
   source, *reason* (why it was restored or computed) and seconds; the first changed token
   of an edited prompt (the *edit*); which record kinds each block read, against the
-  model's `layer_kinds`. Hovering or clicking a block shows it in a details panel.
+  model's `layer_kinds`. Hovering or clicking a block shows it in a details panel. Every
+  row shows; only the live map of more than `TALL_ROWS` blocks scrolls its rows, in a tall
+  box that opens at the first computed block.
 - `StoreView` (``%llm_cache``): the engine's `cache_view()` dict: blocks and bytes held
-  against the budget, requests' restored/computed/evicted blocks over time, records by
-  kind and the latest evictions.
+  against the budget, the running totals of blocks restored, computed and evicted by
+  request (one even step per history point), records by kind and the latest evictions.
 
 Blocks and edits are the dicts of `mlx_nbengine.notebook.blockinfo`. Every widget's
 display bundle also carries ``text/html``: the same picture as static HTML (a ``<style>``
@@ -41,6 +44,7 @@ import traitlets
 
 __all__ = [
     "KINDS",
+    "TALL_ROWS",
     "BlockMap",
     "BlockStrip",
     "StoreView",
@@ -79,6 +83,11 @@ RECORD_ORDER = ("kv", "window", "state")
 
 # Above this many blocks the strip's cells shrink and drop their letters.
 DENSE_BLOCKS = 256
+
+# Above this many rows the live map's rows scroll in a tall box that opens at the first
+# computed block (the ES module's TALL_ROWS); up to it, and always in the static HTML,
+# every row shows: the edited and tail rows, usually last, are the ones to see.
+TALL_ROWS = 40
 
 
 def static_dir() -> Path:
@@ -275,8 +284,13 @@ def strip_html(
     block_size: int = 0,
     prompt_tokens: int = 0,
     edit: Mapping[str, Any] | None = None,
+    show_edit: bool = True,
 ) -> str:
-    """The block strip as static HTML: one ``div.mnb-block`` cell per block, a legend."""
+    """The block strip as static HTML: one ``div.mnb-block`` cell per block, a legend.
+
+    The edited block's cell is always marked; `show_edit` False leaves out the edit's
+    banner (its words), for a strip that a block map, which shows it, follows.
+    """
     counts = _kind_counts(blocks, n_blocks)
     n = max(n_blocks, len(_by_index(blocks)))
     caption = f"{_plural(n, 'block')}"
@@ -288,7 +302,7 @@ def strip_html(
         f'{_style()}<div class="mnb-root mnb-strip" data-n-blocks="{n}">'
         f"{_cells(n_blocks, blocks, edit, cls='mnb-block')}"
         f'<div class="mnb-foot">{_legend(counts)}<span class="mnb-caption">{caption}</span></div>'
-        f"{_edit_html(edit)}</div>"
+        f"{_edit_html(edit) if show_edit else ''}</div>"
     )
 
 
@@ -318,7 +332,8 @@ def _row(
     head, last = block.get("head") or "", block.get("last") or ""
     text = f'<q class="mnb-head">{_e(head)}</q>' if head else ""
     if last:
-        text += f' <span class="mnb-dim">…</span> <q class="mnb-last">{_e(last)}</q>'
+        # A no-break space: a wrapped row breaks after the ellipsis, never before it.
+        text += f'\u00a0<span class="mnb-dim">…</span> <q class="mnb-last">{_e(last)}</q>'
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
     return (
         f'<tr class="mnb-block" data-index="{i}" data-kind="{_e(kind)}" '
@@ -383,11 +398,12 @@ FIGURES: tuple[tuple[str, str], ...] = (
 )
 
 CHART_W, CHART_H = 480, 132
-# Series of the chart: (history key, label, colour variable, dashed).
+# Series of the chart: (history key, label, colour variable, SVG dash pattern). The dash
+# patterns tell the lines apart without colour; the legend draws the same ones.
 SERIES = (
-    ("restored", "restored", "--mnb-disk", False),
-    ("computed", "computed", "--mnb-computed", False),
-    ("evicted", "evicted", "--mnb-evicted", True),
+    ("restored", "restored", "--mnb-disk", ""),
+    ("computed", "computed", "--mnb-computed", "7 3"),
+    ("evicted", "evicted", "--mnb-evicted", "2 2"),
 )
 
 
@@ -421,26 +437,42 @@ def _figure_value(name: str, view: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _chart(history: Sequence[Mapping[str, Any]]) -> str:
+    """The history as step lines: x is the request (each history point gets an equal
+    band, in order), y the running total of blocks restored, computed and evicted.
+
+    Not seconds since load: loading the model takes most of that time, which would
+    squeeze every request into the right edge. Each band draws its point's totals across
+    its whole width, so a single request is a visible line, not a lone corner.
+    """
     w, h, left, bottom, top, right = CHART_W, CHART_H, 44, 20, 8, 10
     points = [p for p in history if isinstance(p, Mapping)]
-    label = 'role="img" aria-label="blocks restored, computed and evicted over time"'
+    label = 'role="img" aria-label="blocks restored, computed and evicted, by request"'
     if not points:
         # A one-line chart: no empty plot area before the first request.
         return (
             f'<svg class="mnb-chart" data-empty="true" viewBox="0 0 {w} 24" {label}>'
             '<text class="mnb-axis" x="0" y="16">no requests yet</text></svg>'
         )
-    parts = [f'<svg class="mnb-chart" viewBox="0 0 {w} {h}" {label}>']
-    t_max = max(float(p.get("t") or 0.0) for p in points) or 1.0
+    n = len(points)
+    parts = [
+        f'<svg class="mnb-chart" data-x="requests" data-points="{n}" viewBox="0 0 {w} {h}" {label}>'
+    ]
     y_max = max(max(int(p.get(k) or 0) for k, *_ in SERIES) for p in points) or 1
     plot_w, plot_h = w - left - right, h - top - bottom
 
-    def x(t: float) -> float:
-        return left + plot_w * t / t_max
+    def x(i: float) -> float:
+        return left + plot_w * i / n
 
     def y(v: float) -> float:
         return top + plot_h * (1 - v / y_max)
 
+    axis = f'class="mnb-axis" y="{h - 5}" text-anchor="middle"'
+    ticks = f'<text {axis} x="{x(0.5):.1f}">1</text>'
+    if n > 1:
+        ticks += f'<text {axis} x="{x(n - 0.5):.1f}">{n:,}</text>'
+    # The title sits between the first and last ticks (a lone tick is in the middle).
+    title_x = x(n / 2) if n > 1 else x(1) - 4
+    title_anchor = "middle" if n > 1 else "end"
     parts.append(
         f'<line class="mnb-grid" x1="{left}" y1="{y(0):.1f}" x2="{w - right}" y2="{y(0):.1f}"/>'
         f'<line class="mnb-grid" x1="{left}" y1="{y(y_max):.1f}" x2="{w - right}" '
@@ -448,37 +480,45 @@ def _chart(history: Sequence[Mapping[str, Any]]) -> str:
         f'<text class="mnb-axis" x="{left - 6}" y="{y(0) + 4:.1f}" text-anchor="end">0</text>'
         f'<text class="mnb-axis" x="{left - 6}" y="{y(y_max) + 4:.1f}" text-anchor="end">'
         f"{y_max:,}</text>"
-        f'<text class="mnb-axis" x="{left}" y="{h - 4}">0 s</text>'
-        f'<text class="mnb-axis" x="{w - right}" y="{h - 4}" text-anchor="end">'
-        f"{_seconds(t_max)} since load</text>"
+        f'<text class="mnb-axis" x="{left - 6}" y="{y(y_max) + 15:.1f}" text-anchor="end">'
+        f"blocks</text>{ticks}"
+        f'<text class="mnb-axis mnb-axis-title" x="{title_x:.1f}" y="{h - 5}" '
+        f'text-anchor="{title_anchor}">requests</text>'
     )
-    for key, label, colour, dashed in SERIES:
-        # Cumulative counts: a step line (flat until the next point).
-        coords, prev = [f"{x(0):.1f},{y(0):.1f}"], 0
-        for p in points:
-            px, v = x(float(p.get("t") or 0.0)), int(p.get(key) or 0)
-            coords.append(f"{px:.1f},{y(prev):.1f}")
-            coords.append(f"{px:.1f},{y(v):.1f}")
-            prev = v
-        coords.append(f"{x(t_max):.1f},{y(prev):.1f}")
-        dash = ' stroke-dasharray="5 3"' if dashed else ""
+    for i, p in enumerate(points):
+        # One hover target per request: its totals in words.
+        totals = " · ".join(f"{int(p.get(k) or 0):,} {lbl}" for k, lbl, *_ in SERIES)
+        parts.append(
+            f'<rect class="mnb-band" x="{x(i):.1f}" y="{top}" width="{x(i + 1) - x(i):.1f}" '
+            f'height="{plot_h}" fill="transparent"><title>request {i + 1}: {totals}</title></rect>'
+        )
+    for key, label, colour, dash in SERIES:
+        coords = []
+        for i, p in enumerate(points):
+            v = y(int(p.get(key) or 0))
+            coords += [f"{x(i):.1f},{v:.1f}", f"{x(i + 1):.1f},{v:.1f}"]
+        last = int(points[-1].get(key) or 0)
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
         parts.append(
             f'<polyline class="mnb-series" data-series="{key}" fill="none" '
-            f'style="stroke: var({colour})" stroke-width="2"{dash} points="{" ".join(coords)}">'
-            f"<title>{label}: {prev:,} blocks</title></polyline>"
+            f'style="stroke: var({colour})" stroke-width="2"{dashes} points="{" ".join(coords)}">'
+            f"<title>{label}: {last:,} blocks</title></polyline>"
         )
     parts.append("</svg>")
     return "".join(parts)
 
 
 def _chart_legend() -> str:
-    items = "".join(
-        f'<span class="mnb-key" data-series="{key}"><span class="mnb-line" '
-        f'data-dashed="{str(dashed).lower()}" style="border-color: var({colour})"></span>'
-        f"{label}</span>"
-        for key, label, colour, dashed in SERIES
-    )
-    return f'<div class="mnb-legend">{items}</div>'
+    # Each key draws a piece of its series' line: the same colour and dash pattern.
+    items = []
+    for key, label, colour, dash in SERIES:
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        items.append(
+            f'<span class="mnb-key" data-series="{key}"><svg class="mnb-line" '
+            f'viewBox="0 0 20 4" aria-hidden="true"><line x1="0" y1="2" x2="20" y2="2" '
+            f'style="stroke: var({colour})" stroke-width="2"{dashes}/></svg>{label}</span>'
+        )
+    return f'<div class="mnb-legend">{"".join(items)}</div>'
 
 
 def store_html(view: Mapping[str, Any]) -> str:
@@ -545,7 +585,8 @@ def store_html(view: Mapping[str, Any]) -> str:
         f'{_style()}<div class="mnb-root mnb-store"><div class="mnb-title">{title}</div>{sub}'
         f'<div class="mnb-figures">{"".join(figures)}</div>{bar}'
         f'<div class="mnb-panels"><div class="mnb-panel"><div class="mnb-subtitle">'
-        f"blocks over time</div>{_chart(history)}{_chart_legend() if history else ''}</div>"
+        f"blocks by request (running totals)</div>{_chart(history)}"
+        f"{_chart_legend() if history else ''}</div>"
         f'<div class="mnb-panel"><div class="mnb-subtitle">records by kind</div>{kinds}'
         f'<div class="mnb-subtitle">latest evictions</div>{evicted}</div></div></div>'
     )
@@ -580,6 +621,8 @@ class BlockStrip(_Widget):
 
     `add_block` may be called from the thread that follows the request: it reassigns
     `blocks` (traitlets only sync on assignment) under a lock, so no block is lost.
+    `show_edit` False keeps the edited cell's mark but drops the edit's banner, for
+    when a `BlockMap` (which shows the banner) follows.
     """
 
     _kind = traitlets.Unicode("strip").tag(sync=True)
@@ -588,6 +631,7 @@ class BlockStrip(_Widget):
     prompt_tokens = traitlets.Int(0).tag(sync=True)
     blocks = traitlets.List(traitlets.Dict()).tag(sync=True)
     edit = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
+    show_edit = traitlets.Bool(True).tag(sync=True)
 
     def __init__(self, **kwargs: Any) -> None:
         self._lock = threading.Lock()
@@ -615,6 +659,7 @@ class BlockStrip(_Widget):
             block_size=self.block_size,
             prompt_tokens=self.prompt_tokens,
             edit=self.edit,
+            show_edit=self.show_edit,
         )
 
     def text(self) -> str:
