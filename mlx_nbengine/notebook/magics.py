@@ -1,4 +1,5 @@
-"""The notebook face: `%load_model`, `%%llm`, `%llm_cache`, `%llm_status`, `%unload_model`.
+"""The notebook face: `%load_model`, `%%llm`, `%llm_cache`, `%llm_status`, `%llm_models`,
+`%unload_model`.
 
 `%load_ext mlx_nbengine` registers these magics; the `Engine` then lives in the kernel
 process until `%unload_model` (or the kernel's exit). The magics are thin: they declare
@@ -9,6 +10,13 @@ the request with `mlx_nbengine.notebook.streaming`, which renders through
 
 Terms:
 
+- *model name*: what `%load_model` takes: ``default``, a local model directory or
+  ``.gguf`` file, or a model id ``ORG/NAME`` looked up in the Hugging Face hub cache, then
+  LM Studio's models folder, then downloaded from the hub (the order of
+  `mlx_nbengine.models.sources`). `%llm_models` lists the names found without a download.
+- *load progress*: the one line `%load_model` keeps updating while the engine loads: the
+  download's bytes ("downloading ORG/NAME: ..."), then a GGUF conversion's ("converting
+  ..."), else the elapsed time.
 - *session* (`LLMSession`): what the extension keeps between cells: the engine, the name
   and options of the loaded model, the named conversations and the background requests.
   The kernel's main thread owns it; the magics run there.
@@ -29,8 +37,8 @@ adds the block map after the answer and `%llm_cache` shows the store view: the w
 notebooks. Terminal IPython gets their text instead.
 
 Errors the user can fix (no model loaded, an unknown option, an empty cell, a model that
-fails to load, a prompt the engine rejects) raise `UsageError`: IPython prints one line,
-no traceback.
+fails to load, is not cached while offline or is ambiguous, a prompt the engine rejects)
+raise `UsageError`: IPython prints one line, no traceback.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ from mlx_nbengine.notebook.render import (
     cache_rows,
     format_bytes,
     key_value_bundle,
+    models_bundle,
+    models_text,
     progress_bundle,
     stats_rows,
 )
@@ -164,6 +174,13 @@ def _decoder(engine: Any) -> Any:
     return decode if callable(decode) else None
 
 
+def _special_ids(engine: Any) -> frozenset[int]:
+    """The tokenizer's special token ids (``<bos>``...), left out of block words."""
+    tokenizer = getattr(getattr(engine, "model", None), "tokenizer", None)
+    ids = getattr(tokenizer, "all_special_ids", None)
+    return frozenset(int(t) for t in ids) if ids else frozenset()
+
+
 def _blas_hint() -> str | None:
     """One line for a Linux CPU kernel whose MLX was imported before us (see `_blas`)."""
     status = _blas.blas_status()
@@ -199,10 +216,72 @@ def _takes_progress(factory: Any) -> bool:
         return False
 
 
-def _conversion_line(model: str, done: int, total: int) -> str:
-    name = "the default model" if model == "default" else os.path.basename(model) or model
+def _model_title(model: str) -> str:
+    """How the progress line names `model`: a path by its file name, an id as written."""
+    if model == "default":
+        return "the default model"
+    if os.path.exists(model):
+        return os.path.basename(model.rstrip("/\\")) or model
+    return model
+
+
+def _progress_line(verb: str, model: str, done: int, total: int) -> str:
     percent = f" ({done / total:.0%})" if total else ""
-    return f"converting {name}: {format_bytes(done)} / {format_bytes(total)}{percent}"
+    return f"{verb} {_model_title(model)}: {format_bytes(done)} / {format_bytes(total)}{percent}"
+
+
+def _conversion_line(model: str, done: int, total: int) -> str:
+    return _progress_line("converting", model, done, total)
+
+
+def _download_line(model: str, done: int, total: int) -> str:
+    return _progress_line("downloading", model, done, total)
+
+
+def _starts_with_download(model: str, revision: str | None) -> bool:
+    """Whether loading `model` begins with a download: an id found in no local place.
+
+    Asked before the load so that the progress line can name its first phase; the same
+    look-ups as `sources.locate`, which reads no network for them. Anything it cannot
+    decide (an ambiguous folder, an unreadable cache) counts as no download: the load
+    itself then reports the problem.
+    """
+    if model == "default" or os.path.exists(model):
+        return False
+    from mlx_nbengine.models import sources
+
+    parsed = sources.parse_model_id(model)
+    if parsed is None:
+        return False
+    repo_id, gguf_file = parsed
+    try:
+        if sources.find_in_hub_cache(repo_id, revision=revision, gguf_file=gguf_file) is not None:
+            return False
+        # As in `locate`: LM Studio has no revisions, so it is skipped when one is asked for.
+        if revision is None and sources.find_in_lmstudio(repo_id, gguf_file=gguf_file) is not None:
+            return False
+    except (EngineError, OSError):
+        return False
+    return True
+
+
+def _looked_in(found: list[Any]) -> str:
+    """Where `%llm_models` looked, in words (and how to get the default model if absent)."""
+    from mlx_nbengine.models import sources
+
+    folders = [str(f) for f in sources.lmstudio_model_dirs()]
+    if not folders:
+        lmstudio = "LM Studio's models folder (none here: no ~/.lmstudio/models)"
+    elif len(folders) == 1:
+        lmstudio = f"LM Studio's models folder ({folders[0]})"
+    else:
+        lmstudio = f"LM Studio's models folders ({', '.join(folders)})"
+    text = f"looked in the Hugging Face cache ({sources.hub_cache()}) and {lmstudio}"
+    if not any(getattr(m, "source", None) == "default" for m in found):
+        from mlx_nbengine.models.default import INSTALL_COMMAND
+
+        text += f"; the default model needs `{INSTALL_COMMAND}`"
+    return text
 
 
 @magics_class
@@ -228,8 +307,8 @@ class LLMMagics(Magics):
     def _require_engine(self) -> Any:
         if self.session.engine is None:
             raise UsageError(
-                "no model is loaded; run `%load_model default` (or a model directory or "
-                ".gguf file) first"
+                "no model is loaded; run `%load_model default` (or a model directory, "
+                ".gguf file or ORG/NAME; `%llm_models` lists those here) first"
             )
         return self.session.engine
 
@@ -265,7 +344,18 @@ class LLMMagics(Magics):
 
     @magic_arguments()
     @argument(
-        "model", metavar="MODEL", help="a local MLX model directory, a .gguf file, or `default`"
+        "model",
+        metavar="MODEL",
+        help=(
+            "`default`, a local MLX model directory, a .gguf file, or ORG/NAME: a Hugging Face "
+            "id (from its local cache, else downloaded) or an LM Studio model"
+        ),
+    )
+    @argument(
+        "--revision",
+        metavar="REV",
+        default=None,
+        help="branch, tag or commit of a Hugging Face id ORG/NAME (default: main)",
     )
     @argument(
         "--parallel", type=int, metavar="N", default=4, help="requests decoded together (default 4)"
@@ -299,9 +389,16 @@ class LLMMagics(Magics):
     def load_model(self, line: str) -> None:
         """Load a model into this kernel and start its engine.
 
-        MODEL is a local MLX model directory, a GGUF file (converted on first load) or
-        `default` (the embedded Gemma 3 270M); the cell shows a GGUF conversion's progress
-        and the time spent loading.
+        MODEL is, looked up in this order:
+          `default`        the embedded Gemma 3 270M;
+          a local path     an MLX model directory or a .gguf file (converted on first load);
+          ORG/NAME         a Hugging Face id in the local hub cache (HF_HUB_CACHE / HF_HOME),
+                           at --revision REV if given (a branch, tag or commit);
+          PUBLISHER/NAME   an LM Studio model in its models folder;
+          ORG/NAME         else downloaded from the Hugging Face hub (not with
+                           HF_HUB_OFFLINE=1); ORG/NAME/FILE.gguf picks one GGUF file.
+        `%llm_models` lists the models found here. The cell shows a download's and a GGUF
+        conversion's progress and the time spent loading.
         Loading another model replaces the current one and frees its block store.
         """
         args = parse_options(self.load_model, line, "%load_model")
@@ -310,7 +407,7 @@ class LLMMagics(Magics):
         if previous is not None:
             self._display({"text/plain": f"unloaded {previous}"})
         model = args.model if args.model == "default" else os.path.expanduser(args.model)
-        engine = self._load_with_progress(model, options)
+        engine = self._load_with_progress(model, options, revision=args.revision)
         self.session.engine = engine
         self.session.model = args.model
         self.session.options = options
@@ -318,18 +415,27 @@ class LLMMagics(Magics):
         if hint is not None:
             self._display({"text/plain": hint})
 
-    def _load_with_progress(self, model: str, options: dict[str, Any]) -> Any:
+    def _load_with_progress(
+        self, model: str, options: dict[str, Any], *, revision: str | None = None
+    ) -> Any:
         # Engine.load blocks; it runs on a helper thread while the main thread redraws one
         # line and stays interruptible (an interrupted load is closed when it completes).
-        # The line shows the GGUF conversion's progress, which the engine reports from its
-        # generation thread, while there is any, else the elapsed time.
+        # The line shows the download's and the GGUF conversion's progress, which the
+        # engine reports from its generation thread, while there is any, else the elapsed
+        # time.
         result: dict[str, Any] = {}
         lock = threading.Lock()
-        converted: list[tuple[int, int]] = []  # latest (done, total); list ops are atomic
+        # Latest (phase, done, total); list ops are atomic. The hook counts from 0 again
+        # for a conversion after a download, so a drop in `done` starts the next phase.
+        reported: list[tuple[int, int, int]] = []
         changed = threading.Event()
+        downloads = _starts_with_download(model, revision)
 
         def progress(done: int, total: int) -> None:
-            converted[:] = [(done, total)]
+            phase = reported[0][0] if reported else 0
+            if reported and done < reported[0][1]:
+                phase += 1
+            reported[:] = [(phase, done, total)]
             changed.set()
 
         factory_options = dict(options)
@@ -363,10 +469,11 @@ class LLMMagics(Magics):
                 if live and worker.is_alive():
                     elapsed = time.monotonic() - started
                     line = what
-                    if converted:
-                        done_bytes, total = converted[0]
+                    if reported:
+                        phase, done_bytes, total = reported[0]
                         if done_bytes < total:
-                            line = _conversion_line(model, done_bytes, total)
+                            show = _download_line if downloads and phase == 0 else _conversion_line
+                            line = show(model, done_bytes, total)
                     handle.update(progress_bundle(line, elapsed=elapsed), raw=True)
         except KeyboardInterrupt:
             with lock:
@@ -485,7 +592,7 @@ class LLMMagics(Magics):
             view = AnswerView(
                 title=args.chat or "",
                 markdown=args.markdown,
-                strip=self._strip_feed(engine, request),
+                strip=self._strip_feed(engine, request, show_edit=not args.blocks),
             )
         else:
             view = TerminalView(title=args.chat or "")
@@ -508,8 +615,9 @@ class LLMMagics(Magics):
             raise GenerationInterrupted()
         return None
 
-    def _strip_feed(self, engine: Any, request: Any) -> StripFeed | None:
-        """The block strip for `request`, all its blocks pending; None without widgets."""
+    def _strip_feed(self, engine: Any, request: Any, *, show_edit: bool) -> StripFeed | None:
+        """The block strip for `request`, all its blocks pending; None without widgets.
+        With `show_edit` false (a block map follows, with its own) it marks no edit banner."""
         block_size = getattr(engine, "block_size", None)
         tokens = getattr(request, "prompt_tokens", None)
         widgets = _widgets()
@@ -519,8 +627,15 @@ class LLMMagics(Magics):
             n_blocks=math.ceil(len(tokens) / block_size),
             block_size=block_size,
             prompt_tokens=len(tokens),
+            show_edit=show_edit,
         )
-        return StripFeed(strip, tokens=tokens, decode=_decoder(engine), block_size=block_size)
+        return StripFeed(
+            strip,
+            tokens=tokens,
+            decode=_decoder(engine),
+            special=_special_ids(engine),
+            block_size=block_size,
+        )
 
     def _show_block_map(self, engine: Any, completion: Any) -> None:
         """`--blocks`: every prompt block of `completion`, its words, source and reason."""
@@ -529,14 +644,16 @@ class LLMMagics(Magics):
             return
         report, tokens = completion.report, completion.prompt_tokens
         block_size = int(getattr(engine, "block_size", 0) or 0)
-        decode = _decoder(engine)
+        decode, special = _decoder(engine), _special_ids(engine)
         edit_at = getattr(report, "edit_at", None)
         block_map = widgets.BlockMap(
-            blocks=block_dicts(report.blocks, decode=decode, tokens=tokens),
+            blocks=block_dicts(report.blocks, decode=decode, tokens=tokens, special=special),
             edit=(
                 None
                 if edit_at is None
-                else edit_dict(edit_at, tokens, decode=decode, block_size=block_size)
+                else edit_dict(
+                    edit_at, tokens, decode=decode, block_size=block_size, special=special
+                )
             ),
             block_size=block_size,
             prompt_tokens=len(tokens),
@@ -617,6 +734,31 @@ class LLMMagics(Magics):
             return
         model = view.get("model")
         self._display(key_value_bundle(f"{title}: {model}" if model else title, cache_rows(view)))
+
+    @line_magic
+    def llm_models(self, line: str = "") -> None:
+        """List the models that load here without a download.
+
+        One row per model: the name to give `%load_model`, where it was found (the
+        default model, the Hugging Face hub cache, LM Studio's models folder), its kind
+        (text, vision, or gguf: converted to MLX on first load), its size on disk, and
+        whether a GGUF model was converted already. A table in a notebook, text in a
+        terminal; below it, where the listing looked.
+        """
+        if line.strip():
+            raise UsageError("%llm_models takes no arguments")
+        _blas.ensure_fast_blas()  # the models package imports MLX
+        from mlx_nbengine.models import list_local_models
+
+        try:
+            found = list_local_models()
+            looked_in = _looked_in(found)
+        except (EngineError, OSError) as exc:
+            raise UsageError(f"could not list the models: {short_error(exc)}") from None
+        if self._updates_in_place():
+            self._display(models_bundle(found, looked_in=looked_in))
+        else:
+            self._display({"text/plain": models_text(found, looked_in=looked_in)})
 
     @line_magic
     def llm_status(self, line: str = "") -> None:

@@ -13,7 +13,7 @@ Terms:
   user namespace's value; off by default because code prompts contain braces.
 - *engine options*: the keyword arguments of ``Engine.load`` that `%load_model` was
   given (``parallel`` and ``block_size`` always; the others only when given;
-  ``--no-store`` becomes ``store=False``).
+  ``--no-store`` becomes ``store=False``, ``--revision REV`` ``revision="REV"``).
 - *sampling options*: the keyword arguments of ``Engine.submit`` the user gave
   (``max_tokens``, ``temperature``, ``seed``, ``stop``); the others are left out so
   the engine's defaults stay the single source of truth.
@@ -126,6 +126,8 @@ def engine_options(args: Any) -> dict[str, Any]:
         options["dtype"] = args.dtype
     if getattr(args, "no_store", False):
         options["store"] = False
+    if getattr(args, "revision", None) is not None:
+        options["revision"] = args.revision
     return options
 
 

@@ -19,6 +19,10 @@ Terms:
   "2,048 prompt tokens: 1,792 restored (7 blocks from disk), 256 computed; first token
   0.41 s; 38 tok/s; end of text after 57 tokens". "restored" appears only when tokens
   really were restored; a cold prompt reads "2,048 prompt tokens, all computed".
+- *model table* (`models_bundle`, `models_text`): what `%llm_models` shows, one row per
+  model found locally (a `mlx_nbengine.models.LocalModel`): name, source, kind (text,
+  vision or gguf), size on disk, and whether a GGUF model was converted already (``-`` for
+  MLX models, which need no conversion); below it, where the listing looked.
 - *strip feed* (`StripFeed`): a `BlockStrip` widget shown as a second display output right
   under the answer, created when the request is submitted with one pending cell per prompt
   block, filled in as `BlockEvent`s arrive and marked with the edit at the end. Terminal
@@ -36,10 +40,10 @@ import html
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from mlx_nbengine.notebook.blockinfo import block_dict, block_dicts, edit_dict
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
 
 __all__ = [
     "ANSWER_METADATA_KEY",
@@ -50,6 +54,9 @@ __all__ = [
     "cache_rows",
     "format_bytes",
     "key_value_bundle",
+    "model_rows",
+    "models_bundle",
+    "models_text",
     "progress_bundle",
     "stats_rows",
     "stop_phrase",
@@ -441,10 +448,11 @@ class StripFeed:
 
     `strip` is the widget (created with `n_blocks` pending cells when the request was
     submitted); `decode` and `tokens` (the prompt's ids) give each block its first and last
-    words; `display` is IPython's `display`. The thread that owns the `AnswerView` owns this
-    too. Each `add` syncs the widget at once (one comm message per block), so the strip fills
-    in live during the prefill. `close` re-sends the display so that its saved
-    ``text/html`` (what nbconvert shows) is the final picture, not the pending one.
+    words, leaving out the `special` token ids; `display` is IPython's `display`. The
+    thread that owns the `AnswerView` owns this too. Each `add` syncs the widget at once
+    (one comm message per block), so the strip fills in live during the prefill. `close`
+    re-sends the display so that its saved ``text/html`` (what nbconvert shows) is the
+    final picture, not the pending one.
     """
 
     def __init__(
@@ -453,6 +461,7 @@ class StripFeed:
         *,
         tokens: Sequence[int] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        special: Collection[int] = frozenset(),
         block_size: int,
         display: Callable[..., Any] | None = None,
     ) -> None:
@@ -461,6 +470,7 @@ class StripFeed:
         self.strip = strip
         self.tokens = tokens
         self.decode = decode
+        self.special = frozenset(special)
         self.block_size = block_size
         self._display = display
         self._handle: Any = None
@@ -470,7 +480,7 @@ class StripFeed:
 
     def add(self, event: Any) -> None:
         """A `BlockEvent` arrived: fill in its cell."""
-        self.strip.add_block(block_dict(event, decode=self.decode, tokens=self.tokens))
+        self.strip.add_block(self._block_dicts([event], self.tokens)[0])
 
     def finish(self, completion: Any) -> None:
         """The report is final: every block as reported, and the edit marked."""
@@ -479,12 +489,21 @@ class StripFeed:
             tokens = self.tokens
         report = completion.report
         if report.blocks:
-            self.strip.add_blocks(block_dicts(report.blocks, decode=self.decode, tokens=tokens))
+            self.strip.add_blocks(self._block_dicts(report.blocks, tokens))
         position = getattr(report, "edit_at", None)
         if position is not None and tokens is not None:
             self.strip.set_edit(
-                edit_dict(position, tokens, decode=self.decode, block_size=self.block_size)
+                edit_dict(
+                    position,
+                    tokens,
+                    decode=self.decode,
+                    block_size=self.block_size,
+                    special=self.special,
+                )
             )
+
+    def _block_dicts(self, blocks: Sequence[Any], tokens: Sequence[int] | None) -> list[dict]:
+        return block_dicts(blocks, decode=self.decode, tokens=tokens, special=self.special)
 
     def close(self) -> None:
         if self._handle is not None:
@@ -593,6 +612,70 @@ def stats_rows(stats: Mapping[str, Any]) -> list[tuple[str, Any]]:
 def _is_byte_count(key: str, value: Any) -> bool:
     numeric = isinstance(value, int | float) and not isinstance(value, bool)
     return numeric and ("bytes" in key or key == "file_size")
+
+
+# -- the local models ----------------------------------------------------------------------------
+
+MODEL_COLUMNS = ("name", "source", "kind", "size", "converted")
+_MUTED_STYLE = "color: var(--jp-ui-font-color2, #757575)"
+
+
+def model_rows(models: Iterable[Any]) -> list[tuple[str, str, str, str, str]]:
+    """A row of `MODEL_COLUMNS` per `LocalModel` (duck-typed: its fields by name)."""
+    return [
+        (
+            str(m.name),
+            str(m.source),
+            str(m.kind),
+            format_bytes(m.size_bytes),
+            ("yes" if m.converted else "no") if m.kind == "gguf" else "-",
+        )
+        for m in models
+    ]
+
+
+def models_text(models: Iterable[Any], *, looked_in: str) -> str:
+    """The model table as aligned text (sizes right-aligned), then `looked_in`."""
+    rows = model_rows(models)
+    if not rows:
+        return f"no models to load here; {looked_in}"
+    table = [MODEL_COLUMNS, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(MODEL_COLUMNS))]
+    size = MODEL_COLUMNS.index("size")
+    lines = [
+        "  ".join(
+            cell.rjust(width) if i == size else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in table
+    ]
+    return "\n".join([*lines, looked_in])
+
+
+def models_bundle(models: Iterable[Any], *, looked_in: str) -> Bundle:
+    """The model table as text/plain (`models_text`) and text/html (escaped), for notebooks."""
+    models = list(models)
+    rows = model_rows(models)
+    plain = models_text(models, looked_in=looked_in)
+    if not rows:
+        return {
+            "text/plain": plain,
+            "text/html": f'<div class="mnb-models">{html.escape(plain)}</div>',
+        }
+    size = MODEL_COLUMNS.index("size")
+
+    def cell(tag: str, i: int, text: str) -> str:
+        align = "right" if i == size else "left"
+        return f'<{tag} style="text-align: {align}">{html.escape(text)}</{tag}>'
+
+    head = "".join(cell("th", i, name) for i, name in enumerate(MODEL_COLUMNS))
+    body = "".join(
+        "<tr>" + "".join(cell("td", i, text) for i, text in enumerate(row)) + "</tr>"
+        for row in rows
+    )
+    table = f'<table class="mnb-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    note = f'<div class="mnb-note" style="{_MUTED_STYLE}">{html.escape(looked_in)}</div>'
+    return {"text/plain": plain, "text/html": f'<div class="mnb-models">{table}{note}</div>'}
 
 
 def progress_bundle(what: str, *, elapsed: float) -> Bundle:
