@@ -78,3 +78,28 @@ def test_speedups_compare_each_rerun_with_its_documents_cold_run():
     text = table(rows)
     assert text.splitlines()[0].split()[:2] == ["answer", "prompt"]
     assert "8.0x" in text and "0 / 768" in text
+
+
+@pytest.mark.slow
+def test_the_readme_first_command_on_the_default_model_ends_with_faster_reruns(tmp_path):
+    # The main job end to end: the real quickstart on Gemma 3 270M (converted once into the
+    # user's cache home, shared with the other default-model tests).
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_nbengine", "demo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("answer  prompt"))
+    rows = [line.split() for line in lines[header + 2 :] if line.strip()]
+    reruns = [row for row in rows if row[-1].endswith("x")]
+    assert reruns, "the edited re-run got a speed-up over its first run"
+    assert all(float(row[-1][:-1]) > 1 for row in reruns)
+    saved = (tmp_path / "mlx-nbengine-demo" / "quickstart.ipynb").read_text()
+    assert "PyTorch" not in out.stdout + out.stderr + saved, "transformers' torch advice"
+    assert (tmp_path / "mlx-nbengine-demo" / "quickstart.html").is_file()
