@@ -63,6 +63,12 @@ class Element:
             node = node.parent
         return False
 
+    def within_node(self, ancestor: Element) -> bool:
+        node = self.parent
+        while node is not None and node is not ancestor:
+            node = node.parent
+        return node is ancestor
+
     def all_text(self, elements: list[Element]) -> str:
         """This element's text with its descendants' text, in document order."""
         out = [self.text]
@@ -148,6 +154,21 @@ def rerun_blocks() -> list[dict]:
 EDIT = {"position": 53, "block": 3, "before": "words before", "after": "changed words"}
 
 
+def cut_blocks(*, first: str = "disk") -> list[dict]:
+    """Blocks of a re-run restored to the token: `first`, then disk, then block 2 edited at
+    token 44 (its first 12 tokens restored, 4 computed), then the tail."""
+    reason, records = ("hot", ()) if first == "memory" else ("kv", ("kv",))
+    return [
+        block(0, first, reason=reason, records=records, restored=16),
+        block(1, first, reason=reason, records=records, restored=16),
+        block(2, "computed", reason="edited", records=(), restored=12),
+        block(3, "computed", kind="tail", reason="tail", records=(), end=60, restored=0),
+    ]
+
+
+CUT_EDIT = {"position": 44, "block": 2, "before": "words before", "after": "changed words"}
+
+
 def long_blocks(n: int, edited: int) -> list[dict]:
     """`n` blocks of a re-run edited in block `edited`: read from disk before it, computed
     from it on, the last one the tail."""
@@ -213,6 +234,7 @@ def test_block_dict_reads_an_engine_block_event():
         "kind": "disk",
         "reason": "kv+window",
         "records": ["kv", "window"],
+        "restored": 16,
         "seconds": 0.5,
         "head": "",
         "last": "",
@@ -226,6 +248,26 @@ def test_block_dict_accepts_events_without_reasons():
     assert block_dict(old)["records"] == []
     computed = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0.1)
     assert block_dict(computed)["reason"] == ""
+
+
+def test_block_dict_counts_the_restored_tokens_of_a_partly_restored_block():
+    from mlx_nbengine.engine.events import BlockEvent
+
+    cut = BlockEvent(
+        index=3, start=768, end=859, source="computed", seconds=0.9, reason="tail",
+        edit_at=852, restored=84,
+    )  # fmt: skip
+    assert block_dict(cut)["restored"] == 84
+    assert block_dict(cut)["kind"] == "tail"  # still computed: its last tokens were
+    new = SimpleNamespace(index=4, start=64, end=80, source="computed", seconds=0, reason="new")
+    assert block_dict(new)["restored"] == 0
+
+
+def test_block_dict_counts_a_restored_block_whole_when_the_engine_does_not_say():
+    for source in ("memory", "disk"):
+        old = SimpleNamespace(index=1, start=16, end=32, source=source, seconds=0)
+        assert block_dict(old)["restored"] == 16
+        assert block_dict(SimpleNamespace(**vars(old), restored=0))["restored"] == 16
 
 
 def test_block_dict_kind_is_tail_for_the_last_computed_block():
@@ -472,10 +514,14 @@ def test_map_words_wrap_instead_of_being_cut_short():
     assert "white-space: normal" in rules[".mnb-root table.mnb-table td.mnb-reason"]
 
 
-def test_map_overview_cells_are_not_rows():
-    elements = parse(map_html(rerun_blocks()))
-    cells = select(elements, "mnb-cell", within="mnb-map")
-    assert len(cells) == 6 and not any("mnb-block" in c.classes for c in cells)
+def test_map_draws_no_strip_of_its_own():
+    # The answer's strip is just above the map: the map is its title, edit and rows.
+    elements = parse(map_html(rerun_blocks(), edit=EDIT))
+    blocks = select(elements, "mnb-block", within="mnb-map")
+    assert [b.tag for b in blocks] == ["tr"] * 6  # `.mnb-map .mnb-block` is the rows only
+    for cls in ("mnb-cells", "mnb-cell", "mnb-legend", "mnb-foot"):
+        assert not select(elements, cls), cls
+    assert select(elements, "mnb-title") and select(elements, "mnb-edit")
 
 
 def test_map_shows_which_layer_kinds_each_restored_block_read():
@@ -499,6 +545,64 @@ def test_reason_phrases_are_words():
     assert reason_phrase({"reason": "edited", "index": 3}, EDIT) == "edited at token 53"
     assert reason_phrase({"reason": "edited", "index": 4}, EDIT) == "edited"
     assert reason_phrase({"reason": "after_miss"}) == "after a computed block"
+
+
+def test_reason_phrase_of_a_partly_restored_block_says_how_much_was_restored():
+    edited, tail = cut_blocks()[2], {**cut_blocks()[3], "restored": 1}
+    assert reason_phrase(edited, CUT_EDIT) == "edited at token 44 (first 12 tokens restored)"
+    assert reason_phrase(tail) == "last tokens, computed to start the answer (first token restored)"
+    assert reason_phrase(cut_blocks()[0]) == "read kv"  # a whole block says nothing more
+
+
+# --- partly restored blocks -------------------------------------------------------------------
+
+
+def test_strip_fills_a_partly_restored_cell_with_its_restored_share():
+    elements = parse(strip_html(cut_blocks(), n_blocks=4, edit=CUT_EDIT))
+    cells = select(elements, "mnb-block", within="mnb-strip")
+    cut = cells[2]
+    # Its kind and letter stay: it was computed from the edit on.
+    assert (cut.attrs["data-kind"], cut.text) == ("computed", "C")
+    assert cut.attrs["data-restored"] == "12" and cut.attrs["data-part"] == "disk"
+    (fill,) = [e for e in select(elements, "mnb-fill") if e.parent is cut]
+    assert fill.attrs["style"] == "--mnb-share: 0.750"
+    assert "12 of 16 tokens restored, 4 computed" in cut.attrs["title"]
+    assert [c.attrs["data-restored"] for c in cells] == ["16", "16", "12", "0"]
+    assert [c.attrs.get("data-part") for c in cells] == [None, None, "disk", None]
+
+
+def test_blocks_saved_without_restored_counts_draw_restored_blocks_whole():
+    # Dicts from before token-exact restore: memory and disk whole, computed none.
+    cells = select(parse(strip_html(rerun_blocks(), n_blocks=6)), "mnb-block")
+    assert [c.attrs["data-restored"] for c in cells] == ["16", "16", "16", "0", "0", "0"]
+    assert not [c for c in cells if "data-part" in c.attrs]
+    assert widgets.token_split(block(1, restored=0)) == (16, 0)
+
+
+def test_a_partly_restored_cell_takes_the_colour_of_the_restore_before_it():
+    elements = parse(strip_html(cut_blocks(first="memory"), n_blocks=4))
+    assert select(elements, "mnb-block")[2].attrs["data-part"] == "memory"
+    first = [block(0, "computed", reason="edited", records=(), restored=5)]
+    assert select(parse(strip_html(first)), "mnb-block")[0].attrs["data-part"] == "disk"
+
+
+def test_strip_legend_has_a_key_for_partly_restored_blocks_only_when_there_are():
+    elements = parse(strip_html(cut_blocks(), n_blocks=4))
+    (key,) = [k for k in select(elements, "mnb-key") if "data-part" in k.attrs]
+    assert key.attrs["data-count"] == "1" and "partly restored" in key.all_text(elements)
+    keys = select(parse(strip_html(rerun_blocks(), n_blocks=6)), "mnb-key")
+    assert not [k for k in keys if "data-part" in k.attrs]
+
+
+def test_map_row_of_a_partly_restored_block_splits_its_tokens():
+    elements = parse(map_html(cut_blocks(), edit=CUT_EDIT, layer_kinds=["kv"]))
+    rows = select(elements, "mnb-block", within="mnb-map")
+    cut = rows[2]
+    assert (cut.attrs["data-kind"], cut.attrs["data-restored"]) == ("computed", "12")
+    text = cut.all_text(elements)
+    assert "12 restored + 4 computed" in text
+    assert "edited at token 44 (first 12 tokens restored)" in text
+    assert "restored" not in rows[3].all_text(elements).replace("first words", "")
 
 
 def test_reason_phrases_match_the_engine():
@@ -558,7 +662,36 @@ def test_store_chart_spaces_requests_evenly_whatever_their_times():
         assert len(edges) == 4 and len(steps) == 1, edges  # one even band per request
     labels = [e.text for e in elements if e.tag == "text" and e.parent is chart]
     assert "requests" in labels and "blocks" in labels and not any("load" in t for t in labels)
-    assert {"1", "3"} <= set(labels)  # the first and last requests
+    assert [t.text for t in select(elements, "mnb-tick")] == ["1", "2", "3"]
+
+
+def _history(n: int) -> list[dict]:
+    return [{"t": float(i), "restored": i, "computed": 2 * i, "evicted": 0} for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_store_chart_labels_every_request_up_to_twelve(n):
+    elements = parse(store_html(store_view(history=_history(n))))
+    assert [t.text for t in select(elements, "mnb-tick")] == [str(r) for r in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("n", [13, 14, 40, 61, 99, 160, 200])
+def test_store_chart_labels_about_six_evenly_spaced_requests_beyond_twelve(n):
+    elements = parse(store_html(store_view(history=_history(n))))
+    ticks = [int(t.attrs["data-request"]) for t in select(elements, "mnb-tick")]
+    assert ticks[0] == 1 and ticks[-1] == n and 4 <= len(ticks) <= 7, ticks
+    inner = ticks[1:-1]
+    steps = {b - a for a, b in zip(inner, inner[1:], strict=False)}
+    assert len(steps) <= 1, ticks  # one round step between the first and the last
+    assert widgets.request_ticks(n) == ticks
+
+
+def test_store_chart_axis_title_sits_below_the_tick_labels():
+    for n in (1, 3, 12, 40):
+        elements = parse(store_html(store_view(history=_history(n))))
+        (title,) = select(elements, "mnb-axis-title")
+        tick_ys = {float(t.attrs["y"]) for t in select(elements, "mnb-tick")}
+        assert len(tick_ys) == 1 and float(title.attrs["y"]) >= max(tick_ys) + 10, n
 
 
 def test_store_chart_of_one_request_draws_a_line_across():
@@ -772,6 +905,32 @@ def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
         assert rows[edited_block].attrs["data-reason"] == "edited"
 
 
+def test_a_real_rerun_edited_inside_a_block_draws_it_partly_restored(engine):
+    from dataclasses import fields
+
+    from mlx_nbengine.engine import BlockReport
+
+    if "restored" not in {f.name for f in fields(BlockReport)}:
+        pytest.skip("this engine restores whole blocks only")
+    _run(engine, SENTENCE * 4 + "Summarize this text in one line.")
+    strip, completion, _ = _run(engine, SENTENCE * 4 + "Summarize this text in two lines.")
+    report = completion.report
+    (cut,) = [b for b in strip.blocks if b["source"] == "computed" and b["restored"]]
+    # Restored to the token: up to the first changed one, inside its block.
+    assert cut["start"] < report.edit_at < cut["end"]
+    assert cut["restored"] == report.edit_at - cut["start"]
+    assert [b["restored"] for b in strip.blocks[: cut["index"]]] == [16] * cut["index"]
+    elements = parse(strip.html())
+    cell = select(elements, "mnb-block")[cut["index"]]
+    assert cell.attrs["data-restored"] == str(cut["restored"])
+    assert cell.attrs["data-part"] in {"memory", "disk"}
+    computed = cut["end"] - cut["start"] - cut["restored"]
+    assert (
+        f"{cut['restored']} of {cut['end'] - cut['start']} tokens restored" in cell.attrs["title"]
+    )
+    assert f"{computed} computed" in cell.attrs["title"]
+
+
 def test_a_real_store_view_draws_the_engines_cache_view(engine):
     if not hasattr(engine, "cache_view"):
         pytest.skip("this engine has no cache_view yet")
@@ -902,15 +1061,57 @@ def test_live_map_rows_match_the_static_html_and_hover_shows_a_block(page):
     read_rows = READ_CELLS.replace("e.textContent", "null")
     static_rows = [[*row[:5], None] for row in _static_cells(html, "mnb-block")]
     assert page.evaluate(read_rows, "#map .mnb-map .mnb-block") == static_rows
-    # With nothing chosen the details show the edited block; hovering shows another.
+    # No strip of its own: the answer's strip is just above it.
+    assert page.locator("#map .mnb-map :is(.mnb-cells, .mnb-legend)").count() == 0
+    # With nothing chosen the details show the edited block; hovering a row shows another.
     assert "block 3" in page.inner_text("#map .mnb-details")
-    page.hover("#map .mnb-cell[data-index='2']")
+    page.hover("#map tr.mnb-block[data-index='2']")
     details = page.inner_text("#map .mnb-details")
     assert "block 2" in details and "32–48" in details and "window read" in details
     page.click("#map tr.mnb-block[data-index='1']")
     page.mouse.move(0, 0)
     assert "block 1" in page.inner_text("#map .mnb-details")
-    assert page.get_attribute("#map .mnb-cell[data-index='1']", "aria-selected") == "true"
+    assert page.get_attribute("#map tr.mnb-block[data-index='1']", "aria-selected") == "true"
+    assert page.get_attribute("#map tr.mnb-block[data-index='3']", "data-edit") == "true"
+
+
+READ_PARTS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
+  e.dataset.index, e.dataset.kind, e.dataset.restored, e.dataset.part || null,
+  e.getAttribute("title"), e.querySelector(".mnb-fill")?.getAttribute("style") ?? null])"""
+
+
+def _static_parts(html: str) -> list[list]:
+    elements = parse(html)
+    return [
+        [e.attrs["data-index"], e.attrs["data-kind"], e.attrs["data-restored"],
+         e.attrs.get("data-part"), e.attrs.get("title"),
+         next((f.attrs["style"] for f in select(elements, "mnb-fill") if f.within_node(e)),
+              None)]
+        for e in select(elements, "mnb-block")
+    ]  # fmt: skip
+
+
+def test_live_strip_and_map_draw_a_partly_restored_block_like_the_static_html(page):
+    state = {"_kind": "strip", "n_blocks": 4, "block_size": 16, "prompt_tokens": 60,
+             "blocks": cut_blocks(first="memory"), "edit": CUT_EDIT}  # fmt: skip
+    page.evaluate("(s) => window.draw('cut', s)", state)
+    static = strip_html(cut_blocks(first="memory"), n_blocks=4, edit=CUT_EDIT)
+    assert page.evaluate(READ_PARTS, "#cut .mnb-block") == _static_parts(static)
+    assert page.get_attribute("#cut .mnb-key[data-part]", "data-count") == "1"
+    state = {"_kind": "map", "blocks": cut_blocks(), "edit": CUT_EDIT, "block_size": 16,
+             "prompt_tokens": 60, "layer_kinds": ["kv"]}  # fmt: skip
+    page.evaluate("(s) => window.draw('cutmap', s)", state)
+    html = map_html(
+        cut_blocks(), edit=CUT_EDIT, block_size=16, prompt_tokens=60, layer_kinds=["kv"]
+    )
+    read_rows = READ_PARTS.replace('e.getAttribute("title")', "null")
+    live_rows = page.evaluate(read_rows, "#cutmap .mnb-block")
+    assert live_rows == [[*row[:4], None, row[5]] for row in _static_parts(html)]
+    assert "12 restored + 4 computed" in page.inner_text("#cutmap tr.mnb-block[data-index='2']")
+    details = page.inner_text("#cutmap .mnb-details")  # the edited block, nothing chosen
+    assert "16 tokens: 12 restored + 4 computed" in details
+    assert "(first 12 tokens restored)" in details
+    assert "read for the first 12 tokens, made now for the other 4" in details
 
 
 def test_live_store_view_shows_the_static_figures(page):
@@ -1062,6 +1263,24 @@ def test_live_store_chart_counts_requests_and_draws_its_legend_lines(page):
         ".map((l) => l.getAttribute('stroke-dasharray'))"
     )
     assert dashes == [None, "7 3", "2 2"]
+
+
+@pytest.mark.parametrize("n", [3, 12, 61])
+def test_live_store_chart_labels_the_same_requests_as_the_static_html(page, n):
+    view = store_view(history=_history(n))
+    page.evaluate("([n, v]) => window.draw(n, {_kind: 'store', view: v})", [f"ticks{n}", view])
+    live = page.evaluate(
+        "(id) => [...document.querySelectorAll(`#${id} .mnb-chart text`)]"
+        ".map((t) => [t.getAttribute('class'), t.getAttribute('x'), t.getAttribute('y'), "
+        "t.textContent])",
+        f"ticks{n}",
+    )
+    static = [
+        [e.attrs["class"], e.attrs["x"], e.attrs["y"], e.text]
+        for e in parse(store_html(view))
+        if e.tag == "text"
+    ]
+    assert live == static
 
 
 def test_map_names_each_layer_kind_once_when_given_one_per_layer():

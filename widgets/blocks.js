@@ -47,6 +47,10 @@ const SERIES = [
   ["evicted", "evicted", "--mnb-evicted", "2 2"],
 ];
 
+// The request axis labels every request up to ALL_TICKS of them, else about AXIS_TICKS.
+const ALL_TICKS = 12;
+const AXIS_TICKS = 6;
+
 // Above this many rows the live map's rows scroll in a tall box that opens at the first
 // computed block; up to it every row shows, the edited and tail ones included.
 const TALL_ROWS = 40;
@@ -73,18 +77,66 @@ function seconds(s) {
   return `${Math.floor(whole / 60)} min ${whole % 60} s`;
 }
 
+// `v` with `digits` decimals, halves rounded up: as the static HTML writes it (Python's
+// format and toFixed round some halves apart).
+function fixed(v, digits) {
+  const scale = 10 ** digits;
+  return (Math.floor(v * scale + 0.5) / scale).toFixed(digits);
+}
+
 const plural = (n, word) => `${int(n)} ${n === 1 ? word : word + "s"}`;
 
 const kindOf = (block) => String(block.kind || block.source || "pending");
 
-function reasonPhrase(block, edit) {
+// [restored, computed] tokens of a block; a memory or disk block without a count (a dict
+// saved before token-exact restore) is restored whole.
+function tokenSplit(block) {
+  const whole = (v) => Math.trunc(Number(v) || 0);
+  const length = Math.max(0, whole(block.end) - whole(block.start));
+  let restored = whole(block.restored);
+  if (!restored) restored = block.source === "memory" || block.source === "disk" ? length : 0;
+  restored = Math.min(length, Math.max(0, restored));
+  return [restored, length - restored];
+}
+
+// Tokens restored of a partly restored block (computed, its first tokens restored); else 0.
+function partly(block) {
+  if (!block || block.source === "memory" || block.source === "disk") return 0;
+  const [restored, computed] = tokenSplit(block);
+  return computed ? restored : 0;
+}
+
+// Where a partly restored block's restored tokens came from (null for another block): the
+// source of the block before it (one prefix, one source), disk for a prompt's first block.
+function partOf(block, before) {
+  if (!partly(block)) return null;
+  const source = before ? before.source : null;
+  return source === "memory" || source === "disk" ? source : "disk";
+}
+
+function splitWords(block) {
+  const [restored, computed] = tokenSplit(block);
+  return `${int(restored)} restored + ${int(computed)} computed`;
+}
+
+// withPart false leaves out a partly restored block's "(first n tokens restored)", where
+// the words around the phrase say so already.
+function reasonPhrase(block, edit, withPart = true) {
   const reason = String(block.reason || "");
+  let phrase = reason;
   if (reason === "edited" && edit && edit.block === block.index) {
-    return `edited at token ${int(edit.position)}`;
+    phrase = `edited at token ${int(edit.position)}`;
+  } else if (reason in REASONS) {
+    phrase = REASONS[reason];
+  } else if (block.source === "disk" && reason) {
+    phrase = "read " + reason.split("+").join(" + ");
   }
-  if (reason in REASONS) return REASONS[reason];
-  if (block.source === "disk" && reason) return "read " + reason.split("+").join(" + ");
-  return reason;
+  const restored = withPart ? partly(block) : 0;
+  if (restored) {
+    const first = restored === 1 ? "first token" : `first ${int(restored)} tokens`;
+    phrase = phrase ? `${phrase} (${first} restored)` : `${first} restored`;
+  }
+  return phrase;
 }
 
 function words(block) {
@@ -95,12 +147,15 @@ function words(block) {
 }
 
 function tip(block, edit) {
-  const parts = [
-    `block ${block.index}`,
-    `tokens ${int(block.start)}–${int(block.end)}`,
-    String(block.source || ""),
-  ];
-  const phrase = reasonPhrase(block, edit);
+  let source = String(block.source || "");
+  if (partly(block)) {
+    const [restored, computed] = tokenSplit(block);
+    source =
+      `${int(restored)} of ${int(restored + computed)} tokens restored, ` +
+      `${int(computed)} computed`;
+  }
+  const parts = [`block ${block.index}`, `tokens ${int(block.start)}–${int(block.end)}`, source];
+  const phrase = reasonPhrase(block, edit, false);
   if (phrase) parts.push(phrase);
   parts.push(seconds(block.seconds));
   const text = words(block);
@@ -155,20 +210,44 @@ function kindCounts(blocks, nBlocks) {
   return counts;
 }
 
-function legend(counts) {
-  return h(
-    "div",
-    { class: "mnb-legend" },
-    KINDS.map(([kind, letter, label]) =>
-      h(
-        "span",
-        { class: "mnb-key", "data-kind": kind, "data-count": counts[kind] || 0 },
-        h("span", { class: "mnb-swatch", "data-kind": kind }, letter),
-        `${label} `,
-        h("b", { class: "mnb-count" }, int(counts[kind] || 0)),
-      ),
+// A partly restored block's restored share: a fill from the bottom of its cell.
+function fill(share) {
+  return h("span", { class: "mnb-fill", style: `--mnb-share: ${fixed(share, 3)}` });
+}
+
+function share(block) {
+  const [restored, computed] = tokenSplit(block);
+  return restored / Math.max(1, restored + computed);
+}
+
+// One key per kind with its count; a key for the partly restored blocks when there are
+// (`parts`: each one's part), its swatch filled like theirs.
+function legend(counts, parts = []) {
+  const keys = KINDS.map(([kind, letter, label]) =>
+    h(
+      "span",
+      { class: "mnb-key", "data-kind": kind, "data-count": counts[kind] || 0 },
+      h("span", { class: "mnb-swatch", "data-kind": kind }, letter),
+      `${label} `,
+      h("b", { class: "mnb-count" }, int(counts[kind] || 0)),
     ),
   );
+  if (parts.length) {
+    keys.push(
+      h(
+        "span",
+        { class: "mnb-key", "data-part": parts[0], "data-count": parts.length },
+        h(
+          "span",
+          { class: "mnb-swatch", "data-kind": "computed", "data-part": parts[0] },
+          fill(0.5),
+        ),
+        "partly restored ",
+        h("b", { class: "mnb-count" }, int(parts.length)),
+      ),
+    );
+  }
+  return h("div", { class: "mnb-legend" }, keys);
 }
 
 function editBox(edit) {
@@ -196,13 +275,17 @@ function editBox(edit) {
   );
 }
 
-// Set one cell's look from its block (or pending); touch only what changed.
-function paintCell(cell, index, block, edit) {
+// Set one cell's look from its block (or pending) and the block before it; touch only
+// what changed.
+function paintCell(cell, index, block, edit, before) {
   const kind = block ? kindOf(block) : "pending";
+  const part = block ? partOf(block, before) : null;
   const attrs = {
     "data-kind": kind,
     "data-reason": block ? String(block.reason || "") : "",
     "data-edit": block && edit && edit.block === index ? "true" : null,
+    "data-restored": block ? String(tokenSplit(block)[0]) : null,
+    "data-part": part,
     title: block ? tip(block, edit) : `block ${index} · pending`,
   };
   for (const [name, value] of Object.entries(attrs)) {
@@ -210,14 +293,18 @@ function paintCell(cell, index, block, edit) {
     else if (cell.getAttribute(name) !== value) cell.setAttribute(name, value);
   }
   const letter = block ? (LETTER[kind] ?? "?") : "";
-  if (cell.textContent !== letter) cell.textContent = letter;
+  const look = part ? `${letter}|${fixed(share(block), 3)}` : letter;
+  if (cell.mnbLook !== look) {
+    cell.mnbLook = look;
+    cell.replaceChildren(...(part ? [fill(share(block))] : []), letter);
+  }
 }
 
-function cellGrid(n, cls) {
+function cellGrid(n) {
   const grid = h("div", { class: n > DENSE_BLOCKS ? "mnb-cells mnb-dense" : "mnb-cells" });
   const cells = [];
   for (let i = 0; i < n; i++) {
-    const cell = h("div", { class: cls, "data-index": i });
+    const cell = h("div", { class: "mnb-block", "data-index": i });
     cells.push(cell);
     grid.append(cell);
   }
@@ -234,21 +321,25 @@ function drawStrip(model, root, state) {
   if (state.n !== n) {
     // Lay out every cell at once, so the strip does not move while blocks arrive.
     state.n = n;
-    const { grid, cells } = cellGrid(n, "mnb-block");
+    const { grid, cells } = cellGrid(n);
     state.cells = cells;
     state.foot = h("div", { class: "mnb-foot" });
     state.edit = h("div");
     root.replaceChildren(grid, state.foot, state.edit);
     root.setAttribute("data-n-blocks", n);
   }
-  state.cells.forEach((cell, i) => paintCell(cell, i, known.get(i), edit));
+  state.cells.forEach((cell, i) => paintCell(cell, i, known.get(i), edit, known.get(i - 1)));
+  const parts = [...known.keys()]
+    .sort((a, b) => a - b)
+    .map((i) => partOf(known.get(i), known.get(i - 1)))
+    .filter(Boolean);
   let caption = plural(n, "block");
   const blockSize = model.get("block_size");
   const promptTokens = model.get("prompt_tokens");
   if (blockSize) caption += ` of ${int(blockSize)} tokens`;
   if (promptTokens) caption += ` · ${plural(promptTokens, "prompt token")}`;
   state.foot.replaceChildren(
-    legend(kindCounts(blocks, n)),
+    legend(kindCounts(blocks, n), parts),
     h("span", { class: "mnb-caption" }, caption),
   );
   // show_edit false: the cell stays marked, the banner is left to a block map below.
@@ -288,8 +379,19 @@ function textCell(block) {
   return parts;
 }
 
-function row(block, edit, layerKinds) {
+function swatch(block, part) {
   const kind = kindOf(block);
+  return h(
+    "span",
+    { class: "mnb-swatch", "data-kind": kind, "data-part": part },
+    part ? fill(share(block)) : "",
+    LETTER[kind] ?? "?",
+  );
+}
+
+function row(block, edit, layerKinds, before) {
+  const kind = kindOf(block);
+  const part = partOf(block, before);
   return h(
     "tr",
     {
@@ -298,27 +400,35 @@ function row(block, edit, layerKinds) {
       "data-kind": kind,
       "data-reason": String(block.reason || ""),
       "data-edit": edit && edit.block === block.index ? "true" : null,
+      "data-restored": String(tokenSplit(block)[0]),
+      "data-part": part,
+      // Rows are the map's way in to the details panel, by keyboard as well.
+      tabindex: 0,
     },
     h("td", { class: "mnb-num" }, String(block.index)),
     h("td", { class: "mnb-num mnb-range" }, `${int(block.start)}–${int(block.end)}`),
     h("td", { class: "mnb-text" }, textCell(block)),
-    h("td", {}, h("span", { class: "mnb-swatch", "data-kind": kind }, LETTER[kind] ?? "?"), " ",
-      String(block.source || "")),
+    // A partly restored block's source says how its tokens split.
+    h("td", { class: "mnb-source" }, swatch(block, part), " ",
+      part ? splitWords(block) : String(block.source || "")),
     h("td", { class: "mnb-reason" }, reasonPhrase(block, edit)),
     h("td", { class: "mnb-num" }, seconds(block.seconds)),
     h("td", { class: "mnb-records" }, recordChips(block, layerKinds)),
   );
 }
 
-function details(block, edit, layerKinds) {
+function details(block, edit, layerKinds, before) {
   if (!block) {
     return [h("span", { class: "mnb-dim" }, "Hover or click a block to see where it came from.")];
   }
-  const kind = kindOf(block);
+  const part = partOf(block, before);
+  const [restored, computed] = tokenSplit(block);
+  const length = restored + computed;
   // Pairs per row (the list is laid out in two columns): range and time, source and
   // reason, first and last words, then the records.
+  const count = part ? `${int(length)} tokens: ${splitWords(block)}` : plural(length, "token");
   const items = [
-    ["tokens", `${int(block.start)}–${int(block.end)} (${int(block.end - block.start)} tokens)`],
+    ["tokens", `${int(block.start)}–${int(block.end)} (${count})`],
     ["time", seconds(block.seconds)],
     ["source", String(block.source || "")],
     ["reason", reasonPhrase(block, edit) || "—"],
@@ -328,21 +438,24 @@ function details(block, edit, layerKinds) {
   if (layerKinds.length || (block.records || []).length) {
     const read = (block.records || []).map(String);
     const kinds = layerKinds.length ? layerKinds : read;
-    const text =
-      block.source === "disk"
-        ? kinds.map((k) => `${k} ${read.includes(k) ? "read" : "not needed"}`).join(", ")
-        : block.source === "memory"
-          ? "none read: the live cache was reused"
-          : "all made now";
+    let text = "all made now";
+    if (block.source === "disk") {
+      text = kinds.map((k) => `${k} ${read.includes(k) ? "read" : "not needed"}`).join(", ");
+    } else if (block.source === "memory") {
+      text = "none read: the live cache was reused";
+    } else if (part === "memory") {
+      text =
+        `the live cache's first ${plural(restored, "token")} reused, ` +
+        `the other ${int(computed)} made now`;
+    } else if (part) {
+      text =
+        `read for the first ${plural(restored, "token")}, ` +
+        `made now for the other ${int(computed)}`;
+    }
     items.push(["records", text]);
   }
   return [
-    h(
-      "div",
-      { class: "mnb-details-title" },
-      h("span", { class: "mnb-swatch", "data-kind": kind }, LETTER[kind] ?? "?"),
-      ` block ${block.index}`,
-    ),
+    h("div", { class: "mnb-details-title" }, swatch(block, part), ` block ${block.index}`),
     h("dl", {}, items.map(([term, value]) => [h("dt", {}, term), h("dd", {}, value)])),
   ];
 }
@@ -360,14 +473,9 @@ function drawMap(model, root, state) {
   if (promptTokens) head += ` · ${plural(promptTokens, "prompt token")}`;
   if (layerKinds.length) head += ` · layer kinds: ${layerKinds.join(" + ")}`;
 
-  const { grid, cells } = cellGrid(n, "mnb-cell");
-  cells.forEach((cell, i) => {
-    paintCell(cell, i, known.get(i), edit);
-    cell.setAttribute("tabindex", "0");
-    cell.setAttribute("role", "button");
-  });
+  // No strip of cells: the answer's strip is drawn just above the map.
   const panel = h("div", { class: "mnb-details", "aria-live": "polite" });
-  const rows = blocks.map((block) => row(block, edit, layerKinds));
+  const rows = blocks.map((block) => row(block, edit, layerKinds, known.get(block.index - 1)));
   const rowOf = new Map(rows.map((r) => [Number(r.getAttribute("data-index")), r]));
   const tall = n > TALL_ROWS;
   const table = h(
@@ -397,17 +505,12 @@ function drawMap(model, root, state) {
 
   // Hover shows a block; a click pins it (click again to unpin).
   const show = (index) => {
-    panel.replaceChildren(...details(known.get(index), edit, layerKinds));
+    panel.replaceChildren(...details(known.get(index), edit, layerKinds, known.get(index - 1)));
   };
-  const select = (index, { scroll = false } = {}) => {
+  const select = (index) => {
     state.selected = index;
-    for (const node of [...cells, ...rows]) node.removeAttribute("aria-selected");
-    if (index !== null && known.has(index)) {
-      cells[index].setAttribute("aria-selected", "true");
-      const r = rowOf.get(index);
-      r.setAttribute("aria-selected", "true");
-      if (scroll) r.scrollIntoView({ block: "nearest" });
-    }
+    for (const node of rows) node.removeAttribute("aria-selected");
+    if (index !== null && known.has(index)) rowOf.get(index).setAttribute("aria-selected", "true");
     show(index ?? (edit ? edit.block : null));
   };
   const indexOf = (event) => {
@@ -422,8 +525,7 @@ function drawMap(model, root, state) {
   const onClick = (event) => {
     const index = indexOf(event);
     if (index === null) return;
-    const fromGrid = grid.contains(event.target);
-    select(state.selected === index ? null : index, { scroll: fromGrid });
+    select(state.selected === index ? null : index);
   };
   const onKey = (event) => {
     if (event.key === "Enter" || event.key === " ") {
@@ -431,21 +533,16 @@ function drawMap(model, root, state) {
       onClick(event);
     }
   };
-  grid.addEventListener("mouseover", onOver);
-  grid.addEventListener("focusin", onOver);
-  grid.addEventListener("mouseleave", onLeave);
-  grid.addEventListener("click", onClick);
-  grid.addEventListener("keydown", onKey);
   table.addEventListener("mouseover", onOver);
+  table.addEventListener("focusin", onOver);
   table.addEventListener("mouseleave", onLeave);
   table.addEventListener("click", onClick);
+  table.addEventListener("keydown", onKey);
 
   root.setAttribute("data-n-blocks", n);
   root.replaceChildren(
     h("div", { class: "mnb-title" }, head),
     editBox(edit) || "",
-    grid,
-    h("div", { class: "mnb-foot" }, legend(kindCounts(blocks, n))),
     panel,
     table,
   );
@@ -511,12 +608,33 @@ function figureValue(name, view) {
   }
 }
 
+// The requests (numbered from 1) that the chart's x axis labels, of `n`: every one up to
+// ALL_TICKS; beyond, the first, the last and the multiples of a round step between them:
+// the smallest step (1, 2, 2.5 or 5 times a power of ten, a whole number) that makes at
+// most AXIS_TICKS + 1 labels. A multiple within half a step of the first or the last is
+// left out, so that no two labels crowd each other.
+function requestTicks(n) {
+  if (n <= ALL_TICKS) return Array.from({ length: n }, (_, i) => i + 1);
+  for (let scale = 1; ; scale *= 10) {
+    for (const m of [1, 2, 2.5, 5]) {
+      const step = m * scale;
+      if (!Number.isInteger(step)) continue;
+      const ticks = [1];
+      for (let r = step; r < n; r += step) {
+        if (r - 1 > step / 2 && n - r > step / 2) ticks.push(r);
+      }
+      ticks.push(n);
+      if (ticks.length <= AXIS_TICKS + 1) return ticks;
+    }
+  }
+}
+
 // The history as step lines: x is the request (each history point gets an equal band, in
 // order), y the running total of blocks restored, computed and evicted. Not seconds since
 // load: loading the model takes most of that time and would squeeze every request into the
 // right edge. Each band draws its point's totals across its width, so one request is a line.
 function chart(history) {
-  const [w, ht, left, bottom, top, right] = [480, 132, 44, 20, 8, 10];
+  const [w, ht, left, bottom, top, right] = [480, 146, 44, 34, 8, 10];
   const label = {
     role: "img",
     "aria-label": "blocks restored, computed and evicted, by request",
@@ -547,9 +665,20 @@ function chart(history) {
   const plotH = ht - top - bottom;
   const x = (i) => left + (plotW * i) / n;
   const y = (v) => top + plotH * (1 - v / yMax);
-  const f = (v) => v.toFixed(1);
-  const tick = (i, text) =>
-    s("text", { class: "mnb-axis", x: f(x(i)), y: ht - 5, "text-anchor": "middle" }, text);
+  const f = (v) => fixed(v, 1);
+  // Each label under the middle of its request's band; the axis title on a line below.
+  const tick = (r) =>
+    s(
+      "text",
+      {
+        class: "mnb-axis mnb-tick",
+        "data-request": r,
+        x: f(x(r - 0.5)),
+        y: top + plotH + 13,
+        "text-anchor": "middle",
+      },
+      int(r),
+    );
   svg.append(
     s("line", { class: "mnb-grid", x1: left, y1: f(y(0)), x2: w - right, y2: f(y(0)) }),
     s("line", { class: "mnb-grid", x1: left, y1: f(y(yMax)), x2: w - right, y2: f(y(yMax)) }),
@@ -558,18 +687,14 @@ function chart(history) {
       int(yMax)),
     s("text", { class: "mnb-axis", x: left - 6, y: f(y(yMax) + 15), "text-anchor": "end" },
       "blocks"),
-    tick(0.5, "1"),
-  );
-  if (n > 1) svg.append(tick(n - 0.5, int(n)));
-  // The title sits between the first and last ticks (a lone tick is in the middle).
-  svg.append(
+    ...requestTicks(n).map(tick),
     s(
       "text",
       {
         class: "mnb-axis mnb-axis-title",
-        x: f(n > 1 ? x(n / 2) : x(1) - 4),
-        y: ht - 5,
-        "text-anchor": n > 1 ? "middle" : "end",
+        x: f(left + plotW / 2),
+        y: ht - 4,
+        "text-anchor": "middle",
       },
       "requests",
     ),

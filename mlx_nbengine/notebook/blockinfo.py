@@ -8,13 +8,17 @@ to static HTML without the engine at hand.
 Terms:
 
 - *block dict* (`block_dict`): ``{"index", "start", "end", "source", "kind", "reason",
-  "records", "seconds", "head", "last"}``. `source` is where the block's cache came from
-  (``"memory"``, ``"disk"``, ``"computed"``). `kind` is what the strip colours: the
-  source, except ``"tail"`` for the computed block that holds the prompt's last token
-  (its logits start the answer, so it is always computed). `reason` says why (see
-  `mlx_nbengine.engine.events`); `records` are the record kinds read for it (``"kv"``,
-  ``"window"``, ``"state"``). `head` and `last` are the first and last words of the
-  block's text (``""`` when no tokenizer is at hand).
+  "records", "restored", "seconds", "head", "last"}``. `source` is where the block's
+  cache came from (``"memory"``, ``"disk"``, ``"computed"``). `kind` is what the strip
+  colours: the source, except ``"tail"`` for the computed block that holds the prompt's
+  last token (its logits start the answer, so it is always computed). `reason` says why
+  (see `mlx_nbengine.engine.events`); `records` are the record kinds read for it
+  (``"kv"``, ``"window"``, ``"state"``). `restored` is how many of its tokens were
+  restored: all of them for a memory or disk block, none for a computed one, except the
+  *partly restored* block, a computed block whose first tokens were restored (a
+  token-exact restore ended inside it, at an edit or before the tail). `head` and `last`
+  are the first and last words of the block's text (``""`` when no tokenizer is at
+  hand).
 - *special tokens* (`special`): token ids the caller marks special (a tokenizer's
   ``all_special_ids``: ``<bos>``, ``<|im_start|>``...). They are dropped before decoding,
   so the words shown are the prompt's text, never its chat template's markers, whatever
@@ -121,6 +125,13 @@ def block_dict(
         # Engines before block reasons: say what is certain from the source alone.
         reason = {"memory": "hot", "disk": "+".join(records)}.get(source, "")
     reason = str(reason)
+    length = max(0, end - start)
+    restored = getattr(block, "restored", None)
+    if source in ("memory", "disk") and not restored:
+        # Engines before token-exact restore (and a field left at its default): a
+        # restored block is restored whole.
+        restored = length
+    restored = min(length, max(0, int(restored or 0)))
     is_last = tokens is not None and end >= len(tokens)
     kind = "tail" if source == "computed" and (reason == "tail" or is_last) else source
     head, last = _head_last(_decode(decode, tokens, start, end, frozenset(special)))
@@ -132,6 +143,7 @@ def block_dict(
         "kind": kind,
         "reason": reason,
         "records": records,
+        "restored": restored,
         "seconds": float(getattr(block, "seconds", 0.0) or 0.0),
         "head": head,
         "last": last,

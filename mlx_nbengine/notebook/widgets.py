@@ -9,14 +9,20 @@ package as ``mlx_nbengine/notebook/static/``):
   cache), ``disk`` (D, records read from the block store), ``computed`` (C, prefilled
   now), ``tail`` (T, the computed block holding the prompt's last token) or ``pending``
   (not known yet). All `n_blocks` cells are laid out from the start, so the strip fills
-  in while the prompt streams without moving. It marks the edited block's cell and, unless
-  `show_edit` is False (when a block map follows and shows it), the edit's words too.
+  in while the prompt streams without moving. A *partly restored* block (a computed block
+  whose first tokens were restored: a token-exact restore ended inside it) keeps its kind
+  and letter, with its restored share filled from the bottom in the colour of where the
+  restore came from (its *part*: the source of the block before it, ``disk`` for the
+  first block). It marks the edited block's cell and, unless `show_edit` is False (when a
+  block map follows and shows it), the edit's words too.
 - `BlockMap` (``%%llm --blocks``): per block its token range, first and last words,
-  source, *reason* (why it was restored or computed) and seconds; the first changed token
-  of an edited prompt (the *edit*); which record kinds each block read, against the
-  model's `layer_kinds`. Hovering or clicking a block shows it in a details panel. Every
-  row shows; only the live map of more than `TALL_ROWS` blocks scrolls its rows, in a tall
-  box that opens at the first computed block.
+  source (with the restored and computed tokens of a partly restored block), *reason*
+  (why it was restored or computed) and seconds; the first changed token of an edited
+  prompt (the *edit*); which record kinds each block read, against the model's
+  `layer_kinds`. It draws no strip of its own: the answer's strip is just above it.
+  Hovering or clicking a row shows its block in a details panel. Every row shows; only
+  the live map of more than `TALL_ROWS` blocks scrolls its rows, in a tall box that opens
+  at the first computed block.
 - `StoreView` (``%llm_cache``): the engine's `cache_view()` dict: blocks and bytes held
   against the budget, the running totals of blocks restored, computed and evicted by
   request (one even step per history point), records by kind and the latest evictions.
@@ -31,6 +37,7 @@ text is always escaped: it is shown as written, never interpreted.
 from __future__ import annotations
 
 import html as _html
+import math
 import re
 import threading
 from collections import Counter
@@ -51,9 +58,11 @@ __all__ = [
     "map_html",
     "reason_phrase",
     "record_kinds",
+    "request_ticks",
     "static_dir",
     "store_html",
     "strip_html",
+    "token_split",
 ]
 
 # Kind -> (letter, label), in legend order.
@@ -148,6 +157,14 @@ def _seconds(s: float) -> str:
     return f"{minutes} min {rest} s"
 
 
+def _fixed(v: float, digits: int) -> str:
+    """`v` with `digits` decimals, halves rounded up: as the ES module writes it, so that
+    the static and live pictures match (Python's format and JavaScript's ``toFixed``
+    round some halves apart)."""
+    scale = 10**digits
+    return f"{math.floor(v * scale + 0.5) / scale:.{digits}f}"
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
@@ -159,26 +176,79 @@ def record_kinds(layer_kinds: Iterable[str]) -> list[str]:
     return sorted(kinds, key=lambda k: order.get(k, len(order)))
 
 
-def reason_phrase(block: Mapping[str, Any], edit: Mapping[str, Any] | None = None) -> str:
-    """Why `block` came from where it did, in words (``"read kv + window"``...)."""
+def token_split(block: Mapping[str, Any]) -> tuple[int, int]:
+    """(restored, computed) tokens of `block`; a memory or disk block without a count (a
+    dict saved before token-exact restore) is restored whole."""
+    length = max(0, int(block.get("end", 0)) - int(block.get("start", 0)))
+    restored = block.get("restored")
+    if not restored:
+        restored = length if block.get("source") in ("memory", "disk") else 0
+    restored = min(length, max(0, int(restored)))
+    return restored, length - restored
+
+
+def _partly(block: Mapping[str, Any] | None) -> int:
+    """Tokens restored of a partly restored block; 0 for any other block."""
+    if block is None or block.get("source") in ("memory", "disk"):
+        return 0
+    restored, computed = token_split(block)
+    return restored if computed else 0
+
+
+def _part(block: Mapping[str, Any] | None, before: Mapping[str, Any] | None) -> str | None:
+    """Where a partly restored block's restored tokens came from (None for another block).
+
+    The engine restores one prefix from one source, so it is the source of the block
+    before; a prompt's first block has none before it and is restored from disk.
+    """
+    if not _partly(block):
+        return None
+    source = before.get("source") if before else None
+    return str(source) if source in ("memory", "disk") else "disk"
+
+
+def _split_words(block: Mapping[str, Any]) -> str:
+    restored, computed = token_split(block)
+    return f"{restored:,} restored + {computed:,} computed"
+
+
+def reason_phrase(
+    block: Mapping[str, Any], edit: Mapping[str, Any] | None = None, *, partly: bool = True
+) -> str:
+    """Why `block` came from where it did, in words (``"read kv + window"``...).
+
+    A partly restored block's phrase says how many of its first tokens were restored,
+    unless `partly` is False (where the words around it say so already).
+    """
     reason = str(block.get("reason") or "")
     if reason == "edited" and edit and edit.get("block") == block.get("index"):
-        return f"edited at token {int(edit['position']):,}"
-    if reason in REASON_PHRASES:
-        return REASON_PHRASES[reason]
-    if block.get("source") == "disk" and reason:
-        return "read " + " + ".join(reason.split("+"))
-    return reason
+        phrase = f"edited at token {int(edit['position']):,}"
+    elif reason in REASON_PHRASES:
+        phrase = REASON_PHRASES[reason]
+    elif block.get("source") == "disk" and reason:
+        phrase = "read " + " + ".join(reason.split("+"))
+    else:
+        phrase = reason
+    restored = _partly(block) if partly else 0
+    if restored:
+        first = "first token" if restored == 1 else f"first {restored:,} tokens"
+        phrase = f"{phrase} ({first} restored)" if phrase else f"{first} restored"
+    return phrase
 
 
 def _tip(block: Mapping[str, Any], edit: Mapping[str, Any] | None) -> str:
     """The one-line description a block shows on hover (a `title`)."""
+    source = str(block.get("source", ""))
+    restored = _partly(block)
+    if restored:
+        restored, computed = token_split(block)
+        source = f"{restored:,} of {restored + computed:,} tokens restored, {computed:,} computed"
     parts = [
         f"block {block.get('index', 0)}",
         f"tokens {block.get('start', 0):,}–{block.get('end', 0):,}",
-        str(block.get("source", "")),
+        source,
     ]
-    phrase = reason_phrase(block, edit)
+    phrase = reason_phrase(block, edit, partly=False)
     if phrase:
         parts.append(phrase)
     parts.append(_seconds(float(block.get("seconds") or 0.0)))
@@ -205,7 +275,16 @@ def _kind_counts(blocks: Iterable[Mapping[str, Any]], n_blocks: int) -> Counter[
     return counts
 
 
-def _legend(counts: Mapping[str, int]) -> str:
+def _fill(block: Mapping[str, Any]) -> str:
+    """A partly restored block's restored share: a fill from the bottom of its cell."""
+    restored, computed = token_split(block)
+    share = restored / max(1, restored + computed)
+    return f'<span class="mnb-fill" style="--mnb-share: {_fixed(share, 3)}"></span>'
+
+
+def _legend(counts: Mapping[str, int], parts: Sequence[str] = ()) -> str:
+    """One key per kind with its count; a key for the partly restored blocks when there
+    are (`parts`: each one's part), its swatch filled like theirs."""
     items = []
     for kind, (letter, label) in KINDS.items():
         n = counts.get(kind, 0)
@@ -213,6 +292,14 @@ def _legend(counts: Mapping[str, int]) -> str:
             f'<span class="mnb-key" data-kind="{kind}" data-count="{n}">'
             f'<span class="mnb-swatch" data-kind="{kind}">{letter}</span>'
             f'{label} <b class="mnb-count">{n:,}</b></span>'
+        )
+    if parts:
+        part = _e(parts[0])
+        items.append(
+            f'<span class="mnb-key" data-part="{part}" data-count="{len(parts)}">'
+            f'<span class="mnb-swatch" data-kind="computed" data-part="{part}">'
+            '<span class="mnb-fill" style="--mnb-share: 0.5"></span></span>'
+            f'partly restored <b class="mnb-count">{len(parts):,}</b></span>'
         )
     return f'<div class="mnb-legend">{"".join(items)}</div>'
 
@@ -233,25 +320,31 @@ def _edit_html(edit: Mapping[str, Any] | None) -> str:
     )
 
 
+def _restored_attrs(block: Mapping[str, Any], part: str | None) -> str:
+    """The ``data-restored`` (and, partly restored, ``data-part``) attributes of a block."""
+    out = f' data-restored="{token_split(block)[0]}"'
+    return out + f' data-part="{_e(part)}"' if part else out
+
+
 def _cell(
     i: int,
     block: Mapping[str, Any] | None,
     edit: Mapping[str, Any] | None,
-    *,
-    cls: str,
+    before: Mapping[str, Any] | None,
 ) -> str:
     if block is None:
         return (
-            f'<div class="{cls}" data-index="{i}" data-kind="pending" data-reason="" '
+            f'<div class="mnb-block" data-index="{i}" data-kind="pending" data-reason="" '
             f'title="block {i} · pending"></div>'
         )
     kind = str(block.get("kind") or block.get("source"))
     letter = KINDS.get(kind, ("?", kind))[0]
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
+    part = _part(block, before)
     return (
-        f'<div class="{cls}" data-index="{i}" data-kind="{_e(kind)}" '
-        f'data-reason="{_e(block.get("reason", ""))}"{edited} title="{_e(_tip(block, edit))}">'
-        f"{letter}</div>"
+        f'<div class="mnb-block" data-index="{i}" data-kind="{_e(kind)}" '
+        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)} '
+        f'title="{_e(_tip(block, edit))}">{_fill(block) if part else ""}{letter}</div>'
     )
 
 
@@ -259,13 +352,11 @@ def _cells(
     n_blocks: int,
     blocks: Sequence[Mapping[str, Any]],
     edit: Mapping[str, Any] | None,
-    *,
-    cls: str,
 ) -> str:
     known = _by_index(blocks)
     n = max(n_blocks, max(known, default=-1) + 1)
     dense = " mnb-dense" if n > DENSE_BLOCKS else ""
-    cells = "".join(_cell(i, known.get(i), edit, cls=cls) for i in range(n))
+    cells = "".join(_cell(i, known.get(i), edit, known.get(i - 1)) for i in range(n))
     # The inline style keeps the cells in rows where a sanitizer drops the <style> block.
     return f'<div class="mnb-cells{dense}" style="display: flex; flex-wrap: wrap">{cells}</div>'
 
@@ -292,7 +383,9 @@ def strip_html(
     banner (its words), for a strip that a block map, which shows it, follows.
     """
     counts = _kind_counts(blocks, n_blocks)
-    n = max(n_blocks, len(_by_index(blocks)))
+    known = _by_index(blocks)
+    parts = [p for i, b in sorted(known.items()) if (p := _part(b, known.get(i - 1)))]
+    n = max(n_blocks, len(known))
     caption = f"{_plural(n, 'block')}"
     if block_size:
         caption += f" of {block_size:,} tokens"
@@ -300,8 +393,9 @@ def strip_html(
         caption += f" · {_plural(prompt_tokens, 'prompt token')}"
     return (
         f'{_style()}<div class="mnb-root mnb-strip" data-n-blocks="{n}">'
-        f"{_cells(n_blocks, blocks, edit, cls='mnb-block')}"
-        f'<div class="mnb-foot">{_legend(counts)}<span class="mnb-caption">{caption}</span></div>'
+        f"{_cells(n_blocks, blocks, edit)}"
+        f'<div class="mnb-foot">{_legend(counts, parts)}'
+        f'<span class="mnb-caption">{caption}</span></div>'
         f"{_edit_html(edit) if show_edit else ''}</div>"
     )
 
@@ -323,7 +417,10 @@ def _records_html(block: Mapping[str, Any], layer_kinds: Sequence[str]) -> str:
 
 
 def _row(
-    block: Mapping[str, Any], edit: Mapping[str, Any] | None, layer_kinds: Sequence[str]
+    block: Mapping[str, Any],
+    edit: Mapping[str, Any] | None,
+    layer_kinds: Sequence[str],
+    before: Mapping[str, Any] | None,
 ) -> str:
     i = int(block["index"])
     kind = str(block.get("kind") or block.get("source"))
@@ -335,14 +432,18 @@ def _row(
         # A no-break space: a wrapped row breaks after the ellipsis, never before it.
         text += f'\u00a0<span class="mnb-dim">…</span> <q class="mnb-last">{_e(last)}</q>'
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
+    part = _part(block, before)
+    # A partly restored block's source says how its tokens split.
+    source = _split_words(block) if part else _e(block.get("source", ""))
+    part_attr = f' data-part="{_e(part)}"' if part else ""
     return (
         f'<tr class="mnb-block" data-index="{i}" data-kind="{_e(kind)}" '
-        f'data-reason="{_e(block.get("reason", ""))}"{edited}>'
+        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)}>'
         f'<td class="mnb-num">{i}</td>'
         f'<td class="mnb-num mnb-range">{start:,}–{end:,}</td>'
         f'<td class="mnb-text">{text}</td>'
-        f'<td><span class="mnb-swatch" data-kind="{_e(kind)}">{letter}</span> '
-        f"{_e(block.get('source', ''))}</td>"
+        f'<td class="mnb-source"><span class="mnb-swatch" data-kind="{_e(kind)}"{part_attr}>'
+        f"{_fill(block) if part else ''}{letter}</span> {source}</td>"
         f'<td class="mnb-reason">{_e(reason_phrase(block, edit))}</td>'
         f'<td class="mnb-num">{_seconds(float(block.get("seconds") or 0.0))}</td>'
         f'<td class="mnb-records">{_records_html(block, layer_kinds)}</td></tr>'
@@ -357,9 +458,10 @@ def map_html(
     edit: Mapping[str, Any] | None = None,
     layer_kinds: Sequence[str] = (),
 ) -> str:
-    """The block map as static HTML: an overview of cells, the edit, one row per block.
+    """The block map as static HTML: its title, the edit, one row per block.
 
-    `layer_kinds` are the model's record kinds, one per layer or each once.
+    No strip of cells: the answer's strip is drawn just above the map. `layer_kinds` are
+    the model's record kinds, one per layer or each once.
     """
     blocks = sorted(blocks, key=lambda b: int(b["index"]))
     layer_kinds = record_kinds(layer_kinds)
@@ -371,7 +473,8 @@ def map_html(
         head += f" · {_plural(prompt_tokens, 'prompt token')}"
     if layer_kinds:
         head += " · layer kinds: " + " + ".join(_e(k) for k in layer_kinds)
-    rows = "".join(_row(b, edit, layer_kinds) for b in blocks)
+    known = _by_index(blocks)
+    rows = "".join(_row(b, edit, layer_kinds, known.get(int(b["index"]) - 1)) for b in blocks)
     table = (
         '<div class="mnb-scroll"><table class="mnb-table"><thead><tr>'
         '<th class="mnb-num">block</th><th class="mnb-num">tokens</th><th>text</th>'
@@ -380,9 +483,7 @@ def map_html(
     )
     return (
         f'{_style()}<div class="mnb-root mnb-map" data-n-blocks="{n}">'
-        f'<div class="mnb-title">{head}</div>{_edit_html(edit)}'
-        f"{_cells(n, blocks, edit, cls='mnb-cell')}"
-        f'<div class="mnb-foot">{_legend(_kind_counts(blocks, n))}</div>{table}</div>'
+        f'<div class="mnb-title">{head}</div>{_edit_html(edit)}{table}</div>'
     )
 
 
@@ -397,7 +498,10 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("requests", "requests"),
 )
 
-CHART_W, CHART_H = 480, 132
+CHART_W, CHART_H = 480, 146
+# The request axis labels every request up to ALL_TICKS of them, else about AXIS_TICKS.
+ALL_TICKS = 12
+AXIS_TICKS = 6
 # Series of the chart: (history key, label, colour variable, SVG dash pattern). The dash
 # patterns tell the lines apart without colour; the legend draws the same ones.
 SERIES = (
@@ -436,6 +540,34 @@ def _figure_value(name: str, view: Mapping[str, Any]) -> tuple[str, str]:
     return f"{int(get(name) or 0):,}", ""
 
 
+def _f(v: float) -> str:
+    """A chart coordinate, with one decimal."""
+    return _fixed(v, 1)
+
+
+def request_ticks(n: int) -> list[int]:
+    """The requests (numbered from 1) that the chart's x axis labels, of `n`.
+
+    Every one up to `ALL_TICKS`; beyond, the first, the last and the multiples of a round
+    step between them: the smallest step (1, 2, 2.5 or 5 times a power of ten, a whole
+    number) that makes at most ``AXIS_TICKS + 1`` labels. A multiple within half a step
+    of the first or the last is left out, so that no two labels crowd each other.
+    """
+    if n <= ALL_TICKS:
+        return list(range(1, n + 1))
+    scale = 1
+    while True:
+        for m in (1, 2, 2.5, 5):
+            step = m * scale
+            if step != int(step):
+                continue
+            inner = [r for r in range(int(step), n, int(step)) if r - 1 > step / 2]
+            ticks = [1, *(r for r in inner if n - r > step / 2), n]
+            if len(ticks) <= AXIS_TICKS + 1:
+                return ticks
+        scale *= 10
+
+
 def _chart(history: Sequence[Mapping[str, Any]]) -> str:
     """The history as step lines: x is the request (each history point gets an equal
     band, in order), y the running total of blocks restored, computed and evicted.
@@ -444,7 +576,7 @@ def _chart(history: Sequence[Mapping[str, Any]]) -> str:
     squeeze every request into the right edge. Each band draws its point's totals across
     its whole width, so a single request is a visible line, not a lone corner.
     """
-    w, h, left, bottom, top, right = CHART_W, CHART_H, 44, 20, 8, 10
+    w, h, left, bottom, top, right = CHART_W, CHART_H, 44, 34, 8, 10
     points = [p for p in history if isinstance(p, Mapping)]
     label = 'role="img" aria-label="blocks restored, computed and evicted, by request"'
     if not points:
@@ -466,37 +598,37 @@ def _chart(history: Sequence[Mapping[str, Any]]) -> str:
     def y(v: float) -> float:
         return top + plot_h * (1 - v / y_max)
 
-    axis = f'class="mnb-axis" y="{h - 5}" text-anchor="middle"'
-    ticks = f'<text {axis} x="{x(0.5):.1f}">1</text>'
-    if n > 1:
-        ticks += f'<text {axis} x="{x(n - 0.5):.1f}">{n:,}</text>'
-    # The title sits between the first and last ticks (a lone tick is in the middle).
-    title_x = x(n / 2) if n > 1 else x(1) - 4
-    title_anchor = "middle" if n > 1 else "end"
+    # Each label under the middle of its request's band; the axis title on a line below.
+    tick_y = top + plot_h + 13
+    ticks = "".join(
+        f'<text class="mnb-axis mnb-tick" data-request="{r}" x="{_f(x(r - 0.5))}" '
+        f'y="{tick_y}" text-anchor="middle">{r:,}</text>'
+        for r in request_ticks(n)
+    )
     parts.append(
-        f'<line class="mnb-grid" x1="{left}" y1="{y(0):.1f}" x2="{w - right}" y2="{y(0):.1f}"/>'
-        f'<line class="mnb-grid" x1="{left}" y1="{y(y_max):.1f}" x2="{w - right}" '
-        f'y2="{y(y_max):.1f}"/>'
-        f'<text class="mnb-axis" x="{left - 6}" y="{y(0) + 4:.1f}" text-anchor="end">0</text>'
-        f'<text class="mnb-axis" x="{left - 6}" y="{y(y_max) + 4:.1f}" text-anchor="end">'
+        f'<line class="mnb-grid" x1="{left}" y1="{_f(y(0))}" x2="{w - right}" y2="{_f(y(0))}"/>'
+        f'<line class="mnb-grid" x1="{left}" y1="{_f(y(y_max))}" x2="{w - right}" '
+        f'y2="{_f(y(y_max))}"/>'
+        f'<text class="mnb-axis" x="{left - 6}" y="{_f(y(0) + 4)}" text-anchor="end">0</text>'
+        f'<text class="mnb-axis" x="{left - 6}" y="{_f(y(y_max) + 4)}" text-anchor="end">'
         f"{y_max:,}</text>"
-        f'<text class="mnb-axis" x="{left - 6}" y="{y(y_max) + 15:.1f}" text-anchor="end">'
+        f'<text class="mnb-axis" x="{left - 6}" y="{_f(y(y_max) + 15)}" text-anchor="end">'
         f"blocks</text>{ticks}"
-        f'<text class="mnb-axis mnb-axis-title" x="{title_x:.1f}" y="{h - 5}" '
-        f'text-anchor="{title_anchor}">requests</text>'
+        f'<text class="mnb-axis mnb-axis-title" x="{_f(left + plot_w / 2)}" y="{h - 4}" '
+        'text-anchor="middle">requests</text>'
     )
     for i, p in enumerate(points):
         # One hover target per request: its totals in words.
         totals = " · ".join(f"{int(p.get(k) or 0):,} {lbl}" for k, lbl, *_ in SERIES)
         parts.append(
-            f'<rect class="mnb-band" x="{x(i):.1f}" y="{top}" width="{x(i + 1) - x(i):.1f}" '
+            f'<rect class="mnb-band" x="{_f(x(i))}" y="{top}" width="{_f(x(i + 1) - x(i))}" '
             f'height="{plot_h}" fill="transparent"><title>request {i + 1}: {totals}</title></rect>'
         )
     for key, label, colour, dash in SERIES:
         coords = []
         for i, p in enumerate(points):
             v = y(int(p.get(key) or 0))
-            coords += [f"{x(i):.1f},{v:.1f}", f"{x(i + 1):.1f},{v:.1f}"]
+            coords += [f"{_f(x(i))},{_f(v)}", f"{_f(x(i + 1))},{_f(v)}"]
         last = int(points[-1].get(key) or 0)
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         parts.append(
