@@ -12,7 +12,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as lm_cache
 
-from mlx_nbengine.cache.blocks import ImageSpan
+from mlx_nbengine.cache.blocks import ImageSpan, partial_key
+from mlx_nbengine.cache.followers import ROOT
 from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
 from mlx_nbengine.cache.records import extract_block_records
 from mlx_nbengine.cache.store import BlockStore
@@ -275,3 +276,139 @@ def test_save_reports_a_record_the_store_could_not_take(tmp_path):
         recs = extract_block_records(layers, block=0, block_size=B)
         assert pc.save(pc.keys(TOKENS)[0], recs) is False
         assert pc.plan(TOKENS).n_blocks == 0
+
+
+# --- cuts: token-exact restore into the next block -------------------------------------------
+
+
+def cut_cache(store, *, window: int = W, fingerprint: str = "model-a") -> PrefixCache:
+    """A PrefixCache for a layout every layer of which can be cut (kv and a window >= B)."""
+    layers = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=window)]
+    return PrefixCache.for_cache(layers, fingerprint=fingerprint, store=store, block_size=B)
+
+
+def save_with_followers(pc: PrefixCache, tokens, *, seed: int = 0) -> None:
+    """Prefill `tokens` (random data) and save every whole block with its parent and tokens."""
+    live = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=pc.max_window)]
+    keys = pc.keys(tokens)
+    for i, (start, end) in enumerate(prefill_steps(0, len(tokens), block_size=B, max_step=B)):
+        feed(live, end - start, seed=seed + i)
+        if end % B == 0:
+            j = end // B - 1
+            recs = extract_block_records(live, block=j, block_size=B)
+            parent = keys[j - 1] if j else ROOT
+            assert pc.save(keys[j], recs, parent=parent, tokens=tokens[j * B : end])
+
+
+def edit_at(tokens, at: int) -> list[int]:
+    return tokens[:at] + [t + 1000 for t in tokens[at:]]
+
+
+def test_a_cut_restores_the_unchanged_start_of_the_edited_block(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS)
+    plan = pc.plan(edit_at(TOKENS, 3 * B + 5), to_token=True)
+    assert (plan.n_blocks, plan.boundary, plan.tokens) == (3, 3 * B, 3 * B + 5)
+    assert plan.cut.block == 3 and plan.cut.tokens == 5
+    assert plan.cut.key == pc.keys(TOKENS)[3]
+    assert plan.cut.needed == ((plan.cut.key, "kv"), (plan.cut.key, "window"))
+    assert plan.kept_boundary is None
+    # Whole blocks only unless asked: the plan then says a cut was possible.
+    whole = pc.plan(edit_at(TOKENS, 3 * B + 5))
+    assert (whole.tokens, whole.cut, whole.kept_boundary) == (3 * B, None, "block")
+
+
+def test_a_cut_never_reaches_the_prompts_last_token(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS)
+    plan = pc.plan(TOKENS[: 4 * B + 7], to_token=True)  # a prefix of what was stored
+    assert plan.n_blocks == 4 and plan.tokens == 4 * B + 6
+
+
+def test_the_follower_sharing_most_is_cut_from(store):
+    pc = cut_cache(store)
+    first = TOKENS[: 2 * B] + [500 + i for i in range(3 * B)]
+    second = TOKENS[: 2 * B + 9] + [700 + i for i in range(3 * B)]
+    save_with_followers(pc, first, seed=0)
+    save_with_followers(pc, second, seed=50)  # the most recent follower of block 1
+    plan = pc.plan(first[: 2 * B + 12] + [9] * 20, to_token=True)
+    assert plan.cut.key == pc.keys(first)[2] and plan.cut.tokens == 12
+
+
+def test_a_follower_whose_records_are_gone_is_passed_over(store):
+    pc = cut_cache(store)
+    first = TOKENS[: 2 * B] + [500 + i for i in range(3 * B)]
+    second = first[: 2 * B + 4] + [700 + i for i in range(3 * B)]
+    save_with_followers(pc, first, seed=0)
+    save_with_followers(pc, second, seed=50)
+    store.delete(pc.keys(first)[2], "window")
+    plan = pc.plan(first[: 2 * B + 12] + [9] * 20, to_token=True)
+    assert plan.cut.key == pc.keys(second)[2] and plan.cut.tokens == 4
+    store.delete(pc.keys(second)[2], "kv")
+    plan = pc.plan(first[: 2 * B + 12] + [9] * 20, to_token=True)
+    assert (plan.tokens, plan.cut, plan.kept_boundary) == (2 * B, None, "evicted")
+
+
+def test_layers_that_cannot_be_cut_keep_the_boundary_and_say_why(store, tmp_path):
+    edited = edit_at(TOKENS, 3 * B + 5)
+    state = prefix_cache(store)  # kv, window and a recurrent state
+    prefill_and_save(state, TOKENS)
+    for j, key in enumerate(state.keys(TOKENS)):  # followers, as the engine records them
+        parent = state.keys(TOKENS)[j - 1] if j else ROOT
+        state.followers.add(key, parent, TOKENS[j * B : (j + 1) * B])
+    plan = state.plan(edited, to_token=True)
+    assert (plan.tokens, plan.kept_boundary) == (3 * B, "state")
+    with BlockStore(budget_bytes=1 << 26, directory=tmp_path) as other:
+        narrow = cut_cache(other, window=8, fingerprint="model-b")  # W < B
+        save_with_followers(narrow, TOKENS)
+        plan = narrow.plan(edited, to_token=True)
+        assert (plan.tokens, plan.kept_boundary) == (3 * B, "window")
+
+
+def test_a_cut_into_block_0_needs_half_a_block(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS)
+    assert pc.plan(edit_at(TOKENS, 7), to_token=True).tokens == 0  # BOS, a header...
+    assert pc.plan(edit_at(TOKENS, 8), to_token=True).tokens == 8
+    # ... or every prompt token but the last.
+    assert pc.plan(TOKENS[:5], to_token=True).tokens == 4
+
+
+def test_load_reads_the_cut_and_assembly_stops_at_the_token(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS)
+    plan, records = pc.load(pc.plan(edit_at(TOKENS, 3 * B + 5), to_token=True))
+    assert sorted(records) == [0, 1, 2, 3] and set(records[3]) == {"kv", "window"}
+    template = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=W)]
+    cache = pc.assemble(records, n_blocks=3, template_cache=template, cut_tokens=5)
+    assert [c.offset for c in cache] == [3 * B + 5] * 2
+    assert cache[1].keys.shape[2] == W  # the last W tokens before the cut
+
+
+def test_a_cut_record_that_vanished_after_planning_keeps_the_boundary(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS)
+    plan = pc.plan(edit_at(TOKENS, 3 * B + 5), to_token=True)
+    store.delete(plan.cut.key, "kv")
+    plan, records = pc.load(plan)
+    assert (plan.tokens, plan.cut, plan.kept_boundary) == (3 * B, None, "evicted")
+    assert sorted(records) == [0, 1, 2]
+
+
+def test_a_prompt_extending_a_stored_partial_block_is_cut_not_edited(store):
+    pc = cut_cache(store)
+    save_with_followers(pc, TOKENS[: 2 * B])
+    live = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=W)]
+    feed(live, 2 * B + 6, seed=3)
+    partial = extract_block_records(live, block=2, block_size=B, end=2 * B + 6)
+    tail = TOKENS[: 2 * B + 6]
+    key = partial_key(tail, fingerprint="model-a", block_size=B)
+    assert key not in pc.keys(TOKENS)  # never a block key
+    assert pc.save(key, partial, parent=pc.keys(TOKENS)[1], tokens=tail[2 * B :])
+    plan = pc.plan(TOKENS, to_token=True)
+    assert plan.cut.key == key and plan.tokens == 2 * B + 6
+    facts = pc.block_facts(TOKENS, plan.keys, first=2)
+    assert facts[0].diverges_at is None  # an extension changes nothing stored
+    assert pc.block_facts(edit_at(TOKENS, 2 * B + 3), plan.keys, first=2)[0].diverges_at == (
+        2 * B + 3
+    )

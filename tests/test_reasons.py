@@ -131,7 +131,8 @@ def test_a_first_block_edit_counts_only_past_half_a_block(engine_factory):
     run(engine, prompt(133))
     late = run(engine, changed(prompt(133), 10))
     assert reasons(late.report) == ["edited"] + ["after_miss"] * 7 + ["tail"]
-    assert late.report.edit_at == 10 and late.report.restored_tokens == 0
+    assert late.report.edit_at == 10 and late.report.restored_tokens == 10  # cut to the token
+    assert late.report.blocks[0].restored == 10
     early = run(engine, changed(prompt(133), 5))
     assert reasons(early.report) == ["new"] * 8 + ["tail"]
     assert early.report.edit_at is None
@@ -217,7 +218,7 @@ def test_block_events_during_prefill_carry_the_reasons_of_the_report(engine_fact
     report = events[-1].completion.report
 
     def fields(b):
-        return (b.index, b.start, b.end, b.source, b.reason, b.records, b.edit_at)
+        return (b.index, b.start, b.end, b.source, b.reason, b.records, b.edit_at, b.restored)
 
     assert [fields(e) for e in blocks] == [fields(b) for b in report.blocks]
     assert blocks[2].reason == "edited" and blocks[2].edit_at == 37
@@ -310,9 +311,12 @@ def test_cache_view_counts_blocks_and_grows_its_history(engine_factory):
     assert view["requests"] == 3 and len(view["history"]) == 3
     assert view["blocks_restored"] == 2  # blocks 0 and 1 of the edit, from disk
     assert view["blocks_computed"] == 9 + 2 + 7
-    assert view["tokens_restored"] == 32 and view["tokens_computed"] == 133 + 20 + 101
+    # And 5 tokens of block 2, up to the edit at 37 (a cut: block 2 is computed).
+    assert view["tokens_restored"] == 37 and view["tokens_computed"] == 133 + 20 + 96
     assert view["history"][-1] | {"t": 0} == {"t": 0, "restored": 2, "computed": 18, "evicted": 0}
-    assert view["blocks_held"] == 8 + 1 + 6  # the original, the unrelated prompt, the edit
+    # The original, the unrelated prompt, the edit: whole blocks, plus each finished
+    # request's partial last block.
+    assert view["blocks_held"] == (8 + 1) + (1 + 1) + (6 + 1)
     assert view["by_kind"]["kv"]["records"] == view["records"] == view["blocks_held"]
     assert view["by_kind"]["kv"]["bytes"] == view["bytes_held"] > 0
     assert "scratch file" in view["backend"]

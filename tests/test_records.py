@@ -198,3 +198,71 @@ def test_assembly_at_an_earlier_boundary_than_the_live_cache_reached():
     run(reference, [B, B])
     _, restored = restore_at(lm_cache, [B, B, B], n_blocks=2, window=24)
     assert_same(feed(reference, 7, seed=9), feed(restored, 7, seed=9))
+
+
+# --- partial records and cuts ----------------------------------------------------------------
+
+
+def test_a_partial_record_holds_the_blocks_first_tokens_and_no_state():
+    layers = make_layers(lm_cache, window=24)
+    seen = run(layers, [B, 5])  # 21 tokens: block 1 holds 5
+    recs = extract_block_records(layers, block=1, block_size=B, end=B + 5)
+    assert set(recs) == {"kv", "window"}  # a state there would serve no cut
+    assert recs["kv"].layers[0] == {"class": "KVCache", "start": B, "end": B + 5}
+    assert mx.array_equal(recs["kv"].arrays["L0.k"], seen[0][0][..., B : B + 5, :]).item()
+    assert recs["window"].layers[1]["start"] == B
+    with pytest.raises(RecordError, match="cannot end"):
+        extract_block_records(layers, block=1, block_size=B, end=B)
+
+
+def attention_layers(window: int) -> list:
+    return [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=window)]
+
+
+def step_data(n: int, seed: int) -> tuple[mx.array, mx.array]:
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((1, 2, n, 8), key=k1), mx.random.normal((1, 2, n, 8), key=k2)
+
+
+def feed_data(layers, keys, values) -> list:
+    seen = [c.update_and_fetch(keys, values) for c in layers]
+    mx.eval(seen)
+    return seen
+
+
+@pytest.mark.parametrize("window", [16, 24, 100])
+@pytest.mark.parametrize("next_steps", [[B], [1, 1, 1], [11, 1, B]])
+def test_a_cut_cache_continues_exactly_like_a_live_one(window, next_steps):
+    # Stored: blocks 0..2 of one run. Live: the same first 2 blocks and 5 tokens of block
+    # 2, then something else. The cut cache (2 blocks + 5 tokens of the stored block 2)
+    # must hold and continue exactly like the live one.
+    steps = [step_data(B, seed=i) for i in range(3)]
+    stored = attention_layers(window)
+    records = {}
+    for j, (k, v) in enumerate(steps):
+        feed_data(stored, k, v)
+        records[j] = {
+            kind: record_from_bytes(record_to_bytes(r))
+            for kind, r in extract_block_records(stored, block=j, block_size=B).items()
+        }
+    live = attention_layers(window)
+    for k, v in steps[:2]:
+        feed_data(live, k, v)
+    feed_data(live, steps[2][0][..., :5, :], steps[2][1][..., :5, :])
+    cut = assemble(
+        records, n_blocks=2, block_size=B, template_cache=attention_layers(window), cut_tokens=5
+    )
+    assert [c.offset for c in cut] == [2 * B + 5] * 2
+    for i, n in enumerate(next_steps):
+        k, v = step_data(n, seed=100 + i)
+        assert_same(feed_data(live, k, v), feed_data(cut, k, v))
+
+
+def test_a_window_narrower_than_a_block_cannot_be_cut():
+    layers = attention_layers(8)
+    feed_data(layers, *step_data(B, seed=0))
+    records = {0: extract_block_records(layers, block=0, block_size=B)}
+    with pytest.raises(RecordError, match="cannot be cut"):
+        assemble(
+            records, n_blocks=0, block_size=B, template_cache=attention_layers(8), cut_tokens=5
+        )

@@ -11,6 +11,15 @@ it had prefilled the first ``b`` tokens itself:
   first trims to the last ``W - 1`` tokens, a single-token update trims to the
   last ``W`` and rotates, and both see the same tokens in the same order.
 - ``"state"`` layers load the checkpoint taken at ``b`` (block ``n-1``'s record).
+
+A *cut* goes on past ``b`` into block ``n``: its first ``k`` tokens come from the
+records of a stored block that followed the same prefix (a *follower*, whole or
+partial), found under ``records_by_block[n]``; the cache then holds ``p = b + k``
+tokens. ``"kv"`` layers append the follower's first ``k`` tokens; ``"window"`` layers
+(window ``W >= B``, so a follower's window record holds its block from the start) take
+the last ``min(W, p)`` tokens of the chain's window records followed by the follower's
+first ``k``, exactly the tokens a cold prefill to ``p`` would hold. ``"state"`` layers
+cannot be cut (a recurrent state exists only at the boundary where it was taken).
 """
 
 from __future__ import annotations
@@ -49,14 +58,20 @@ def assemble(
     n_blocks: int,
     block_size: int,
     template_cache: list,
+    cut_tokens: int = 0,
 ) -> list:
-    """Fill `template_cache` (fresh, empty) to hold ``n_blocks`` restored blocks; return it.
+    """Fill `template_cache` (fresh, empty) to hold ``n_blocks`` restored blocks, then
+    `cut_tokens` more from the follower records under block ``n_blocks`` (a cut, see the
+    module docstring); return it.
 
     Raises `RecordError` when a needed record is missing or does not fit the template.
     """
-    if n_blocks <= 0:
+    if not 0 <= cut_tokens < block_size:
+        raise RecordError(f"a cut restores 0 to {block_size - 1} tokens, not {cut_tokens}")
+    if n_blocks <= 0 and cut_tokens == 0:
         return template_cache
     b = n_blocks * block_size
+    p = b + cut_tokens
 
     def record(block: int, kind: RecordKind) -> Record:
         rec = records_by_block.get(block, {}).get(kind)
@@ -71,15 +86,23 @@ def assemble(
                 meta = _layer(rec, i)
                 if (meta["start"], meta["end"]) != (j * block_size, (j + 1) * block_size):
                     raise RecordError(f"kv record of block {j} covers the wrong tokens")
-            keys = mx.concatenate([r.arrays[f"L{i}.k"] for r in recs], axis=2)
-            values = mx.concatenate([r.arrays[f"L{i}.v"] for r in recs], axis=2)
-            if keys.shape[2] != b or values.shape[2] != b:
-                raise RecordError(f"kv layer {i} assembles {keys.shape[2]} tokens, expected {b}")
-            c.keys, c.values, c.offset = keys, values, b
+            parts_k = [r.arrays[f"L{i}.k"] for r in recs]
+            parts_v = [r.arrays[f"L{i}.v"] for r in recs]
+            if cut_tokens:
+                k, v = _cut(record(n_blocks, "kv"), i, b, cut_tokens)
+                parts_k.append(k)
+                parts_v.append(v)
+            keys = mx.concatenate(parts_k, axis=2)
+            values = mx.concatenate(parts_v, axis=2)
+            if keys.shape[2] != p or values.shape[2] != p:
+                raise RecordError(f"kv layer {i} assembles {keys.shape[2]} tokens, expected {p}")
+            c.keys, c.values, c.offset = keys, values, p
         elif kind == "window":
             window = int(c.max_size)
-            lo = max(0, b - window)
+            lo = max(0, p - window)
             parts_k, parts_v, covered = [], [], None
+            if cut_tokens and window < block_size:
+                raise RecordError(f"window layer {i} (W={window}) cannot be cut inside a block")
             for j in window_blocks(n_blocks, window=window, block_size=block_size):
                 rec = record(j, "window")
                 meta = _layer(rec, i)
@@ -94,15 +117,35 @@ def assemble(
                 parts_k.append(rec.arrays[f"L{i}.k"])
                 parts_v.append(rec.arrays[f"L{i}.v"])
                 covered = meta["end"]
-            if covered != b:
-                raise RecordError(f"window records of layer {i} end at {covered}, expected {b}")
-            keys = mx.concatenate(parts_k, axis=2)[..., -(b - lo) :, :]
-            values = mx.concatenate(parts_v, axis=2)[..., -(b - lo) :, :]
-            c.keys, c.values, c.offset, c._idx = keys, values, b, keys.shape[2]
+            if cut_tokens and covered in (None, b):
+                k, v = _cut(record(n_blocks, "window"), i, b, cut_tokens)
+                parts_k.append(k)
+                parts_v.append(v)
+                covered = p
+            if covered != p:
+                raise RecordError(f"window records of layer {i} end at {covered}, expected {p}")
+            keys = mx.concatenate(parts_k, axis=2)[..., -(p - lo) :, :]
+            values = mx.concatenate(parts_v, axis=2)[..., -(p - lo) :, :]
+            c.keys, c.values, c.offset, c._idx = keys, values, p, keys.shape[2]
         else:
+            if cut_tokens:
+                raise RecordError(f"layer {i} keeps a recurrent state: it cannot be cut")
             rec = record(n_blocks - 1, "state")
             meta = _layer(rec, i)
             if meta.get("offset") != b:
                 raise RecordError(f"state record of layer {i} is for offset {meta.get('offset')}")
             restore_snapshot(c, meta, rec.arrays)
     return template_cache
+
+
+def _cut(rec: Record, i: int, start: int, k: int) -> tuple[mx.array, mx.array]:
+    """Layer `i`'s first `k` tokens of a follower record, which must start at `start`."""
+    meta = _layer(rec, i)
+    if rec.kind == "window" and meta["max_size"] < rec.block_size:
+        raise RecordError(f"window record of layer {i} does not hold its block from the start")
+    if meta["start"] != start or meta["end"] - start < k:
+        raise RecordError(
+            f"{rec.kind} record of layer {i} covers [{meta['start']}, {meta['end']}), "
+            f"a cut needs [{start}, {start + k})"
+        )
+    return rec.arrays[f"L{i}.k"][..., :k, :], rec.arrays[f"L{i}.v"][..., :k, :]

@@ -1,8 +1,14 @@
 """Block keys: content addresses of whole token blocks.
 
 A *block* is a run of `block_size` consecutive token positions ``[i*B, (i+1)*B)``;
-only whole blocks exist (the tail shorter than a block has no key and is always
-computed). A *boundary* is a block end, ``n*B``.
+a prompt's tail shorter than a block has no block key and is always computed. A
+*boundary* is a block end, ``n*B``.
+
+A *partial block* is such a tail once it is stored: the last ``m < B`` tokens of a
+finished request's cache (prompt and generated tokens). Its key (`partial_key`) hashes
+the key of the block before it (or the chain seed), a marker and its tokens, so it never
+equals a block key; it is only ever restored in part, as the unchanged start of a prompt
+block (see `planner`), never as a block of a chain.
 
 The *key* of block i is a SHA-256 hex digest over the key of block i-1, the
 block's token ids (little-endian uint32, so the bytes do not depend on the
@@ -24,9 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ImageSpan", "block_keys", "chain_seed"]
+__all__ = ["ImageSpan", "block_keys", "chain_seed", "partial_key"]
 
 _KEY_VERSION = b"mlx_nbengine.blocks.v1"
+_PARTIAL = b"\0partial\0"
 
 
 @dataclass(frozen=True)
@@ -84,3 +91,24 @@ def block_keys(
         prev = h.digest()
         keys.append(h.hexdigest())
     return keys
+
+
+def partial_key(tokens: Sequence[int], *, fingerprint: str, block_size: int) -> str | None:
+    """Hex key of the partial block of `tokens` (its last ``len % block_size`` tokens after
+    the whole blocks), None when `tokens` ends on a boundary. Text only (no images)."""
+    n_whole = len(tokens) // block_size
+    if len(tokens) == n_whole * block_size:
+        return None
+    keys = block_keys(
+        tokens[: n_whole * block_size], fingerprint=fingerprint, block_size=block_size
+    )
+    prev = (
+        bytes.fromhex(keys[-1])
+        if keys
+        else chain_seed(fingerprint=fingerprint, block_size=block_size)
+    )
+    ids = np.asarray(tokens[n_whole * block_size :], dtype=np.int64).astype("<u4")
+    h = hashlib.sha256(prev)
+    h.update(_PARTIAL)
+    h.update(ids.tobytes())
+    return h.hexdigest()

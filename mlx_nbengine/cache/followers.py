@@ -7,13 +7,17 @@ that prefix the store has seen. They are that parent's *followers*. The
 
 - a prompt block that is not in the store can be compared with its *siblings* (the
   followers of its own parent): the one sharing the longest common prefix tells where
-  the prompt leaves what was stored before (an edit);
+  the prompt leaves what was stored before (an edit), and whose records can restore the
+  prompt's unchanged tokens of that block (`ranked`: every follower with its shared
+  length, best first, found from the token ids alone, without reading a blob);
 - a key can be recognised as *stored once* after its records were evicted;
 - an evicted block's tokens can still be shown (decoded by the caller).
 
-Entries outlive their records on purpose (an evicted block was still seen); whoever
-wants to restore from a follower (token-exact restore of a partial block) checks the
-store first. The index is bounded: at most `capacity` blocks, and `per_parent` under
+A follower may be a *partial block* (fewer than `block_size` tokens: the tail of a
+finished request, stored under its own key, see `blocks.partial_key`); its tokens say
+how long it is. Entries outlive their records on purpose (an evicted block was still
+seen); whoever wants to restore from a follower (token-exact restore of a partial block)
+checks the store first. The index is bounded: at most `capacity` blocks, and `per_parent` under
 one parent, the least recently added dropped first. Token ids are kept as packed
 uint32 bytes (4 bytes a token). Not thread-safe: the engine uses it on its cache-I/O
 thread only.
@@ -88,16 +92,23 @@ class FollowerIndex:
         """Keys of the remembered blocks stored after `parent`, most recent first."""
         return list(reversed(self._by_parent.get(parent, ())))
 
+    def ranked(self, parent: str, tokens: Sequence[int]) -> list[tuple[str, int, int]]:
+        """Every follower of `parent` as ``(key, shared, length)``: the leading tokens it
+        shares with `tokens` and its own token count; longest shared first, the most
+        recent first on a tie."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        out = []
+        for key in self.followers(parent):
+            stored = _ids(self._blocks[key][1])
+            out.append((key, common_prefix(ids, stored), int(stored.size)))
+        out.sort(key=lambda item: -item[1])  # stable: recency order kept on ties
+        return out
+
     def closest(self, parent: str, tokens: Sequence[int]) -> tuple[str, int] | None:
         """The follower of `parent` sharing the longest common prefix with `tokens`, and
         that length (the most recent one on a tie); None when `parent` has none."""
-        best: tuple[str, int] | None = None
-        ids = np.asarray(tokens, dtype=np.int64)
-        for key in self.followers(parent):
-            shared = common_prefix(ids, _ids(self._blocks[key][1]))
-            if best is None or shared > best[1]:
-                best = (key, shared)
-        return best
+        ranked = self.ranked(parent, tokens)
+        return (ranked[0][0], ranked[0][1]) if ranked else None
 
 
 def _ids(packed: bytes) -> np.ndarray:

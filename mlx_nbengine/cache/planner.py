@@ -13,6 +13,21 @@ The *plan* is the largest ``n`` whose needed records all exist, with
 logits start generation) and, for models that attend bidirectionally within an
 image, ``b`` not strictly inside an image's tokens.
 
+*Cut* (token-exact restore, ``plan(..., to_token=True)``): past the plan's boundary
+``b = n*B`` the prompt's block ``n`` may still share its first tokens with a stored
+*follower* of block ``n-1`` (a block, whole or partial, stored after the same prefix:
+the `FollowerIndex` knows their token ids, so no blob is read to choose). The follower
+sharing the most tokens whose records are held gives the cut: its first ``k`` tokens
+are restored too, up to ``p = b + k`` (at most the prompt's last token but one; into
+block 0 only when ``k`` is half a block or every prompt token but the last, as for the
+hot cache). A cut needs the follower's ``"kv"`` and ``"window"`` records (the chain's
+window records already cover ``[p - W, b)``). Layers that cannot be cut keep the
+boundary, and the plan says why (`RestorePlan.kept_boundary`, one of
+`BOUNDARY_REASONS`): ``"state"`` (recurrent layers resume only at a stored
+checkpoint), ``"window"`` (a sliding window narrower than a block: a window record
+then lacks the block's first tokens), ``"block"`` (whole blocks were asked for),
+``"evicted"`` (the follower's records are gone).
+
 `PrefixCache` ties keys, records, the `BlockStore`, the planner and assembly
 together for one model. It is not thread-safe: the engine calls it from its
 cache-I/O thread (plan/load/save/touch) and the generation thread (assemble).
@@ -33,8 +48,8 @@ prompts stays longest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_nbengine.cache.assembly import assemble, window_blocks
@@ -51,7 +66,21 @@ from mlx_nbengine.cache.records import (
     record_to_bytes,
 )
 
-__all__ = ["BlockFacts", "PrefixCache", "RestorePlan", "prefill_steps"]
+__all__ = ["BOUNDARY_REASONS", "BlockFacts", "Cut", "PrefixCache", "RestorePlan", "prefill_steps"]
+
+BOUNDARY_REASONS = ("state", "window", "block", "evicted")
+"""Why a restore kept to a block boundary although a stored follower shared more tokens."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Restore the first `tokens` tokens of prompt block `block` from follower `key`,
+    reading its `needed` records (see the module docstring)."""
+
+    block: int
+    key: str
+    tokens: int
+    needed: tuple[tuple[str, RecordKind], ...]
 
 
 @dataclass(frozen=True)
@@ -59,11 +88,14 @@ class RestorePlan:
     """What to restore for one prompt.
 
     ``keys`` are the keys of all whole blocks of the prompt (restored or not; the
-    engine stores computed blocks under them); ``n_blocks`` blocks, i.e. the first
-    ``tokens`` tokens, are restored; ``needed`` lists the ``(key, kind)`` records
-    that takes, in block order. ``limit`` and ``allowed`` are the planner's
+    engine stores computed blocks under them); ``n_blocks`` whole blocks, i.e. the
+    first ``boundary`` tokens, are restored, then ``cut`` (if any) restores the start of
+    the next block: ``tokens`` in all. ``needed`` lists the ``(key, kind)`` records
+    the chain takes, in block order. ``limit`` and ``allowed`` are the planner's
     constraints (at most ``limit`` blocks; boundaries where ``allowed[n]`` is
     false are never used), kept so `PrefixCache.load` can fall back to a shorter chain.
+    ``kept_boundary`` says why there is no cut although a follower shared tokens (one of
+    `BOUNDARY_REASONS`), else None.
     """
 
     keys: tuple[str, ...]
@@ -72,10 +104,16 @@ class RestorePlan:
     needed: tuple[tuple[str, RecordKind], ...]
     limit: int
     allowed: tuple[bool, ...] = field(repr=False)
+    cut: Cut | None = None
+    kept_boundary: str | None = None
+
+    @property
+    def boundary(self) -> int:
+        return self.n_blocks * self.block_size
 
     @property
     def tokens(self) -> int:
-        return self.n_blocks * self.block_size
+        return self.boundary + (self.cut.tokens if self.cut is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -88,9 +126,10 @@ class BlockFacts:
     before it; ``restorable``: every record that restoring the prompt up to the block's
     end needs is held; ``diverges_at``: the absolute position
     where the prompt leaves the closest stored follower of the previous block (None when
-    a follower agrees with all the block's tokens, or none was stored; for block 0 the
-    follower must share at least half a block, `PrefixCache.root_min_shared`). A partial tail
-    block has no key: it is never seen, held nor restorable.
+    the closest follower agrees with all the block's tokens or the prompt extends it, a
+    stored partial block, or none was stored; for block 0 the follower must share at
+    least half a block, `PrefixCache.root_min_shared`). A partial tail block has no key:
+    it is never seen, held nor restorable.
     """
 
     index: int
@@ -160,6 +199,12 @@ class PrefixCache:
         # 30 tokens with a default system message), often a system prompt. So a stored
         # first block counts as the same prompt edited only when it shares half a block.
         self.root_min_shared = max(1, block_size // 2)
+        # What stops a cut inside a block (None: every layer can be cut to the token).
+        self.cut_blocker: str | None = None
+        if "state" in self.kinds:
+            self.cut_blocker = "state"
+        elif any(w is not None and w < block_size for w in self.windows):
+            self.cut_blocker = "window"
 
     @classmethod
     def for_cache(
@@ -206,8 +251,14 @@ class PrefixCache:
         images: Iterable[ImageSpan] = (),
         *,
         bidirectional_images: bool = False,
+        to_token: bool = False,
     ) -> RestorePlan:
-        """The longest restorable prefix of `tokens` given what the store holds now."""
+        """The longest restorable prefix of `tokens` given what the store holds now.
+
+        Whole blocks, then with `to_token` a cut into the next block where one can be
+        made (see the module docstring); without it, a plan that could have cut says
+        ``kept_boundary="block"``.
+        """
         images = tuple(images)
         keys = tuple(self.keys(tokens, images))
         limit = min(len(keys), max(0, len(tokens) - 1) // self.block_size)
@@ -215,7 +266,49 @@ class PrefixCache:
             not (bidirectional_images and any(s.cuts(n * self.block_size) for s in images))
             for n in range(limit + 1)
         )
-        return self._plan(keys, limit=limit, allowed=allowed)
+        plan = self._plan(keys, limit=limit, allowed=allowed)
+        return self._with_cut(
+            plan,
+            tokens,
+            to_token=to_token,
+            inside_image=lambda p: bidirectional_images and any(s.cuts(p) for s in images),
+        )
+
+    def _with_cut(
+        self,
+        plan: RestorePlan,
+        tokens: Sequence[int],
+        *,
+        to_token: bool,
+        inside_image: Callable[[int], bool],
+    ) -> RestorePlan:
+        """`plan` with the best cut into its next block, or the reason it keeps the boundary."""
+        B, n = self.block_size, plan.n_blocks
+        start = n * B
+        room = min(B - 1, len(tokens) - 1 - start)  # the last prompt token is computed
+        if room <= 0:
+            return plan
+        own = tokens[start : start + B]
+        # Into block 0 only past what unrelated prompts share (the hot cache's rule).
+        least = min(self.root_min_shared, len(own) - 1) if n == 0 else 1
+        parent = plan.keys[n - 1] if n else ROOT
+        candidates = [
+            (key, min(shared, room))
+            for key, shared, _ in self.followers.ranked(parent, own)
+            if shared >= least and not inside_image(start + min(shared, room))
+        ]
+        if not candidates:
+            return plan
+        why = None if to_token else "block"
+        why = why or self.cut_blocker
+        if why is not None:
+            return replace(plan, kept_boundary=why)
+        kinds = [k for k in KINDS if k in self.kinds and k != "state"]
+        for key, k in candidates:
+            needed = tuple((key, kind) for kind in kinds)
+            if all(self.store.has(*item) for item in needed):
+                return replace(plan, cut=Cut(block=n, key=key, tokens=k, needed=needed))
+        return replace(plan, kept_boundary="evicted")
 
     def _plan(self, keys: tuple[str, ...], *, limit: int, allowed: tuple[bool, ...]) -> RestorePlan:
         has = self.store.has
@@ -272,11 +365,16 @@ class PrefixCache:
         return out
 
     def _diverges_at(self, parent: str, tokens: Sequence[int], start: int) -> int | None:
-        closest = self.followers.closest(parent, tokens)
-        if closest is None:
+        ranked = self.followers.ranked(parent, tokens)
+        if not ranked:
             return None
-        _, shared = closest
-        if shared >= len(tokens) or (parent == ROOT and shared < self.root_min_shared):
+        _, shared, length = ranked[0]
+        # The prompt leaves the follower only where both go on and differ: a prompt block
+        # that is a prefix of the follower, or one that extends a (partial) follower, does
+        # not change anything stored.
+        if shared >= min(len(tokens), length):
+            return None
+        if parent == ROOT and shared < self.root_min_shared:
             return None
         return start + shared
 
@@ -295,8 +393,11 @@ class PrefixCache:
         A record that is gone or does not decode is deleted from the store and
         the plan falls back to the longest shorter chain still complete (or to
         nothing). Returns the plan actually served and its records by block.
-        On success the chain is touched (see `touch`).
+        On success the chain is touched (see `touch`). The plan's cut is read too and
+        served under block ``n_blocks``; if one of its records is gone or damaged it is
+        deleted and the plan keeps the boundary (``kept_boundary="evicted"``).
         """
+        cut, n_wanted = plan.cut, plan.n_blocks
         loaded: dict[tuple[str, RecordKind], Record] = {}
         while plan.n_blocks > 0:
             bad = None
@@ -322,7 +423,35 @@ class PrefixCache:
             by_block.setdefault(block, {})[kind] = loaded[(key, kind)]
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
+        if cut is not None and plan.n_blocks == n_wanted:
+            records = self._load_cut(cut)
+            if records is None:
+                plan = replace(plan, cut=None, kept_boundary="evicted")
+            else:
+                plan = replace(plan, cut=cut)
+                by_block[cut.block] = records
         return plan, by_block
+
+    def _load_cut(self, cut: Cut) -> dict[RecordKind, Record] | None:
+        """The cut's records, or None (a bad one deleted) when one is gone or damaged."""
+        out: dict[RecordKind, Record] = {}
+        for key, kind in cut.needed:
+            data = self.store.get(key, kind)
+            try:
+                if data is None:
+                    raise RecordError("record is gone")
+                rec = record_from_bytes(data)
+                self._check(rec, cut.block, kind)
+                if (
+                    min(m["end"] for m in rec.layers.values())
+                    < cut.block * self.block_size + cut.tokens
+                ):
+                    raise RecordError("the follower is shorter than the cut")
+            except RecordError:
+                self.store.delete(key, kind)
+                return None
+            out[kind] = rec
+        return out
 
     def _blocks_of(self, plan: RestorePlan) -> list[tuple[int, tuple[str, RecordKind]]]:
         index = {k: j for j, k in enumerate(plan.keys[: plan.n_blocks])}
@@ -334,13 +463,16 @@ class PrefixCache:
         *,
         n_blocks: int,
         template_cache: list,
+        cut_tokens: int = 0,
     ) -> list:
-        """Fill a fresh model cache with `n_blocks` restored blocks (see `assembly.assemble`)."""
+        """Fill a fresh model cache with `n_blocks` restored blocks and `cut_tokens` of the
+        next one (see `assembly.assemble`)."""
         return assemble(
             records_by_block,
             n_blocks=n_blocks,
             block_size=self.block_size,
             template_cache=template_cache,
+            cut_tokens=cut_tokens,
         )
 
     # --- store -------------------------------------------------------------------------------
@@ -357,8 +489,10 @@ class PrefixCache:
 
         Records already held are kept as they are (equal keys mean equal prefixes).
         With `parent` (the previous block's key, `ROOT` for block 0) and the block's
-        `tokens`, a block now held is added to `followers`. Call `touch` with the chain
-        afterwards so the recency order is right.
+        `tokens`, a block now held is added to `followers`; so is one saved with no
+        records at all (a partial block whose records a model that cannot be cut does
+        not keep: its tokens still tell where a later prompt is edited). Call `touch`
+        with the chain afterwards so the recency order is right.
         """
         ok = True
         for kind, rec in records.items():
@@ -366,7 +500,7 @@ class PrefixCache:
                 continue
             ok = self.store.put(key, kind, record_to_bytes(rec)) and ok
         if parent is not None and tokens is not None:
-            if any(self.store.has(key, kind) for kind in records):
+            if not records or any(self.store.has(key, kind) for kind in records):
                 self.followers.add(key, parent, tokens)
         return ok
 

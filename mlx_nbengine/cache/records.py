@@ -17,6 +17,10 @@ kind*, which decides what a block must keep so the cache can be rebuilt later:
   checkpoint of the whole layer state and is valid only at the boundary where
   a model call ended, so it exists only when the cache offset equals ``end``.
 
+A *partial record* holds only the first ``m < B`` tokens of its block, ``[start,
+start + m)`` (a stored partial block, see `blocks.partial_key`): ``"kv"`` and
+``"window"`` kinds only.
+
 A *record* bundles all layers of one kind for one block: arrays named
 ``L<layer>.<name>`` plus string metadata (kind, block, block size, and per
 layer the class name, token range and scalars as JSON). Records travel as
@@ -186,7 +190,12 @@ def _meta(kind: RecordKind, block: int, block_size: int, layers: dict) -> dict[s
 
 
 def extract_block_records(
-    cache: list, *, block: int, block_size: int, offset: int | None = None
+    cache: list,
+    *,
+    block: int,
+    block_size: int,
+    offset: int | None = None,
+    end: int | None = None,
 ) -> dict[RecordKind, Record]:
     """The records of block `block` from a live single-sequence cache.
 
@@ -197,8 +206,17 @@ def extract_block_records(
     i.e. right after a model call that ended on the boundary. `offset` (tokens
     seen) is read from the cache unless given; give it for caches where no
     layer counts tokens. Arrays are evaluated, so records may cross threads.
+
+    `end` (inside the block) takes a *partial block*'s records instead: the tokens
+    ``[start, end)``, ``"kv"`` and ``"window"`` only (a state there would resume only a
+    prompt that shares all of them: not kept).
     """
-    start, end = block * block_size, (block + 1) * block_size
+    start = block * block_size
+    partial = end is not None and end != start + block_size
+    if end is None:
+        end = start + block_size
+    if not start < end <= start + block_size:
+        raise RecordError(f"block {block} of size {block_size} cannot end at {end}")
     seen = _cache_offset(cache) if offset is None else offset
     kinds = layer_kinds(cache)
     layers: dict[RecordKind, dict[str, Any]] = {k: {} for k in KINDS}
@@ -232,7 +250,7 @@ def extract_block_records(
                 "end": end,
                 "max_size": int(c.max_size),
             }
-        elif seen == end:
+        elif seen == end and not partial:
             protocol, snapshot = _take_snapshot(c)
             skeleton = _encode(snapshot, arrays[kind], f"L{i}")
             layers[kind][str(i)] = {

@@ -16,6 +16,7 @@ ensure_fast_blas()
 
 from mlx_nbengine.engine.engine import Engine  # noqa: E402
 from mlx_nbengine.engine.events import (  # noqa: E402
+    KEPT_BOUNDARY,
     REASONS,
     BlockEvent,
     Event,
@@ -34,6 +35,7 @@ from mlx_nbengine.engine.request import (  # noqa: E402
 )
 
 __all__ = [
+    "KEPT_BOUNDARY",
     "REASONS",
     "BlockEvent",
     "BlockReport",

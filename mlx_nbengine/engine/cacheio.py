@@ -74,13 +74,15 @@ class CacheIO:
 
         self.call(build).result()
 
-    def restore(self, tokens: list[int], *, better_than: int) -> Future:
+    def restore(self, tokens: list[int], *, better_than: int, to_token: bool = False) -> Future:
         """Plan the longest restorable prefix of `tokens`; load it if it beats `better_than`.
 
-        The future's result is ``(plan, records_by_block, facts)``: `records_by_block` is
+        With `to_token` the plan may end inside a block (a cut, see `planner`). The
+        future's result is ``(plan, records_by_block, facts)``: `records_by_block` is
         None when the plan restores no more than `better_than` tokens (the caller has a
-        better source); `facts` maps each block from the plan's end to the prompt's last
-        to its `BlockFacts`.
+        better source), else it also holds the cut's records under block
+        ``plan.n_blocks``; `facts` maps each block from the plan's last whole block to the
+        prompt's last to its `BlockFacts`.
         """
 
         def job():
@@ -91,17 +93,18 @@ class CacheIO:
             for key in keys:
                 self._store(key)
             # And the queued blocks that followed the prompt's prefixes: the facts compare
-            # the prompt with them (an edit of a prompt that just ran).
+            # the prompt with them and a cut restores from them (an edit of a prompt that
+            # just ran).
             parents = {ROOT, *keys}
             with self._queued_lock:
                 followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
             for key in followers:
                 self._store(key)
-            plan = prefix.plan(tokens)
+            plan = prefix.plan(tokens, to_token=to_token)
             records = None
-            if plan.n_blocks > 0 and plan.tokens > better_than:
+            if plan.tokens > better_than:
                 plan, records = prefix.load(plan)
-                if plan.n_blocks == 0 or plan.tokens <= better_than:
+                if plan.tokens <= better_than:
                     records = None
                 else:
                     mx.eval([r.arrays for block in records.values() for r in block.values()])

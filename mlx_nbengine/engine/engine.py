@@ -11,7 +11,10 @@ flight, joins both threads and closes the store, which deletes its scratch file;
 idempotent and also runs from an `atexit` hook, so a process that exits without calling
 it leaves no file behind.
 
-`Engine.load(..., store=False)` runs without a block store (no scratch file; every whole
+`Engine.load(..., restore="token")` (the default) restores an edited prompt up to its
+first changed token where the model's layers can be cut there; ``restore="block"`` keeps
+whole blocks from disk (see `generation`). `Engine.load(..., store=False)` runs without a
+block store (no scratch file; every whole
 prompt block is computed, with reason ``"store_off"``). `cache_view()` is what the store
 view draws: the store's figures now plus the engine's `CacheLedger` (counts over all
 finished requests, history, recent evictions).
@@ -42,6 +45,9 @@ from mlx_nbengine.engine.sampling import validate
 from mlx_nbengine.engine.sequence import Sequence
 from mlx_nbengine.engine.text import TextStream
 
+RESTORE_MODES = ("token", "block")
+"""`Engine.load(restore=...)`: to the first changed token, or whole blocks only."""
+
 # Strong references: an engine's threads run until it is closed, dropped or not.
 _open_engines: set[Engine] = set()
 
@@ -71,7 +77,12 @@ class Engine:
         max_prefill_step: int = 1024,
         name: str = "model",
         store: bool = True,
+        restore: str = "token",
     ) -> None:
+        if restore not in RESTORE_MODES:
+            raise InvalidRequestError(
+                f"restore must be one of {', '.join(map(repr, RESTORE_MODES))}, got {restore!r}"
+            )
         if not isinstance(parallel, int) or parallel < 1:
             raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -83,6 +94,7 @@ class Engine:
             )
         self.parallel = parallel
         self.block_size = block_size
+        self.restore = restore
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -118,6 +130,7 @@ class Engine:
             parallel=parallel,
             block_size=block_size,
             max_prefill_step=max_prefill_step,
+            restore=restore,
         )
         try:
             self.model = self._gen.start()
@@ -142,24 +155,36 @@ class Engine:
         max_prefill_step: int = 1024,
         progress: Callable[[int, int], None] | None = None,
         store: bool = True,
+        restore: str = "token",
+        revision: str | None = None,
     ) -> Engine:
-        """Load `model` ("default", a model directory or a .gguf file) and start serving.
+        """Load `model` and start serving.
+
+        `model` is "default", a model directory, a .gguf file, or a model id ``ORG/NAME``
+        found in the Hugging Face hub cache or LM Studio's models folder, else downloaded
+        from the hub (see `mlx_nbengine.models.sources`); `revision` picks a branch, tag or
+        commit of a Hugging Face id.
 
         `parallel` requests decode together; prompts are cached in blocks of `block_size`
         tokens. `disk_budget` caps the scratch file's live bytes (None: a default from the
         free disk space; 0: keep the records in memory instead). `cache_dir` is where the
         scratch file lives (default: the system temp folder). `dtype` casts the weights.
         `max_prefill_step` bounds the tokens of one prefill call when nothing else runs.
-        `progress(done, total)`, when given, is called on the generation thread while a GGUF
-        file is converted (tensor bytes written so far, of `total`); a model that needs no
-        conversion reports nothing. `store=False` runs without a block store: no scratch
-        file, nothing restored from disk, every whole prompt block computed (reason
-        ``"store_off"``). Raises a `ModelError` if the model cannot be loaded.
+        `progress(done, total)`, when given, is called on the generation thread while a model
+        is downloaded (bytes fetched so far, of `total`) and while a GGUF file is converted
+        (tensor bytes written so far, of `total`; counting from 0 again after a download); a
+        model already here that needs no conversion reports nothing. `store=False` runs
+        without a block store: no scratch file, nothing restored from disk, every whole
+        prompt block computed (reason ``"store_off"``). `restore="token"` (the default)
+        restores an edited prompt up to its first changed token where the model's layers
+        allow it (see `generation`); ``"block"`` restores whole blocks from disk only,
+        bit-identical to a cold run of the same steps. Raises a `ModelError` if the model
+        cannot be loaded.
         """
         from mlx_nbengine.models import load as load_model
 
         def loader() -> Any:
-            return load_model(model, dtype=dtype, progress=progress)
+            return load_model(model, dtype=dtype, progress=progress, revision=revision)
 
         name = os.path.basename(os.fspath(model).rstrip("/\\")) or os.fspath(model)
         return cls(
@@ -171,6 +196,7 @@ class Engine:
             max_prefill_step=max_prefill_step,
             name=name,
             store=store,
+            restore=restore,
         )
 
     # --- requests ---------------------------------------------------------------------------
@@ -279,6 +305,7 @@ class Engine:
             model=self.model_name,
             parallel=self.parallel,
             block_size=self.block_size,
+            restore=self.restore,
             active=self._gen.active,
             queued=self._gen.queued,
             failures=self._gen.failures,

@@ -29,6 +29,14 @@ Every block also carries a *reason*, named here and nowhere else:
   chain broke; ``"tail"`` the partial last block, or the block holding the prompt's last
   token (always computed: its logits start generation); ``"window"`` the block's own
   records are held but the window/state records needed to stop at its end were dropped.
+
+Every block also says how many of its tokens were *restored*: all of them for a memory
+or disk block, none for a computed one, except the block where a token-exact restore
+ended inside it (a *cut*, see `generation`): it is computed (its last tokens were
+prefilled, with the reason above, e.g. ``"edited"`` at the changed token) and its
+`restored` counts the unchanged tokens before. When the restore kept to a block boundary
+although a stored continuation shared more tokens, the report's `kept_boundary` says
+why, one of `KEPT_BOUNDARY`.
 """
 
 from __future__ import annotations
@@ -65,6 +73,15 @@ REASONS: dict[str, str] = {
 """A short human phrase per computed reason (and ``"hot"``)."""
 
 
+KEPT_BOUNDARY: dict[str, str] = {
+    "state": "recurrent layers resume only at a stored block boundary",
+    "window": "the sliding window is narrower than a block",
+    "block": "the engine restores whole blocks only (restore='block')",
+    "evicted": "the stored continuation's records were evicted",
+}
+"""Why a restore stopped at a block boundary short of the first changed token."""
+
+
 def disk_reason(records: tuple[str, ...]) -> str:
     """The reason of a block restored from disk: its record kinds read, joined by "+"."""
     return "+".join(k for k in RECORD_ORDER if k in records) or "none"
@@ -84,7 +101,9 @@ class BlockEvent:
     `reason` says why (see the module docstring); `records` are the record kinds read
     from disk for it (empty for memory and computed blocks); `edit_at` is the absolute
     position of the first changed token when this block is where the prompt leaves a
-    stored continuation (an ``"edited"`` block, or the tail), else None.
+    stored continuation (an ``"edited"`` block, or the tail), else None; `restored` is
+    how many of its tokens were restored (``end - start`` for memory and disk blocks, 0
+    for computed ones, the unchanged tokens before a cut inside the block).
     """
 
     index: int
@@ -95,6 +114,7 @@ class BlockEvent:
     reason: str
     records: tuple[str, ...] = ()
     edit_at: int | None = None
+    restored: int = 0
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,30 @@ Terms:
   prompt, trimmed only when every layer is trimmable; a sliding window that has rotated
   or a recurrent state is never trimmed). ``disk``: the records of the longest
   restorable chain of whole blocks, planned and loaded by the cache-I/O thread and
-  assembled here. Once the source is chosen, every block left to compute gets its
-  *reason* (see `reasons`) from the facts the restore read.
+  assembled here, then (``restore="token"``, the default) a *cut*: the unchanged start
+  of the next block, from the stored block that followed the same prefix and shares the
+  most tokens with it (see `planner`), so an edit is restored up to its first changed
+  token. Full-attention and sliding-window layers (window at least a block) are cut to
+  the token; a recurrent state or a window narrower than a block resumes only at a block
+  boundary, and the report says why (`Report.kept_boundary`). ``restore="block"`` makes
+  no cut. Once the source is chosen, every block left to compute gets its *reason* (see
+  `reasons`) from the facts the restore read.
+- *partial block*: when a sequence finishes, the tokens its cache holds after the last
+  boundary (a prompt's tail, often the question a notebook edits, and the answer) are
+  stored as a partial block (its records where cuts are made, else only its tokens), so
+  a later edit of that tail is cut to the token too.
+- *parity*: restored arrays are the stored ones; for tokens the earlier run computed in
+  a prefill step of a few dozen tokens or more they equal what a cold run computes (CPU
+  matmuls and attention give the same bits whatever the length of such a step). The
+  rest is computed in steps of other shapes than a cold run's (from the cut to the next
+  boundary, the last token alone), so its logits may differ in the last bits. Largest
+  difference of the last prompt token's logits, cut restore vs cold run
+  (`bench/bench_peers.py --parity`, CPU): tiny llama 1.2e-6, tiny gemma3_text windows
+  24 / 64 / 512 (blocks of 16) 9.5e-6 / 1.2e-5 / 1.1e-5, tiny qwen3_5 0 (it keeps
+  boundaries), Gemma 3 270M (2,048 tokens, edited 20 before the end, blocks of 256)
+  2.1e-5 on logits up to 14 (a whole-block restore there: 1.5e-5, its window layers'
+  buffers having another length than a cold run's); the greedy token was the same in
+  every case and in every test prompt.
 - *step*: one model call. A *prefill step* computes prompt tokens up to the next block
   boundary (or a few blocks, or the prompt's end); a *decode step* computes one token for
   every member of the batch. The loop alternates: one prefill step of each admitting
@@ -59,12 +81,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from mlx_nbengine._blas import blas_step
+from mlx_nbengine._blas import PARALLEL_MIN_TOKENS, blas_step, blas_threads_for
 from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.events import RECORD_ORDER
@@ -81,6 +104,20 @@ DEFER_LIMIT_S = 0.05
 # Padding tokens a prefill group may add per member beyond the first: a short step costs
 # about one read of the weights, worth this many tokens of compute on small models.
 GROUP_PAD_TOKENS = 64
+
+
+def _prefill_blas(n_tokens: int) -> AbstractContextManager:
+    """The BLAS thread count of a prefill step over `n_tokens` tokens (see `_blas`).
+
+    A step long enough to be a prefill step there is tuned by `blas_step`. A shorter one
+    (an edit's few changed tokens) runs on the count decode steps prefer without being
+    counted as a decode step: a tuning probe of the other count would otherwise land on
+    it and cost a whole step of the edited re-run.
+    """
+    if n_tokens >= PARALLEL_MIN_TOKENS:
+        return blas_step(n_tokens)
+    blas_threads_for(n_tokens)
+    return nullcontext()
 
 
 @dataclass
@@ -125,9 +162,12 @@ class GenerationThread:
         parallel: int,
         block_size: int,
         max_prefill_step: int,
+        restore: str = "token",
         name: str = "mlx-nbengine-generation",
     ) -> None:
         self._loader = loader
+        self.to_token = restore == "token"  # else "block": whole blocks from disk only
+        self._cut_ok = False  # the store's model can be cut inside a block: set on load
         self._io = io
         self._prefix_factory = prefix_factory
         self.parallel = parallel
@@ -217,6 +257,7 @@ class GenerationThread:
                 self._io.open(lambda: self._prefix_factory(lm))
                 self.has_prefix = True
                 self.store_off = self._io.prefix.store.budget_bytes == 0
+                self._cut_ok = self._io.prefix.cut_blocker is None
         except BaseException as exc:
             self._load_error = exc
             self._release_streams()
@@ -382,7 +423,7 @@ class GenerationThread:
             return
         better_than = self._hot_usable(seq.prompt)
         seq.restore_started = time.perf_counter()
-        fut = self._io.restore(seq.prompt, better_than=better_than)
+        fut = self._io.restore(seq.prompt, better_than=better_than, to_token=self.to_token)
         seq.restore_future = fut
         fut.add_done_callback(lambda _: self._inbox.put(("restored", seq)))
 
@@ -413,16 +454,22 @@ class GenerationThread:
         if records is not None and plan.tokens > hot_n:
             t = time.perf_counter()
             cache = self._io_prefix().assemble(
-                records, n_blocks=plan.n_blocks, template_cache=self.lm.make_cache()
+                records,
+                n_blocks=plan.n_blocks,
+                template_cache=self.lm.make_cache(),
+                cut_tokens=plan.cut.tokens if plan.cut is not None else 0,
             )
             mx.eval([c.state for c in cache])
             seconds += time.perf_counter() - t
             start, source = plan.tokens, "disk"
+            # Whole blobs are read, also the cut's (of which only its first tokens are used).
             seq.restored_bytes = sum(r.nbytes for recs in records.values() for r in recs.values())
             kinds_read = {
                 block: tuple(k for k in RECORD_ORDER if k in recs)
                 for block, recs in records.items()
+                if block < plan.n_blocks
             }
+            seq.kept_boundary = plan.kept_boundary
         elif hot_n > 0:
             t = time.perf_counter()
             cache, self._hot = self._hot.take(hot_n), None
@@ -431,6 +478,7 @@ class GenerationThread:
             seconds = time.perf_counter() - t
         else:
             cache, start, source = self.lm.make_cache(), 0, None
+            seq.kept_boundary = plan.kept_boundary if plan is not None else None
         seq.cache = cache
         seq.cache_tokens = list(seq.prompt[:start])
         first = start // self.block_size  # the first block not wholly restored
@@ -487,7 +535,7 @@ class GenerationThread:
         inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
         last = end == len(seq.prompt)
         # The BLAS thread count is chosen per step; MLX runs the step at the eval.
-        with blas_step(end - start):
+        with _prefill_blas(end - start):
             logits = self._forward(inputs, seq.cache)
             if last:
                 token = self._sample([seq], logits[:, -1, :])
@@ -549,7 +597,7 @@ class GenerationThread:
         if max(padding):
             for c in caches:
                 c.prepare(lengths=lengths, right_padding=padding)
-        with blas_step(width * len(group)):
+        with _prefill_blas(width * len(group)):
             self._forward(mx.array(rows, dtype=mx.uint32), caches)  # logits never evaluated
             if max(padding):
                 for c in caches:
@@ -706,11 +754,42 @@ class GenerationThread:
         self._save_block(chain, seq.cache_tokens, cache, block, chain=chain[: block + 1])
 
     def _finish(self, seq: Sequence, hot: tuple[list[int], list[Any]] | None, reason: str) -> None:
-        """End `seq`; `hot` (the tokens held by a cache, the cache) becomes the hot cache."""
+        """End `seq`; `hot` (the tokens held by a cache, the cache) becomes the hot cache,
+        and its partial last block is stored (see `_save_partial`)."""
         if hot is not None:
             # The only cache kept once its sequence ends; older ones leave RAM here.
             self._hot = HotCache(*hot)
+            # Queued before the caller sees the result, so a caller that then drains the
+            # cache-I/O thread finds it stored.
+            self._save_partial(*hot)
         seq.finish(reason)
+
+    def _save_partial(self, tokens: list[int], cache: list[Any]) -> None:
+        """Store the partial last block of a finished cache (the tokens after its last
+        boundary: a prompt's tail, often the question a notebook edits, and the answer),
+        so a later prompt can be restored into it to the token (a cut; see `planner`).
+        Its records only where cuts are made (a token-exact engine whose model can be
+        cut); elsewhere only its tokens, so a later edit there is still reported."""
+        bs, n = self.block_size, len(tokens)
+        if not self.has_prefix or n % bs == 0:
+            return
+        from mlx_nbengine.cache import ROOT, RecordError, extract_block_records, partial_key
+
+        block = n // bs
+        records: dict[str, Any] = {}
+        if self.to_token and self._cut_ok:
+            try:
+                records = extract_block_records(cache, block=block, block_size=bs, end=n)
+            except RecordError:
+                return  # a cache no longer holding the block's start: a future miss, no error
+        keys = self._keys(tokens[: block * bs])
+        key = partial_key(tokens, fingerprint=self.lm.fingerprint, block_size=bs)
+        parent = keys[-1] if keys else ROOT
+        # Touching the chain after it leaves the partial block older than every block of
+        # its chain: the suffix evicts first.
+        self._io.save(
+            key, records, parent=parent, tokens=list(tokens[block * bs :]), chain=keys or None
+        )
 
     # --- model calls ------------------------------------------------------------------------
 

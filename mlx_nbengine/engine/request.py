@@ -43,8 +43,9 @@ class BlockReport:
     """Prompt block `index` covers tokens ``start:end`` and came from `source` in `seconds`.
 
     Blocks are `block_size` tokens; the last one may be shorter (the prompt's tail).
-    A block only partly restored (the hot cache ended inside it) counts as computed.
-    `reason`, `records` and `edit_at` are those of its `BlockEvent`.
+    A block only partly restored (the restore ended inside it, a cut) counts as computed
+    and its `restored` says how many of its tokens were restored. `reason`, `records`,
+    `edit_at` and `restored` are those of its `BlockEvent`.
     """
 
     index: int
@@ -55,6 +56,7 @@ class BlockReport:
     reason: str
     records: tuple[str, ...] = ()
     edit_at: int | None = None
+    restored: int = 0
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Report:
     reused from memory); `restore_source` names where the restored prefix came from.
     `edit_at` is the absolute position of the first prompt token that differs from a
     stored continuation of its prefix (also when it falls in the tail), else None.
+    `kept_boundary` says why the restore stopped at a block boundary although a stored
+    continuation shared more tokens (one of `events.KEPT_BOUNDARY`: ``"state"``,
+    ``"window"``, ``"block"``, ``"evicted"``), else None.
     """
 
     blocks: list[BlockReport] = field(default_factory=list)
@@ -78,6 +83,7 @@ class Report:
     restore_source: BlockSource | None = None
     restored_bytes: int = 0
     edit_at: int | None = None
+    kept_boundary: str | None = None
 
 
 @dataclass

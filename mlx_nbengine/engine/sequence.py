@@ -16,7 +16,9 @@ once it has been fed back. Owned by the generation thread.
 Each prompt block is reported once (a `BlockEvent` on the stream, a `BlockReport` in the
 report) with its source and reason: restored blocks at the restore (``"hot"``, or the
 record kinds read from disk), computed ones as their last token is prefilled, with the
-reason `set_reasons` gave them at admission (see `reasons`). A finished sequence tells
+reason `set_reasons` gave them at admission (see `reasons`). A restore that ends inside a
+block (a cut) leaves that block computed, with its restored tokens counted in its
+`restored` and its share of the restore time in its seconds. A finished sequence tells
 the engine's `CacheLedger` (when it has one) what its blocks cost.
 """
 
@@ -63,9 +65,11 @@ class Sequence:
     reasons: dict[int, str] = field(default_factory=dict)  # computed blocks, set at admission
     edits: dict[int, int] = field(default_factory=dict)  # block -> first changed position
     disk_records: dict[int, tuple[str, ...]] = field(default_factory=dict)  # kinds read
+    kept_boundary: str | None = None  # why the restore stopped short at a boundary
     stop_reason: str | None = None
     ledger: Any = None  # the engine's CacheLedger, told when the sequence finishes
     _seconds: dict[int, float] = field(default_factory=dict)
+    _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
 
     @property
     def n_blocks(self) -> int:
@@ -93,9 +97,14 @@ class Sequence:
         are the record kinds read per block (disk only)."""
         self.restored, self.restore_source = n_tokens, source
         self.disk_records = dict(records or {})
-        whole = [i for i in range(self.n_blocks) if self.block_span(i)[1] <= n_tokens]
-        for i in whole:
-            self._add_block(i, source, seconds / len(whole))
+        per_token = seconds / max(1, n_tokens)
+        for i in range(self.n_blocks):
+            start, end = self.block_span(i)
+            if end <= n_tokens:
+                self._add_block(i, source, per_token * (end - start))
+            elif start < n_tokens:  # a cut: the block is reported once its rest is computed
+                self._partial[i] = n_tokens - start
+                self._seconds[i] = per_token * (n_tokens - start)
         self.request._put(Progress("restore", n_tokens, len(self.prompt)))
 
     def report_computed(self, start: int, end: int, seconds: float) -> None:
@@ -114,6 +123,7 @@ class Sequence:
         start, end = self.block_span(index)
         records: tuple[str, ...] = ()
         edit_at = None
+        restored = end - start
         if source == "memory":
             reason = "hot"
         elif source == "disk":
@@ -123,10 +133,10 @@ class Sequence:
             default = "tail" if index == self.n_blocks - 1 else "new"
             reason = self.reasons.get(index, default)
             edit_at = self.edits.get(index)
-        self.blocks[index] = BlockReport(
-            index, start, end, source, seconds, reason, records, edit_at
-        )
-        self.request._put(BlockEvent(index, start, end, source, seconds, reason, records, edit_at))
+            restored = self._partial.get(index, 0)
+        fields = (index, start, end, source, seconds, reason, records, edit_at, restored)
+        self.blocks[index] = BlockReport(*fields)
+        self.request._put(BlockEvent(*fields))
 
     def accept(self, token: int, *, context_length: int | None) -> str | None:
         """Take one sampled token; return the finish reason if the sequence is done."""
@@ -166,6 +176,7 @@ class Sequence:
             restore_source=self.restore_source,
             restored_bytes=self.restored_bytes,
             edit_at=min(self.edits.values(), default=None),
+            kept_boundary=self.kept_boundary,
         )
         n = len(self.generated)
         if n > 1 and self.last_token_at > self.first_token_at:

