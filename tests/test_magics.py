@@ -413,6 +413,12 @@ def test_load_model_no_store_runs_the_engine_without_a_block_store(ip):
     assert engine().options["store"] is False
 
 
+def test_load_model_restore_block_keeps_block_aligned_restores(ip):
+    run(ip, "%load_model default --restore block")
+    assert engine().options["restore"] == "block"
+    assert "invalid choice" in str(error_of(run(ip, "%load_model default --restore half")))
+
+
 def test_load_model_passes_the_revision_of_a_model_id_to_the_engine(ip, private_machine):
     assert error_of(run(ip, "%load_model org/tiny --revision dev")) is None
     assert engine().name == "org/tiny"

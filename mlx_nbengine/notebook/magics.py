@@ -385,6 +385,13 @@ class LLMMagics(Magics):
         action="store_true",
         help="run without a block store (every prompt block is computed)",
     )
+    @argument(
+        "--restore",
+        choices=["token", "block"],
+        default=None,
+        help="token (default): an edit restores up to its first changed token; block: whole "
+        "blocks only, bit-identical to a cold run",
+    )
     @line_magic
     def load_model(self, line: str) -> None:
         """Load a model into this kernel and start its engine.

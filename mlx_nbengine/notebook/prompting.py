@@ -128,6 +128,8 @@ def engine_options(args: Any) -> dict[str, Any]:
         options["store"] = False
     if getattr(args, "revision", None) is not None:
         options["revision"] = args.revision
+    if getattr(args, "restore", None) is not None:
+        options["restore"] = args.restore
     return options
 
 
