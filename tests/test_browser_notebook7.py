@@ -1,0 +1,293 @@
+"""The widgets in a real Jupyter Notebook 7, driven through Debian's Chromium with Playwright.
+
+One scenario per module (`nb7_run`): Notebook 7 (``python -m notebook``) starts on
+loopback with the JupyterLab harness's directories, kernelspec and settings
+(`lab_server`'s helpers; only the command line differs), and the browser opens
+``/notebooks/<name>.ipynb``: a notebook that loads a tiny random-weight llama with
+16-token blocks, answers a long prompt (``%%llm --max-tokens 4``), answers it again with
+its last line changed (``--blocks``), then shows ``%llm_cache``. Every cell runs from the
+UI, through the menu Run > Run All Cells. The tests read the DOM of the live widgets
+(``.mnb-strip .mnb-block`` with ``data-kind``, ``.mnb-map`` rows, ``.mnb-store``), never
+the static text/html fallback, and the browser console.
+
+A screenshot of the notebook lands in the module's temporary directory. Without Chromium
+(Debian's ``chromium`` package) or Playwright the module is skipped with the reason;
+Playwright's own browser download is never used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is missing")
+pytest.importorskip("notebook", reason="Jupyter Notebook 7 (`notebook`) is missing")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip(
+        "no system Chromium (Debian package `chromium`); .ci/run installs it",
+        allow_module_level=True,
+    )
+
+from lab_server import (  # noqa: E402  (tests/ is on sys.path)
+    LabServer,
+    free_port,
+    kernel_env,
+    notebook_json,
+    stop,
+    wait_ready,
+    write_config,
+    write_kernelspec,
+    write_user_settings,
+)
+from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
+from test_nbconvert import chat_tokens, first_change  # noqa: E402
+
+FIRST_LAST_LINE = "Summarize this text."
+EDITED_LAST_LINE = "Translate this text."
+RESTORED = {"memory", "disk"}
+WAIT_MS = 90_000
+NOTEBOOK_NAME = "nb7_tiny.ipynb"
+
+
+@contextmanager
+def notebook7_server(tmp: Path, *, kernel_extra_env: dict[str, str]) -> Iterator[LabServer]:
+    """Jupyter Notebook 7 on 127.0.0.1, set up as `lab_server.lab_server` sets up Lab."""
+    root, home = tmp / "root", tmp / "home"
+    config, data, runtime = home / "config", home / "data", home / "runtime"
+    settings, workspaces = home / "user-settings", home / "workspaces"
+    for d in (root, config, data, runtime, settings, workspaces):
+        d.mkdir(parents=True, exist_ok=True)
+    write_kernelspec(data, kernel_env(kernel_extra_env))
+    write_user_settings(settings, theme="JupyterLab Light")
+    write_config(config)
+    env = os.environ | {
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_DATA_DIR": str(data),
+        "JUPYTER_RUNTIME_DIR": str(runtime),
+        "IPYTHONDIR": str(home / "ipython"),
+        "JUPYTER_PLATFORM_DIRS": "0",
+    }
+    for name in ("JUPYTER_PATH", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR"):
+        env.pop(name, None)
+    port, token = free_port(), secrets.token_hex(16)
+    argv = [
+        sys.executable,
+        "-m",
+        "notebook",
+        "--no-browser",
+        "--allow-root",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--ServerApp.token={token}",
+        f"--ServerApp.root_dir={root}",
+        f"--JupyterNotebookApp.user_settings_dir={settings}",
+        f"--JupyterNotebookApp.workspaces_dir={workspaces}",
+        # window.jupyterapp: the test waits on the kernel's status through it.
+        "--JupyterNotebookApp.expose_app_in_browser=True",
+    ]
+    log = home / "server.log"
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            argv,
+            cwd=root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = LabServer(port=port, token=token, root=root, log=log, process=process)
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        stop(server)
+
+
+@dataclass
+class Step:
+    """What the DOM showed in one cell's output."""
+
+    strip: list[dict]  # per .mnb-strip .mnb-block: index, kind, reason
+    map_rows: list[dict]  # per .mnb-map .mnb-block row
+    stores: int  # .mnb-store elements
+    roots: int  # .mnb-strip, .mnb-map and .mnb-store elements in the cell
+    static_roots: int  # those of them inside a static text/html output
+
+
+@dataclass
+class Nb7Run:
+    tokens_first: list[int]
+    tokens_edited: list[int]
+    first: Step
+    edited: Step
+    store: Step
+    screenshot: Path
+    console_errors: list[str] = field(default_factory=list)
+
+    def n_blocks(self, tokens: list[int]) -> int:
+        return math.ceil(len(tokens) / BLOCK)
+
+    @property
+    def edit_at(self) -> int:
+        return first_change(self.tokens_first, self.tokens_edited)
+
+
+CELLS = ".jp-Notebook .jp-Cell"
+
+READ_CELL = """(index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const data = (e) => ({index: Number(e.dataset.index), kind: e.dataset.kind,
+                        reason: e.dataset.reason});
+  return {
+    strip: [...cell.querySelectorAll('.mnb-strip .mnb-block')].map(data),
+    map_rows: [...cell.querySelectorAll('.mnb-map .mnb-block')].map(data),
+    stores: cell.querySelectorAll('.mnb-store').length,
+    static_roots: [...cell.querySelectorAll('.mnb-strip, .mnb-map, .mnb-store')]
+      .filter(e => e.closest('.jp-RenderedHTMLCommon, [data-mime-type="text/html"]')).length,
+    roots: cell.querySelectorAll('.mnb-strip, .mnb-map, .mnb-store').length,
+  };
+}"""
+
+ALL_RAN = """(n) => {
+  const cells = [...document.querySelectorAll('.jp-Notebook .jp-Cell')];
+  const kernel = window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel;
+  return cells.length === n && kernel?.status === 'idle' && cells.every(c =>
+    /^\\[\\d+\\]:$/.test(c.querySelector('.jp-InputPrompt').textContent.trim()));
+}"""
+
+STRIP_DONE = """([index, n]) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const blocks = [...cell.querySelectorAll('.mnb-strip .mnb-block')];
+  return blocks.length === n && blocks.every(b => b.dataset.kind !== 'pending');
+}"""
+
+
+def run_all_from_menu(page) -> None:
+    """Run > Run All Cells in Notebook 7's menu bar."""
+    page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-item", has_text="Run All Cells").first.click()
+
+
+@pytest.fixture(scope="module")
+def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
+    model = tiny_model_dir("llama")
+    tmp = tmp_path_factory.mktemp("notebook7")
+    first_prompt = f"{LONG_PROMPT}\n{FIRST_LAST_LINE}"
+    edited_prompt = f"{LONG_PROMPT}\n{EDITED_LAST_LINE}"
+    cells = [
+        f"%load_ext mlx_nbengine\n%load_model tiny-llama --block-size {BLOCK} --cache-dir scratch",
+        f"%%llm --max-tokens 4\n{first_prompt}",
+        f"%%llm --max-tokens 4 --blocks\n{edited_prompt}",
+        "%llm_cache",
+    ]
+    tokens_first = chat_tokens(model, first_prompt)
+    tokens_edited = chat_tokens(model, edited_prompt)
+    shot = tmp / "notebook7.png"
+    console_errors: list[str] = []
+    kernel_extra = {"MLX_NBENGINE_HOME": str(tmp / "cache-home")}
+    with notebook7_server(tmp / "nb7", kernel_extra_env=kernel_extra) as server:
+        shutil.copytree(model, server.root / "tiny-llama")
+        (server.root / "scratch").mkdir()
+        (server.root / NOTEBOOK_NAME).write_text(json.dumps(notebook_json(cells)))
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            )
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 1400})
+                page.set_default_timeout(WAIT_MS)
+                page.on(
+                    "console",
+                    lambda m: console_errors.append(m.text) if m.type == "error" else None,
+                )
+                try:
+                    url = f"{server.base_url}/notebooks/{NOTEBOOK_NAME}?token={server.token}"
+                    page.goto(url, timeout=WAIT_MS)
+                    page.wait_for_function(
+                        "() => window.jupyterapp?.shell?.currentWidget?.sessionContext"
+                        "?.session?.kernel?.status === 'idle'",
+                        timeout=WAIT_MS,
+                    )
+                    run_all_from_menu(page)
+                    page.wait_for_function(ALL_RAN, arg=len(cells), timeout=WAIT_MS)
+                    page.wait_for_function(
+                        STRIP_DONE, arg=[1, math.ceil(len(tokens_first) / BLOCK)]
+                    )
+                    page.wait_for_function(
+                        STRIP_DONE, arg=[2, math.ceil(len(tokens_edited) / BLOCK)]
+                    )
+                    page.wait_for_selector(f"{CELLS} >> nth=3 >> .mnb-store")
+                    page.wait_for_timeout(500)  # the last updates settle before the picture
+                    first, edited, store = (Step(**page.evaluate(READ_CELL, i)) for i in (1, 2, 3))
+                    page.locator(CELLS).nth(1).evaluate("(e) => e.scrollIntoView({block: 'start'})")
+                    page.wait_for_timeout(200)
+                    page.screenshot(path=shot, full_page=True)
+                except Exception:
+                    page.screenshot(path=tmp / "failure.png")
+                    (tmp / "console-errors.txt").write_text("\n".join(console_errors))
+                    raise
+            finally:
+                browser.close()
+    return Nb7Run(
+        tokens_first=tokens_first,
+        tokens_edited=tokens_edited,
+        first=first,
+        edited=edited,
+        store=store,
+        screenshot=shot,
+        console_errors=console_errors,
+    )
+
+
+def kinds(blocks: list[dict]) -> list[str]:
+    return [b["kind"] for b in sorted(blocks, key=lambda b: b["index"])]
+
+
+def test_notebook7_draws_the_live_widgets_without_errors(nb7_run):
+    for step in (nb7_run.first, nb7_run.edited, nb7_run.store):
+        assert step.roots > 0
+        assert step.static_roots == 0, "drawn by the text/html fallback"
+    widget_errors = [e for e in nb7_run.console_errors if re.search(r"widget|mnb|esm", e, re.I)]
+    assert not widget_errors
+
+
+def test_notebook7_strips_have_one_cell_per_prompt_block(nb7_run):
+    n_first = nb7_run.n_blocks(nb7_run.tokens_first)
+    n_edited = nb7_run.n_blocks(nb7_run.tokens_edited)
+    assert [b["index"] for b in nb7_run.first.strip] == list(range(n_first))
+    assert [b["index"] for b in nb7_run.edited.strip] == list(range(n_edited))
+    assert kinds(nb7_run.first.strip) == ["computed"] * (n_first - 1) + ["tail"]
+
+
+def test_notebook7_edited_prompt_restores_blocks_before_the_edit(nb7_run):
+    edit_block = nb7_run.edit_at // BLOCK
+    got = kinds(nb7_run.edited.strip)
+    assert edit_block >= 2, "the edit is near the end of a long prompt"
+    assert set(got[:edit_block]) <= RESTORED, got
+    assert set(got[edit_block:-1]) <= {"computed"}, got
+    assert got[-1] == "tail"
+
+
+def test_notebook7_block_map_and_store_view_are_shown(nb7_run):
+    assert nb7_run.edited.map_rows, "an .mnb-map with rows under the --blocks answer"
+    assert kinds(nb7_run.edited.map_rows) == kinds(nb7_run.edited.strip)
+    assert nb7_run.store.stores >= 1
+    png = nb7_run.screenshot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
