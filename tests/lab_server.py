@@ -165,8 +165,10 @@ def lab_server(
     *,
     kernel_extra_env: dict[str, str] | None = None,
     theme: str = "JupyterLab Light",
+    app: str = "lab",
 ) -> Iterator[LabServer]:
-    """JupyterLab on 127.0.0.1 with a random token, stopped (kernels too) on exit."""
+    """JupyterLab (`app` "lab") or Notebook 7 (`app` "notebook") on 127.0.0.1 with a random
+    token, stopped (kernels too) on exit."""
     root, home = tmp / "root", tmp / "home"
     config, data, runtime = home / "config", home / "data", home / "runtime"
     settings, workspaces = home / "user-settings", home / "workspaces"
@@ -186,10 +188,13 @@ def lab_server(
     env.pop("JUPYTERLAB_SETTINGS_DIR", None)
     env.pop("JUPYTERLAB_WORKSPACES_DIR", None)
     port, token = free_port(), secrets.token_hex(16)
+    module, cls = {"lab": ("jupyterlab", "LabApp"), "notebook": ("notebook", "JupyterNotebookApp")}[
+        app
+    ]
     argv = [
         sys.executable,
         "-m",
-        "jupyterlab",
+        module,
         "--no-browser",
         "--allow-root",
         "--ServerApp.ip=127.0.0.1",
@@ -197,13 +202,16 @@ def lab_server(
         "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
-        f"--LabApp.user_settings_dir={settings}",
-        f"--LabApp.workspaces_dir={workspaces}",
-        # window.jupyterapp: the test reads cell sources and runs commands through it.
-        "--LabApp.expose_app_in_browser=True",
-        "--LabApp.news_url=",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--{cls}.user_settings_dir={settings}",
+        f"--{cls}.workspaces_dir={workspaces}",
+        # window.jupyterapp: the tests read cell sources and run commands through it.
+        f"--{cls}.expose_app_in_browser=True",
     ]
+    if app == "lab":
+        argv += [
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]
     log = home / "server.log"
     with open(log, "wb") as log_file:
         process = subprocess.Popen(

@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import secrets
 import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,17 +36,7 @@ if CHROMIUM is None:
         allow_module_level=True,
     )
 
-from lab_server import (  # noqa: E402  (tests/ is on sys.path)
-    LabServer,
-    free_port,
-    kernel_env,
-    notebook_json,
-    stop,
-    wait_ready,
-    write_config,
-    write_kernelspec,
-    write_user_settings,
-)
+from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
 from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
 from test_nbconvert import chat_tokens, first_change  # noqa: E402
 
@@ -61,62 +45,6 @@ EDITED_LAST_LINE = "Translate this text."
 RESTORED = {"memory", "disk"}
 WAIT_MS = 90_000
 NOTEBOOK_NAME = "nb7_tiny.ipynb"
-
-
-@contextmanager
-def notebook7_server(tmp: Path, *, kernel_extra_env: dict[str, str]) -> Iterator[LabServer]:
-    """Jupyter Notebook 7 on 127.0.0.1, set up as `lab_server.lab_server` sets up Lab."""
-    root, home = tmp / "root", tmp / "home"
-    config, data, runtime = home / "config", home / "data", home / "runtime"
-    settings, workspaces = home / "user-settings", home / "workspaces"
-    for d in (root, config, data, runtime, settings, workspaces):
-        d.mkdir(parents=True, exist_ok=True)
-    write_kernelspec(data, kernel_env(kernel_extra_env))
-    write_user_settings(settings, theme="JupyterLab Light")
-    write_config(config)
-    env = os.environ | {
-        "JUPYTER_CONFIG_DIR": str(config),
-        "JUPYTER_DATA_DIR": str(data),
-        "JUPYTER_RUNTIME_DIR": str(runtime),
-        "IPYTHONDIR": str(home / "ipython"),
-        "JUPYTER_PLATFORM_DIRS": "0",
-    }
-    for name in ("JUPYTER_PATH", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR"):
-        env.pop(name, None)
-    port, token = free_port(), secrets.token_hex(16)
-    argv = [
-        sys.executable,
-        "-m",
-        "notebook",
-        "--no-browser",
-        "--allow-root",
-        "--ServerApp.ip=127.0.0.1",
-        f"--ServerApp.port={port}",
-        "--ServerApp.port_retries=0",
-        f"--ServerApp.token={token}",
-        f"--ServerApp.root_dir={root}",
-        f"--JupyterNotebookApp.user_settings_dir={settings}",
-        f"--JupyterNotebookApp.workspaces_dir={workspaces}",
-        # window.jupyterapp: the test waits on the kernel's status through it.
-        "--JupyterNotebookApp.expose_app_in_browser=True",
-    ]
-    log = home / "server.log"
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            argv,
-            cwd=root,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = LabServer(port=port, token=token, root=root, log=log, process=process)
-    try:
-        wait_ready(server)
-        yield server
-    finally:
-        stop(server)
 
 
 @dataclass
@@ -201,7 +129,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
     shot = tmp / "notebook7.png"
     console_errors: list[str] = []
     kernel_extra = {"MLX_NBENGINE_HOME": str(tmp / "cache-home")}
-    with notebook7_server(tmp / "nb7", kernel_extra_env=kernel_extra) as server:
+    with lab_server(tmp / "nb7", kernel_extra_env=kernel_extra, app="notebook") as server:
         shutil.copytree(model, server.root / "tiny-llama")
         (server.root / "scratch").mkdir()
         (server.root / NOTEBOOK_NAME).write_text(json.dumps(notebook_json(cells)))
