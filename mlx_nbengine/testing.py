@@ -25,7 +25,9 @@ prepends ``<bos>``, and the chat template is ChatML-like.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "FAMILIES",
     "VISION_FAMILIES",
     "VOCAB_SIZE",
+    "add_to_hub_cache",
     "make_tiny_gguf",
     "make_tiny_model",
     "make_tiny_tokenizer",
@@ -502,3 +505,29 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return directory
+
+
+def add_to_hub_cache(
+    hub: str | Path,
+    repo_id: str,
+    files: list[Path],
+    *,
+    commit: str = "c" * 40,
+    refs: tuple[str, ...] = ("main",),
+) -> Path:
+    """Lay `files` out in the hub cache `hub` as huggingface_hub does (blobs named by their
+    hash, a snapshot of relative symlinks to them, `refs/<ref>` naming the commit) and
+    return the snapshot folder; several commits of one repository share its blobs."""
+    repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    for file in files:
+        digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        if not (repo / "blobs" / digest).exists():
+            shutil.copy2(file, repo / "blobs" / digest)
+        (snapshot / Path(file).name).symlink_to(Path("..", "..", "blobs", digest))
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

@@ -16,13 +16,11 @@ cache in a temporary directory; the hub cache holds the tiny llama as ``org/tiny
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,27 +241,13 @@ def cache_dir(tmp_path_factory) -> Path:
 HUB_ID = "org/tiny-llama"
 
 
-def add_to_hub_cache(hub: Path, repo_id: str, files: list[Path]) -> Path:
-    """Lay `files` out as huggingface_hub does: blobs by hash, a snapshot of links, refs/main."""
-    repo = hub / ("models--" + repo_id.replace("/", "--"))
-    commit = "c" * 40
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "refs").mkdir()
-    for file in files:
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copy2(file, repo / "blobs" / digest)
-        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
-
-
 @pytest.fixture(scope="module")
 def machine(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     """The kernel's environment: its own HOME, hub cache (holding `HUB_ID`) and caches."""
     root = tmp_path_factory.mktemp("machine")
     (root / "home").mkdir()
+    from mlx_nbengine.testing import add_to_hub_cache
+
     add_to_hub_cache(root / "hf" / "hub", HUB_ID, sorted(tiny_model_dir("llama").iterdir()))
     return {
         "HOME": str(root / "home"),

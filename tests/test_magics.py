@@ -7,7 +7,6 @@ the same magics against the real `Engine` and a tiny model in a real kernel.
 
 from __future__ import annotations
 
-import hashlib
 import html
 import os
 import re
@@ -840,19 +839,9 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def add_to_hub_cache(repo_id: str, files: list[Path]) -> Path:
-    """Lay `files` out as huggingface_hub does: blobs by hash, a snapshot of links, refs/main."""
-    repo = Path(os.environ["HF_HUB_CACHE"]) / ("models--" + repo_id.replace("/", "--"))
-    commit = "a" * 40
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "refs").mkdir()
-    for file in files:
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copy2(file, repo / "blobs" / digest)
-        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
+    from mlx_nbengine.testing import add_to_hub_cache as lay_out
+
+    return lay_out(os.environ["HF_HUB_CACHE"], repo_id, files)
 
 
 @pytest.fixture

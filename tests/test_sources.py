@@ -9,7 +9,6 @@ the test replaces it with a stand-in to isolate the download step.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub.hf_api import RepoSibling
 
+from mlx_nbengine import testing
 from mlx_nbengine.errors import (
     AmbiguousModelError,
     ModelError,
@@ -59,20 +59,7 @@ def private_machine(tmp_path, monkeypatch) -> Path:
 
 
 def add_to_hub_cache(repo_id: str, files: list[Path], *, commit: str, refs=("main",)) -> Path:
-    """Lay `files` out as huggingface_hub does: blobs by hash, a snapshot of symlinks, refs."""
-    repo = hub_cache() / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    for file in files:
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        if not (repo / "blobs" / digest).exists():
-            shutil.copy2(file, repo / "blobs" / digest)
-        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
+    return testing.add_to_hub_cache(hub_cache(), repo_id, files, commit=commit, refs=refs)
 
 
 def files_of(folder: Path) -> list[Path]:
