@@ -114,18 +114,22 @@ def assemble(
                     covered = meta["start"]
                 elif meta["start"] != covered:
                     raise RecordError(f"window records of layer {i} leave a gap at {covered}")
-                parts_k.append(rec.arrays[f"L{i}.k"])
-                parts_v.append(rec.arrays[f"L{i}.v"])
+                if meta["end"] > lo:  # only the tokens from `lo` on are kept: copy no more
+                    skip = max(0, lo - meta["start"])
+                    parts_k.append(rec.arrays[f"L{i}.k"][..., skip:, :])
+                    parts_v.append(rec.arrays[f"L{i}.v"][..., skip:, :])
                 covered = meta["end"]
             if cut_tokens and covered in (None, b):
                 k, v = _cut(record(n_blocks, "window"), i, b, cut_tokens)
-                parts_k.append(k)
-                parts_v.append(v)
+                parts_k.append(k[..., max(0, lo - b) :, :])
+                parts_v.append(v[..., max(0, lo - b) :, :])
                 covered = p
             if covered != p:
                 raise RecordError(f"window records of layer {i} end at {covered}, expected {p}")
-            keys = mx.concatenate(parts_k, axis=2)[..., -(p - lo) :, :]
-            values = mx.concatenate(parts_v, axis=2)[..., -(p - lo) :, :]
+            keys = mx.concatenate(parts_k, axis=2)
+            values = mx.concatenate(parts_v, axis=2)
+            if keys.shape[2] != p - lo:
+                raise RecordError(f"window layer {i} assembles {keys.shape[2]} tokens")
             c.keys, c.values, c.offset, c._idx = keys, values, p, keys.shape[2]
         else:
             if cut_tokens:
