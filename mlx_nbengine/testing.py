@@ -16,6 +16,11 @@ Families and the cache layout they produce (one entry per layer):
   layers and `KVCache` (full attention) on odd ones (``full_attention_interval=2``).
 - ``qwen2_vl`` (vision, mlx-vlm; `make_tiny_vlm`): two mlx-vlm `KVCache` layers,
   a two-block vision tower and Qwen2-VL's image processor.
+- ``gemma4`` (vision, mlx-vlm; `make_tiny_gemma4_vlm`): mlx-vlm
+  `RotatingKVCache(max_size=sliding_window)` and `KVCache` layers in turn (four layers,
+  no KV sharing), image tokens attending to each other both ways
+  (``use_bidirectional_attention: "vision"``), a two-block vision tower and Gemma 4's
+  processor (8-pixel patches pooled 2x2, at most 16 image tokens an image).
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on the
 text in `_TRAINING_TEXT` (vocab 512), with special tokens ``<bos>``, ``<eos>``,
@@ -37,6 +42,7 @@ __all__ = [
     "VISION_FAMILIES",
     "VOCAB_SIZE",
     "add_to_hub_cache",
+    "make_tiny_gemma4_vlm",
     "make_tiny_gguf",
     "make_tiny_model",
     "make_tiny_tokenizer",
@@ -44,7 +50,7 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
-VISION_FAMILIES = ("qwen2_vl",)
+VISION_FAMILIES = ("qwen2_vl", "gemma4")
 # Also buildable (plain KVCache, like llama): qwen3 and qwen2 (Q/K/V biases), the GGUF
 # converter's other architectures.
 EXTRA_FAMILIES = ("qwen3", "qwen2")
@@ -82,11 +88,15 @@ def make_tiny_tokenizer(
     *,
     extra_special_tokens: tuple[str, ...] = (),
     chat_template: str = _CHAT_TEMPLATE,
+    named_special_tokens: dict[str, str] | None = None,
 ) -> Path:
     """Train the tiny byte-level BPE and write tokenizer.json and tokenizer_config.json.
 
-    `extra_special_tokens` get ids right after `SPECIAL_TOKENS` (the vision family's
-    image tokens), so the other families' ids never move.
+    `extra_special_tokens` get ids right after `SPECIAL_TOKENS` (the vision families'
+    image tokens), so the other families' ids never move. `named_special_tokens` (for
+    example ``{"image_token": "<|image|>"}``) go in tokenizer_config.json's
+    ``extra_special_tokens``, which makes them tokenizer attributes (``tokenizer.image_token``,
+    ``tokenizer.image_token_id``), where Gemma 4's processor looks for them.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -118,6 +128,8 @@ def make_tiny_tokenizer(
         "model_max_length": 131072,
         "chat_template": chat_template,
     }
+    if named_special_tokens:
+        tokenizer_config["extra_special_tokens"] = dict(named_special_tokens)
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     special_map = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
@@ -235,12 +247,16 @@ def make_tiny_model(
 ) -> Path:
     """Write a random-weight model directory of `family` into `directory` and return it.
 
-    `sliding_window` only matters for ``gemma3_text``; `num_layers` overrides the
-    family's default depth (llama 2, the others 4, so both layer kinds exist);
+    `sliding_window` only matters for ``gemma3_text`` and ``gemma4``; `num_layers` overrides
+    the depth of a text family (llama 2, the others 4, so both layer kinds exist);
     `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
     """
     from mlx_lm.utils import _get_classes
 
+    if family == "gemma4":
+        return make_tiny_gemma4_vlm(
+            directory, seed=seed, dtype=dtype, sliding_window=sliding_window
+        )
     if family in VISION_FAMILIES:
         return make_tiny_vlm(directory, seed=seed, dtype=dtype)
     config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
@@ -437,8 +453,6 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
     and a chat template that writes ``<|vision_start|><|image_pad|><|vision_end|>``
     for an ``{"type": "image"}`` content part. `load` returns it as kind ``"vision"``.
     """
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
-
     directory = Path(directory)
     make_tiny_tokenizer(
         directory, extra_special_tokens=VISION_TOKENS, chat_template=_VL_CHAT_TEMPLATE
@@ -495,6 +509,15 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     }
+    _save_random_vlm(config, directory, seed=seed, dtype=dtype)
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return directory
+
+
+def _save_random_vlm(config: dict[str, Any], directory: Path, *, seed: int, dtype: str) -> None:
+    """Build the mlx-vlm model `config` describes, write random weights and config.json."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
     arch, _ = get_model_and_args(config=dict(config))
     # from_dict adds the text_config that update_module_configs then reads, as mlx-vlm's loader.
     working = json.loads(json.dumps(config))
@@ -503,7 +526,146 @@ def make_tiny_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32
     model = arch.Model(model_config)
     _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+
+
+# Gemma 4-style image marks (begin, end, image token); `<|video|>` is here because
+# Gemma 4's processor adds it to the tokenizer (past the model's vocab) when it is missing.
+GEMMA4_VISION_TOKENS = ("<|image>", "<image|>", "<|image|>", "<|video|>")
+
+_GEMMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_gemma4_vlm(
+    directory: str | Path, *, seed: int = 0, dtype: str = "float32", sliding_window: int = 64
+) -> Path:
+    """Write a tiny random-weight Gemma 4 vision model directory (mlx-vlm) and return it.
+
+    Four decoder layers, sliding-window (`sliding_window`) and full attention in turn,
+    without KV sharing or per-layer inputs; ``use_bidirectional_attention: "vision"``, so
+    in mlx-vlm's single-call prefill the image tokens attend to each other both ways. The
+    vision tower has two blocks on 8-pixel patches pooled 2x2, and ``processor_config.json``
+    caps an image at 16 soft tokens: a 64x64 image becomes 16 image tokens, 80x48 (either
+    way round) 15 and 200x150 12. The chat template writes ``<|image|>`` for an
+    ``{"type": "image"}`` content part; the processor expands it to
+    ``<|image>`` + n x ``<|image|>`` + ``<image|>``. `load` returns it as kind ``"vision"``.
+    """
+    directory = Path(directory)
+    make_tiny_tokenizer(
+        directory,
+        extra_special_tokens=GEMMA4_VISION_TOKENS,
+        chat_template=_GEMMA4_CHAT_TEMPLATE,
+        named_special_tokens={
+            "boi_token": "<|image>",
+            "eoi_token": "<image|>",
+            "image_token": "<|image|>",
+            "video_token": "<|video|>",
+        },
+    )
+    ids = {name: i for i, name in enumerate([*SPECIAL_TOKENS, *GEMMA4_VISION_TOKENS])}
+    patch_size, pooling, soft_tokens = 8, 2, 16
+    text_config = {
+        "model_type": "gemma4_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "global_head_dim": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 2,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size": VOCAB_SIZE,
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+        "use_double_wide_mlp": False,
+        "use_bidirectional_attention": "vision",
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+    }
+    vision_config = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "patch_size": patch_size,
+        "pooling_kernel_size": pooling,
+        "default_output_length": soft_tokens,
+        # One-hot patch coordinates: an image is at most soft_tokens * pooling patches a side.
+        "position_embedding_size": 64,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+        "use_bidirectional_attention": "vision",
+        "rms_norm_eps": 1e-6,
+    }
+    config = {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text_config,
+        "vision_config": vision_config,
+        # Null, not absent: mlx-vlm's loader would build (then drop) a full-size audio tower.
+        "audio_config": None,
+        "image_token_id": ids["<|image|>"],
+        "boi_token_id": ids["<|image>"],
+        "eoi_token_id": ids["<image|>"],
+        "video_token_id": ids["<|video|>"],
+        "vision_soft_tokens_per_image": soft_tokens,
+        "tie_word_embeddings": True,
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"]],
+    }
+    image_processor = {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "patch_size": patch_size,
+        "pooling_kernel_size": pooling,
+        "max_soft_tokens": soft_tokens,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        "do_convert_rgb": True,
+    }
+    processor = {
+        "processor_class": "Gemma4Processor",
+        "image_seq_length": soft_tokens,
+        "image_processor": image_processor,
+        # The video processor's defaults (16-pixel patches pooled 3x3) would not fit the tower.
+        "video_processor": {
+            "patch_size": patch_size,
+            "pooling_kernel_size": pooling,
+            "max_soft_tokens": 70,
+            "num_frames": 4,
+        },
+    }
+    _save_random_vlm(config, directory, seed=seed, dtype=dtype)
+    (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
     return directory
 
 
