@@ -6,8 +6,8 @@ what to do next. Internal bugs stay ordinary exceptions.
 - `EngineError`: base of every mlx_nbengine error; catch it to catch them all.
 - `ModelError`: a model could not be found, recognised, converted or loaded.
 - `CacheError`: the prefix cache could not do what was asked (store, budget, scratch file).
-- `InvalidRequestError` (`PromptTooLongError`), `EngineClosedError`: raised in the caller
-  by `Engine.submit` (and `Engine.load`'s options) for problems the caller can fix.
+- `InvalidRequestError` (`PromptTooLongError`, `ImageError`), `EngineClosedError`: raised
+  in the caller by `Engine.submit` (and `Engine.load`'s options) for problems the caller can fix.
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ class InvalidRequestError(EngineError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context; shorten it."""
+
+
+class ImageError(InvalidRequestError):
+    """An image given to a request cannot be used: a missing file, a file that is not an
+    image, an array of the wrong shape, too many pixels, or a model that reads text only."""
 
 
 class EngineClosedError(EngineError, RuntimeError):

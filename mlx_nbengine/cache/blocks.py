@@ -25,12 +25,13 @@ different pictures behind identical placeholder tokens get different keys.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ImageSpan", "block_keys", "chain_seed", "partial_key"]
+__all__ = ["ImageSpan", "block_keys", "chain_seed", "match_ids", "partial_key", "token_ids"]
 
 _KEY_VERSION = b"mlx_nbengine.blocks.v1"
 _PARTIAL = b"\0partial\0"
@@ -93,14 +94,25 @@ def block_keys(
     return keys
 
 
-def partial_key(tokens: Sequence[int], *, fingerprint: str, block_size: int) -> str | None:
+def partial_key(
+    tokens: Sequence[int],
+    *,
+    fingerprint: str,
+    block_size: int,
+    images: Iterable[ImageSpan] = (),
+) -> str | None:
     """Hex key of the partial block of `tokens` (its last ``len % block_size`` tokens after
-    the whole blocks), None when `tokens` ends on a boundary. Text only (no images)."""
+    the whole blocks), None when `tokens` ends on a boundary; the images overlapping it
+    count as in `block_keys`."""
     n_whole = len(tokens) // block_size
     if len(tokens) == n_whole * block_size:
         return None
+    images = tuple(images)
     keys = block_keys(
-        tokens[: n_whole * block_size], fingerprint=fingerprint, block_size=block_size
+        tokens[: n_whole * block_size],
+        fingerprint=fingerprint,
+        block_size=block_size,
+        images=images,
     )
     prev = (
         bytes.fromhex(keys[-1])
@@ -111,4 +123,48 @@ def partial_key(tokens: Sequence[int], *, fingerprint: str, block_size: int) -> 
     h = hashlib.sha256(prev)
     h.update(_PARTIAL)
     h.update(ids.tobytes())
+    start = n_whole * block_size
+    for span in sorted(images, key=lambda s: (s.start, s.end, s.digest)):
+        if span.overlaps(start, len(tokens)):
+            h.update(f"\0image\0{span.start}\0{span.end}\0{span.digest}".encode())
     return h.hexdigest()
+
+
+_IMAGE_NUMBERS: dict[str, int] = {}
+_IMAGE_NUMBERS_LOCK = threading.Lock()
+_POSITION_BITS = 15  # places in an image, modulo 32,768
+_NUMBER_BITS = 16  # images, modulo 65,536 (see `match_ids`)
+
+
+def _image_number(digest: str) -> int:
+    with _IMAGE_NUMBERS_LOCK:
+        return _IMAGE_NUMBERS.setdefault(digest, len(_IMAGE_NUMBERS))
+
+
+def match_ids(tokens: Sequence[int], images: Iterable[ImageSpan] = ()) -> np.ndarray:
+    """`tokens` as int64 ids that also tell images apart, for comparing prompts token by
+    token (the follower index, the hot cache).
+
+    A text token keeps its id. An image token becomes a negative number made of the
+    token id, the image's place number (the order in which this process first saw its
+    digest) and the token's place in the image, so two prompts share a prefix only as far
+    as their images are the same pictures; `token_ids` gives the token ids back. Place
+    numbers wrap after 65,536 distinct pictures, far beyond what the follower index
+    remembers (4,096 blocks).
+    """
+    ids = np.asarray(tokens, dtype=np.int64).copy()
+    for span in images:
+        end = min(span.end, len(ids))  # `tokens` may stop inside an image
+        if end <= span.start:
+            continue
+        number = _image_number(span.digest) % (1 << _NUMBER_BITS)
+        places = np.arange(end - span.start, dtype=np.int64) % (1 << _POSITION_BITS)
+        tag = (number << _POSITION_BITS) | places
+        ids[span.start : end] = -1 - ((tag << 32) | (ids[span.start : end] & 0xFFFFFFFF))
+    return ids
+
+
+def token_ids(ids: np.ndarray) -> np.ndarray:
+    """The token ids of `match_ids` output."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.where(ids < 0, (-1 - ids) & 0xFFFFFFFF, ids)

@@ -17,10 +17,10 @@ A follower may be a *partial block* (fewer than `block_size` tokens: the tail of
 finished request, stored under its own key, see `blocks.partial_key`); its tokens say
 how long it is. Entries outlive their records on purpose (an evicted block was still
 seen); whoever wants to restore from a follower (token-exact restore of a partial block)
-checks the store first. The index is bounded: at most `capacity` blocks, and `per_parent` under
-one parent, the least recently added dropped first. Token ids are kept as packed
-uint32 bytes (4 bytes a token). Not thread-safe: the engine uses it on its cache-I/O
-thread only.
+checks the store first. The index is bounded: at most `capacity` blocks, and `per_parent`
+under one parent, the least recently added dropped first. Token ids are kept as packed
+int64 bytes (8 bytes a token: `blocks.match_ids`, so images are told apart). Not
+thread-safe: the engine uses it on its cache-I/O thread only.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+
+from mlx_nbengine.cache.blocks import token_ids
 
 __all__ = ["ROOT", "FollowerIndex", "common_prefix"]
 
@@ -63,12 +65,13 @@ class FollowerIndex:
         return key in self._blocks
 
     def add(self, key: str, parent: str, tokens: Sequence[int]) -> None:
-        """Remember that block `key` (token ids `tokens`) was stored after `parent`."""
+        """Remember that block `key` (token ids `tokens`, as `blocks.match_ids` when it
+        overlaps images) was stored after `parent`."""
         if key in self._blocks:
             self._blocks.move_to_end(key)
             self._by_parent[parent].move_to_end(key)
             return
-        self._blocks[key] = (parent, np.asarray(tokens, dtype=np.uint32).tobytes())
+        self._blocks[key] = (parent, np.asarray(tokens, dtype=np.int64).tobytes())
         siblings = self._by_parent.setdefault(parent, OrderedDict())
         siblings[key] = None
         if len(siblings) > self.per_parent:
@@ -86,7 +89,7 @@ class FollowerIndex:
     def tokens(self, key: str) -> list[int] | None:
         """The token ids of block `key`, None if it is not remembered."""
         entry = self._blocks.get(key)
-        return None if entry is None else list(_ids(entry[1]))
+        return None if entry is None else [int(t) for t in token_ids(_ids(entry[1]))]
 
     def followers(self, parent: str) -> list[str]:
         """Keys of the remembered blocks stored after `parent`, most recent first."""
@@ -112,4 +115,4 @@ class FollowerIndex:
 
 
 def _ids(packed: bytes) -> np.ndarray:
-    return np.frombuffer(packed, dtype=np.uint32)
+    return np.frombuffer(packed, dtype=np.int64)

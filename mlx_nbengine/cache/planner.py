@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_nbengine.cache.assembly import assemble, window_blocks
-from mlx_nbengine.cache.blocks import ImageSpan, block_keys
+from mlx_nbengine.cache.blocks import ImageSpan, block_keys, match_ids
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.records import (
     KINDS,
@@ -269,7 +269,7 @@ class PrefixCache:
         plan = self._plan(keys, limit=limit, allowed=allowed)
         return self._with_cut(
             plan,
-            tokens,
+            match_ids(tokens, images),
             to_token=to_token,
             inside_image=lambda p: bidirectional_images and any(s.cuts(p) for s in images),
         )
@@ -331,12 +331,18 @@ class PrefixCache:
         )
 
     def block_facts(
-        self, tokens: Sequence[int], keys: Sequence[str], *, first: int = 0
+        self,
+        tokens: Sequence[int],
+        keys: Sequence[str],
+        *,
+        first: int = 0,
+        images: Iterable[ImageSpan] = (),
     ) -> list[BlockFacts]:
         """The `BlockFacts` of prompt blocks `first` .. last (the partial tail included).
 
-        `keys` are the prompt's whole-block keys (`RestorePlan.keys`).
+        `keys` are the prompt's whole-block keys (`RestorePlan.keys`), `images` its spans.
         """
+        tokens = match_ids(tokens, images)
         B = self.block_size
         own = self.kinds[0] if self.kinds else None
         has = self.store.has
@@ -489,10 +495,11 @@ class PrefixCache:
 
         Records already held are kept as they are (equal keys mean equal prefixes).
         With `parent` (the previous block's key, `ROOT` for block 0) and the block's
-        `tokens`, a block now held is added to `followers`; so is one saved with no
-        records at all (a partial block whose records a model that cannot be cut does
-        not keep: its tokens still tell where a later prompt is edited). Call `touch`
-        with the chain afterwards so the recency order is right.
+        `tokens` (`blocks.match_ids` where it overlaps images), a block now held is added
+        to `followers`; so is one saved with no records at all (a partial block whose
+        records a model that cannot be cut does not keep: its tokens still tell where a
+        later prompt is edited). Call `touch` with the chain afterwards so the recency
+        order is right.
         """
         ok = True
         for kind, rec in records.items():

@@ -74,7 +74,15 @@ class CacheIO:
 
         self.call(build).result()
 
-    def restore(self, tokens: list[int], *, better_than: int, to_token: bool = False) -> Future:
+    def restore(
+        self,
+        tokens: list[int],
+        *,
+        better_than: int,
+        to_token: bool = False,
+        images: tuple = (),
+        bidirectional_images: bool = False,
+    ) -> Future:
         """Plan the longest restorable prefix of `tokens`; load it if it beats `better_than`.
 
         With `to_token` the plan may end inside a block (a cut, see `planner`). The
@@ -82,14 +90,15 @@ class CacheIO:
         None when the plan restores no more than `better_than` tokens (the caller has a
         better source), else it also holds the cut's records under block
         ``plan.n_blocks``; `facts` maps each block from the plan's last whole block to the
-        prompt's last to its `BlockFacts`.
+        prompt's last to its `BlockFacts`. `images` are the prompt's `ImageSpan`s (in the
+        keys); with `bidirectional_images` no restore ends inside one.
         """
 
         def job():
             prefix = self.prefix
             if prefix is None:
                 return None, None, None
-            keys = prefix.keys(tokens)
+            keys = prefix.keys(tokens, images)
             for key in keys:
                 self._store(key)
             # And the queued blocks that followed the prompt's prefixes: the facts compare
@@ -100,7 +109,9 @@ class CacheIO:
                 followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
             for key in followers:
                 self._store(key)
-            plan = prefix.plan(tokens, to_token=to_token)
+            plan = prefix.plan(
+                tokens, images, bidirectional_images=bidirectional_images, to_token=to_token
+            )
             records = None
             if plan.tokens > better_than:
                 plan, records = prefix.load(plan)
@@ -109,7 +120,7 @@ class CacheIO:
                 else:
                     mx.eval([r.arrays for block in records.values() for r in block.values()])
             # After the load: a record found damaged there is gone now.
-            facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks)
+            facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
             return plan, records, {f.index: f for f in facts}
 
         return self.call(job, priority=RESTORE)

@@ -210,7 +210,7 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: str | SequenceABC[str] | None = None,
-        images: SequenceABC[Any] | None = None,
+        images: Any = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> Request:
         """Queue a prompt and return its `Request` handle at once.
@@ -222,21 +222,29 @@ class Engine:
         at the context limit. `temperature` 0 is greedy; otherwise `top_p` and `seed`
         apply. Raises `InvalidRequestError` for bad values, `PromptTooLongError` when the
         prompt does not fit the context, `EngineClosedError` after `close()`.
+
+        `images` (a vision model only): file paths, PIL images, numpy arrays (H x W x 3
+        uint8) or bytes of encoded images, in the order of their places in the prompt.
+        Chat messages without image parts get them before the last user message's text;
+        a string without the model's image placeholder gets the placeholders first.
+        Raises `ImageError` (an `InvalidRequestError`) naming the image that cannot be
+        read, and for images given to a text-only model or more images than places.
         """
         if self._closed:
             raise EngineClosedError("this engine is closed; load a new one with Engine.load")
         problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if problem:
             raise InvalidRequestError(problem)
-        if images:
-            raise InvalidRequestError(
-                "images are not supported by this engine yet; send a text prompt"
-            )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
         lm = self.model
-        tokens = self._tokenize(prompt, template_kwargs or {})
+        vision = None
+        if images is not None and not (isinstance(images, list | tuple) and not images):
+            vision = self._vision_prompt(prompt, images, template_kwargs or {})
+            tokens = vision.tokens
+        else:
+            tokens = self._tokenize(prompt, template_kwargs or {})
         limit = lm.context_length
         if limit is not None and len(tokens) >= limit:
             raise PromptTooLongError(
@@ -256,11 +264,41 @@ class Engine:
             submitted_at=time.perf_counter(),
             ledger=self._ledger,
         )
+        if vision is not None:
+            from mlx_nbengine.engine.vision import VisionInputs
+
+            seq.images = vision.spans
+            seq.vision = VisionInputs(spans=vision.spans, inputs=vision.inputs)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this engine is closed; load a new one with Engine.load")
             self._gen.submit(seq)
         return request
+
+    def _vision_prompt(self, prompt: Any, images: Any, template_kwargs: dict[str, Any]) -> Any:
+        """The processed image prompt (`models.vision.VisionPrompt`) of `prompt` and
+        `images`; raises `ImageError` for what the caller can fix."""
+        from mlx_nbengine.errors import ImageError
+        from mlx_nbengine.models.images import load_images
+        from mlx_nbengine.models.vision import messages_with_images, prepare_vision_prompt
+
+        lm = self.model
+        if lm.kind != "vision":
+            raise ImageError(
+                f"{self.model_name} reads text only; load a vision model (one with a vision "
+                "tower, e.g. a Qwen2-VL or Gemma 4 model) to send images"
+            )
+        pictures = load_images(images)
+        if isinstance(prompt, str):
+            return prepare_vision_prompt(lm, prompt, pictures, templated=False)
+        if isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
+            messages = messages_with_images(list(prompt), len(pictures))
+            text = lm.render_chat(messages, **template_kwargs)
+            return prepare_vision_prompt(lm, text, pictures, templated=True)
+        raise InvalidRequestError(
+            "a prompt with images must be text or chat messages, not token ids (the "
+            "processor has to expand the image placeholders)"
+        )
 
     def _tokenize(self, prompt: Any, template_kwargs: dict[str, Any]) -> list[int]:
         lm = self.model
@@ -312,6 +350,7 @@ class Engine:
             group_prefills=self._gen.group_prefills,
             save_errors=self._io.save_errors,
             closed=self._closed,
+            **self._gen.vision_counts(),
         )
         return out
 

@@ -103,7 +103,8 @@ class BlockEvent:
     position of the first changed token when this block is where the prompt leaves a
     stored continuation (an ``"edited"`` block, or the tail), else None; `restored` is
     how many of its tokens were restored (``end - start`` for memory and disk blocks, 0
-    for computed ones, the unchanged tokens before a cut inside the block).
+    for computed ones, the unchanged tokens before a cut inside the block); `images` are
+    the 0-based numbers of the request's images whose tokens overlap the block.
     """
 
     index: int
@@ -115,6 +116,7 @@ class BlockEvent:
     records: tuple[str, ...] = ()
     edit_at: int | None = None
     restored: int = 0
+    images: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -122,18 +122,26 @@ def _prefill_blas(n_tokens: int) -> AbstractContextManager:
 
 @dataclass
 class HotCache:
-    """The last finished sequence's cache and exactly the tokens it holds."""
+    """The last finished sequence's cache, exactly the tokens it holds and the spans of
+    the images among them."""
 
     tokens: list[int]
     cache: list[Any]
+    images: tuple[Any, ...] = ()
 
-    def usable(self, prompt: list[int], *, block_size: int) -> int:
+    def usable(self, prompt: Any, *, block_size: int, bidirectional: tuple[Any, ...] = ()) -> int:
         """How many leading prompt tokens this cache can serve (0 if none): worth using
-        only when they cover a whole block or every prompt token but the last."""
+        only when they cover a whole block or every prompt token but the last. `prompt`
+        is the prompt's `match_ids` (images told apart); `bidirectional` the prompt's
+        image spans that must not be cut (models whose images attend both ways)."""
+        from mlx_nbengine.cache.blocks import match_ids
+        from mlx_nbengine.cache.followers import common_prefix
+
         limit = min(len(self.tokens), len(prompt) - 1)
-        n = 0
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
+        n = common_prefix(match_ids(self.tokens, self.images)[:limit], prompt[:limit])
+        for span in bidirectional:
+            if span.cuts(n):
+                n = span.start
         if n < block_size and n < len(prompt) - 1:
             return 0
         if n == len(self.tokens):
@@ -184,6 +192,8 @@ class GenerationThread:
         self._launched_at = 0.0
         self._host_sampling = True  # sampled rows are drawn in numpy (CPU: see `sampling`)
         self._batch = DecodeBatch()
+        self._vision: Any = None  # engine.vision.VisionRunner of a vision model
+        self._bidirectional = False  # its image tokens attend both ways
         self._hot: HotCache | None = None
         self._state_layers = False
         self.store_off = True  # no block store (or one with a zero budget): set on load
@@ -240,14 +250,33 @@ class GenerationThread:
         return value
 
     def drop_hot_cache(self) -> None:
-        """Forget the hot cache (run on this thread, e.g. through `call`)."""
+        """Forget the hot cache and the image features (run on this thread, e.g. through
+        `call`)."""
         self._hot = None
+        if self._vision is not None:
+            self._vision.memo.clear()
+
+    def vision_counts(self) -> dict[str, int]:
+        """Images encoded by the vision tower and feature-memo hits (vision models)."""
+        runner = self._vision
+        if runner is None:
+            return {}
+        return {
+            "vision_encodes": runner.encodes,
+            "feature_memo_hits": runner.memo.hits,
+            "feature_memo_bytes": runner.memo.nbytes,
+        }
 
     # --- the loop ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             self.lm = self._loader()
+            if self.lm.kind == "vision":
+                from mlx_nbengine.engine.vision import VisionRunner
+
+                self._vision = VisionRunner(self.lm)
+                self._bidirectional = self._vision.bidirectional
             self._host_sampling = mx.default_device().type == mx.DeviceType.cpu
             if self._prefix_factory is not None:
                 from mlx_nbengine.cache import layer_kinds
@@ -421,9 +450,15 @@ class GenerationThread:
         if not self.has_prefix:
             self._start_prefill(seq, None, 0.0)
             return
-        better_than = self._hot_usable(seq.prompt)
+        better_than = self._hot_usable(seq)
         seq.restore_started = time.perf_counter()
-        fut = self._io.restore(seq.prompt, better_than=better_than, to_token=self.to_token)
+        fut = self._io.restore(
+            seq.prompt,
+            better_than=better_than,
+            to_token=self.to_token,
+            images=seq.images,
+            bidirectional_images=self._bidirectional,
+        )
         seq.restore_future = fut
         fut.add_done_callback(lambda _: self._inbox.put(("restored", seq)))
 
@@ -442,14 +477,18 @@ class GenerationThread:
             self._drop_admitting(seq)
             self._fail([seq], exc)
 
-    def _hot_usable(self, prompt: list[int]) -> int:
+    def _hot_usable(self, seq: Sequence) -> int:
         if self._hot is None:
             return 0
-        return self._hot.usable(prompt, block_size=self.block_size)
+        return self._hot.usable(
+            seq.match(seq.prompt),
+            block_size=self.block_size,
+            bidirectional=seq.images if self._bidirectional else (),
+        )
 
     def _start_prefill(self, seq: Sequence, restored: Any, seconds: float) -> None:
         plan, records, facts = restored if restored is not None else (None, None, None)
-        hot_n = self._hot_usable(seq.prompt)
+        hot_n = self._hot_usable(seq)
         kinds_read = None
         if records is not None and plan.tokens > hot_n:
             t = time.perf_counter()
@@ -481,6 +520,9 @@ class GenerationThread:
             seq.kept_boundary = plan.kept_boundary if plan is not None else None
         seq.cache = cache
         seq.cache_tokens = list(seq.prompt[:start])
+        if self._vision is not None:
+            seq.embedded = self._vision.embed(seq.prompt, seq.vision, need_from=start)
+            seq.rope_delta = seq.embedded.rope_delta or 0
         first = start // self.block_size  # the first block not wholly restored
         if not self.has_prefix:
             facts = None
@@ -488,14 +530,18 @@ class GenerationThread:
         if source is not None:
             seq.report_restored(start, source, seconds, records=kinds_read)
         if self.has_prefix:
-            seq.prompt_keys = list(plan.keys) if plan is not None else self._keys(seq.prompt)
+            seq.prompt_keys = (
+                list(plan.keys) if plan is not None else self._keys(seq.prompt, seq.images)
+            )
         seq.phase = "prefilling"
         seq.ready_at = time.perf_counter()
 
-    def _keys(self, tokens: list[int]) -> list[str]:
+    def _keys(self, tokens: list[int], images: tuple[Any, ...] = ()) -> list[str]:
         from mlx_nbengine.cache import block_keys
 
-        return block_keys(tokens, fingerprint=self.lm.fingerprint, block_size=self.block_size)
+        return block_keys(
+            tokens, fingerprint=self.lm.fingerprint, block_size=self.block_size, images=images
+        )
 
     def _io_prefix(self) -> Any:
         # Assembly only builds caches from evaluated records; it reads no store state.
@@ -524,6 +570,12 @@ class GenerationThread:
             end_step = min(pos + max_step // bs * bs, last)
         else:
             end_step = end
+        if self._bidirectional:
+            # An image attending both ways is computed in one call (see `vision`).
+            for span in seq.images:
+                if span.cuts(end_step):
+                    end_step = span.end
+            end_step = min(end_step, len(seq.prompt))
         return pos, end_step
 
     def _prefill_step(self, seq: Sequence) -> None:
@@ -536,7 +588,12 @@ class GenerationThread:
         last = end == len(seq.prompt)
         # The BLAS thread count is chosen per step; MLX runs the step at the eval.
         with _prefill_blas(end - start):
-            logits = self._forward(inputs, seq.cache)
+            if seq.embedded is not None:
+                kwargs = self._vision.prefill_kwargs(seq.embedded, start, end)
+                out = self.lm.language_model(inputs, cache=seq.cache, **kwargs)
+                logits = getattr(out, "logits", out)
+            else:
+                logits = self._forward(inputs, seq.cache)
             if last:
                 token = self._sample([seq], logits[:, -1, :])
                 mx.eval(token, [c.state for c in seq.cache])
@@ -550,6 +607,7 @@ class GenerationThread:
         if not last:
             return
         self._drop_admitting(seq)
+        seq.embedded = None
         reason = seq.accept(token.item(), context_length=self.lm.context_length)
         if reason is not None:
             self._finish(seq, (list(seq.cache_tokens), seq.cache), reason)
@@ -620,6 +678,7 @@ class GenerationThread:
         """Move a prefilled `seq` into the batch; the next decode step feeds `next_token`."""
         self._drop_admitting(seq)
         seq.phase = "decoding"
+        seq.embedded = None  # the prompt's embeddings are not needed any more
         seq.next_token = next_token
         cache, seq.cache = seq.cache, None
         self._settle_before_join()
@@ -643,20 +702,22 @@ class GenerationThread:
             return
         # The blocks this step completed: those whose end lies in (start, end].
         done = range(start // self.block_size, end // self.block_size)
+        match = seq.match(seq.prompt) if done else None
         for block in done:
             chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
-            self._save_block(seq.prompt_keys, seq.prompt, seq.cache, block, chain=chain)
+            self._save_block(seq.prompt_keys, match, seq.cache, block, chain=chain)
 
     def _save_block(
         self,
         keys: list[str],
-        tokens: list[int],
+        tokens: Any,
         cache: list[Any],
         block: int,
         *,
         chain: list[str] | None,
     ) -> None:
-        """Send block `block` of `tokens` (chain `keys`) from `cache` to the store."""
+        """Send block `block` of `tokens` (chain `keys`; `match_ids` where images are) from
+        `cache` to the store."""
         from mlx_nbengine.cache import ROOT, extract_block_records
 
         bs = self.block_size
@@ -749,22 +810,25 @@ class GenerationThread:
 
     def _checkpoint_decode(self, seq: Sequence, index: int) -> None:
         block = len(seq.cache_tokens) // self.block_size - 1
-        chain = self._keys(seq.cache_tokens)
+        chain = self._keys(seq.cache_tokens, seq.images)
         cache = self._batch.single_cache(index)
-        self._save_block(chain, seq.cache_tokens, cache, block, chain=chain[: block + 1])
+        match = seq.match(seq.cache_tokens)
+        self._save_block(chain, match, cache, block, chain=chain[: block + 1])
 
     def _finish(self, seq: Sequence, hot: tuple[list[int], list[Any]] | None, reason: str) -> None:
         """End `seq`; `hot` (the tokens held by a cache, the cache) becomes the hot cache,
         and its partial last block is stored (see `_save_partial`)."""
         if hot is not None:
             # The only cache kept once its sequence ends; older ones leave RAM here.
-            self._hot = HotCache(*hot)
+            self._hot = HotCache(*hot, images=seq.images)
             # Queued before the caller sees the result, so a caller that then drains the
             # cache-I/O thread finds it stored.
-            self._save_partial(*hot)
+            self._save_partial(*hot, images=seq.images)
         seq.finish(reason)
 
-    def _save_partial(self, tokens: list[int], cache: list[Any]) -> None:
+    def _save_partial(
+        self, tokens: list[int], cache: list[Any], *, images: tuple[Any, ...] = ()
+    ) -> None:
         """Store the partial last block of a finished cache (the tokens after its last
         boundary: a prompt's tail, often the question a notebook edits, and the answer),
         so a later prompt can be restored into it to the token (a cut; see `planner`).
@@ -774,6 +838,7 @@ class GenerationThread:
         if not self.has_prefix or n % bs == 0:
             return
         from mlx_nbengine.cache import ROOT, RecordError, extract_block_records, partial_key
+        from mlx_nbengine.cache.blocks import match_ids
 
         block = n // bs
         records: dict[str, Any] = {}
@@ -782,13 +847,19 @@ class GenerationThread:
                 records = extract_block_records(cache, block=block, block_size=bs, end=n)
             except RecordError:
                 return  # a cache no longer holding the block's start: a future miss, no error
-        keys = self._keys(tokens[: block * bs])
-        key = partial_key(tokens, fingerprint=self.lm.fingerprint, block_size=bs)
+        if self._bidirectional and any(s.cuts(n) for s in images):
+            return  # its end lies inside an image: never a restore point
+        keys = self._keys(tokens[: block * bs], images)
+        key = partial_key(tokens, fingerprint=self.lm.fingerprint, block_size=bs, images=images)
         parent = keys[-1] if keys else ROOT
         # Touching the chain after it leaves the partial block older than every block of
         # its chain: the suffix evicts first.
         self._io.save(
-            key, records, parent=parent, tokens=list(tokens[block * bs :]), chain=keys or None
+            key,
+            records,
+            parent=parent,
+            tokens=match_ids(tokens, images)[block * bs :],
+            chain=keys or None,
         )
 
     # --- model calls ------------------------------------------------------------------------
@@ -799,7 +870,9 @@ class GenerationThread:
 
     def _forward_fn(self, inputs: mx.array, *, cache: list[Any]) -> mx.array:
         if self.lm.kind == "vision":
-            out = self.lm.language_model(inputs, cache=cache)
+            # A decode step: each row's rope delta (see `vision`).
+            kwargs = self._vision.decode_kwargs(self._batch.members) if inputs.shape[1] == 1 else {}
+            out = self.lm.language_model(inputs, cache=cache, **kwargs)
             return getattr(out, "logits", out)
         return self.lm.model(inputs, cache=cache)
 

@@ -20,7 +20,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mlx_nbengine.engine.events import BlockSource, Event, Finished
 from mlx_nbengine.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
@@ -45,7 +45,7 @@ class BlockReport:
     Blocks are `block_size` tokens; the last one may be shorter (the prompt's tail).
     A block only partly restored (the restore ended inside it, a cut) counts as computed
     and its `restored` says how many of its tokens were restored. `reason`, `records`,
-    `edit_at` and `restored` are those of its `BlockEvent`.
+    `edit_at`, `restored` and `images` are those of its `BlockEvent`.
     """
 
     index: int
@@ -57,6 +57,7 @@ class BlockReport:
     records: tuple[str, ...] = ()
     edit_at: int | None = None
     restored: int = 0
+    images: tuple[int, ...] = ()
 
 
 @dataclass
@@ -72,7 +73,8 @@ class Report:
     stored continuation of its prefix (also when it falls in the tail), else None.
     `kept_boundary` says why the restore stopped at a block boundary although a stored
     continuation shared more tokens (one of `events.KEPT_BOUNDARY`: ``"state"``,
-    ``"window"``, ``"block"``, ``"evicted"``), else None.
+    ``"window"``, ``"block"``, ``"evicted"``), else None. `images` are the request's
+    image spans (token range and content digest), in order.
     """
 
     blocks: list[BlockReport] = field(default_factory=list)
@@ -84,6 +86,7 @@ class Report:
     restored_bytes: int = 0
     edit_at: int | None = None
     kept_boundary: str | None = None
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass

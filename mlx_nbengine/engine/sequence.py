@@ -68,6 +68,10 @@ class Sequence:
     kept_boundary: str | None = None  # why the restore stopped short at a boundary
     stop_reason: str | None = None
     ledger: Any = None  # the engine's CacheLedger, told when the sequence finishes
+    images: tuple[Any, ...] = ()  # ImageSpans of the prompt's images (in the block keys)
+    vision: Any = None  # engine.vision.VisionInputs of an image prompt, else None
+    embedded: Any = None  # engine.vision.Embedded while prefilling on a vision model
+    rope_delta: int = 0  # decode position offset (Qwen2-VL after images), see engine.vision
     _seconds: dict[int, float] = field(default_factory=dict)
     _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
 
@@ -75,6 +79,16 @@ class Sequence:
     def n_blocks(self) -> int:
         """Prompt blocks, the partial tail included."""
         return -(-len(self.prompt) // self.block_size)
+
+    def match(self, tokens: list[int]) -> Any:
+        """`tokens` (a prefix of the prompt, then generated ones) as `blocks.match_ids`."""
+        from mlx_nbengine.cache.blocks import match_ids
+
+        return match_ids(tokens, self.images)
+
+    def block_images(self, index: int) -> tuple[int, ...]:
+        start, end = self.block_span(index)
+        return tuple(i for i, s in enumerate(self.images) if s.overlaps(start, end))
 
     def block_span(self, index: int) -> tuple[int, int]:
         start = index * self.block_size
@@ -134,7 +148,8 @@ class Sequence:
             reason = self.reasons.get(index, default)
             edit_at = self.edits.get(index)
             restored = self._partial.get(index, 0)
-        fields = (index, start, end, source, seconds, reason, records, edit_at, restored)
+        images = self.block_images(index)
+        fields = (index, start, end, source, seconds, reason, records, edit_at, restored, images)
         self.blocks[index] = BlockReport(*fields)
         self.request._put(BlockEvent(*fields))
 
@@ -177,6 +192,7 @@ class Sequence:
             restored_bytes=self.restored_bytes,
             edit_at=min(self.edits.values(), default=None),
             kept_boundary=self.kept_boundary,
+            images=list(self.images),
         )
         n = len(self.generated)
         if n > 1 and self.last_token_at > self.first_token_at:
@@ -194,8 +210,10 @@ class Sequence:
             )
         )
         self.cache = None
+        self.embedded = None
 
     def fail(self, error: BaseException) -> None:
         self.phase = "done"
         self.cache = None
+        self.embedded = None
         self.request._fail(error)

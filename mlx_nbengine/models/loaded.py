@@ -107,12 +107,9 @@ class LoadedModel:
         """False for base models (no chat template): their prompts go in as plain text."""
         return bool(getattr(self.text_tokenizer, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template.
-
-        ``add_generation_prompt`` defaults to True; other keyword arguments go to the template.
-        A model without a chat template raises `TokenizerError`.
-        """
+    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> str:
+        """`messages` rendered with the chat template as text (``add_generation_prompt``
+        defaults to True); `TokenizerError` for a model without one."""
         if not self.has_chat_template:
             raise TokenizerError(
                 f"{self.path.name} has no chat template (a base model): send the prompt as "
@@ -120,7 +117,15 @@ class LoadedModel:
             )
         template_kwargs.setdefault("add_generation_prompt", True)
         template_kwargs.pop("tokenize", None)
-        text = self.text_tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        return self.text_tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template.
+
+        ``add_generation_prompt`` defaults to True; other keyword arguments go to the template.
+        A model without a chat template raises `TokenizerError`.
+        """
+        text = self.render_chat(messages, **template_kwargs)
         # The template writes its own special tokens (BOS included); do not add them twice.
         ids = list(self.text_tokenizer.encode(text, add_special_tokens=False))
         return self._fix_bos(ids)

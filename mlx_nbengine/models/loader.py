@@ -253,6 +253,18 @@ def _load_text(path: Path, config: dict) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _wrap_tokenizer(tokenizer: Any, config: dict) -> Any:
+    """A vision model's Hugging Face tokenizer in mlx-lm's wrapper, as text models have it
+    (streaming detokenizers, every end-of-text id of the config)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    eos = config.get("eos_token_id")
+    if eos is None:
+        eos = (config.get("text_config") or {}).get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return TokenizerWrapper(tokenizer, eos_token_ids=eos_ids)
+
+
 def _load_vision(path: Path, config: dict) -> tuple[Any, Any]:
     from mlx_vlm.utils import load as vlm_load
 
@@ -296,7 +308,7 @@ def load(
 
     if kind == "vision":
         model, processor = _load_vision(path, config)
-        tokenizer = getattr(processor, "tokenizer", processor)
+        tokenizer = _wrap_tokenizer(getattr(processor, "tokenizer", processor), config)
     else:
         model, tokenizer = _load_text(path, config)
         processor = None
