@@ -23,10 +23,13 @@ Terms:
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from mlx_nbengine.cache.blocks import ImageSpan
 from mlx_nbengine.errors import ImageError
@@ -155,8 +158,36 @@ def _feed(h: Any, value: Any) -> None:
         h.update(np.ascontiguousarray(array).tobytes())
 
 
+_DIGESTS: OrderedDict[tuple[str, str], str] = OrderedDict()
+_DIGESTS_LOCK = threading.Lock()
+_DIGESTS_KEPT = 256
+
+
+def _pixels_hash(image: Any) -> str:
+    h = xxhash.xxh3_128(f"{image.mode}\0{image.size}\0".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
 def image_digest(lm: Any, image: Any) -> str:
-    """SHA-256 of what the processor makes of `image` alone (see the module docstring)."""
+    """SHA-256 of what the processor makes of `image` alone (see the module docstring).
+
+    Remembered (the last 256, per model) by a hash of the decoded pixels, so a picture
+    sent again is not processed twice for its digest."""
+    key = (lm.fingerprint, _pixels_hash(image))
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            _DIGESTS.move_to_end(key)
+            return _DIGESTS[key]
+    digest = _processed_digest(lm, image)
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = digest
+        while len(_DIGESTS) > _DIGESTS_KEPT:
+            _DIGESTS.popitem(last=False)
+    return digest
+
+
+def _processed_digest(lm: Any, image: Any) -> str:
     processor = getattr(lm.processor, "image_processor", None) or lm.processor
     try:
         out = processor(images=[image], return_tensors="np")
