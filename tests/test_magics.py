@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbengine import _blas
-from mlx_nbengine.errors import ModelDownloadError, ModelNotFoundError
+from mlx_nbengine.errors import ImageError, ModelDownloadError, ModelNotFoundError
 from mlx_nbengine.notebook import magics as magics_mod
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
 from mlx_nbengine.notebook.render import (
@@ -54,6 +54,7 @@ class BlockEvent:
     reason: str = "new"
     records: tuple = ()
     edit_at: int | None = None
+    images: tuple = ()
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Block:
     seconds: float = 0.01
     reason: str = "new"
     records: tuple = ()
+    images: tuple = ()
 
 
 @dataclass
@@ -112,16 +114,17 @@ class FakeLoadedModel:
 class FakeRequest:
     """Ten prompt tokens in one 16-token block (the tail), then the engine's pieces of text."""
 
-    def __init__(self, pieces: list[str], *, hold: bool = False) -> None:
+    def __init__(self, pieces: list[str], *, hold: bool = False, images: tuple = ()) -> None:
         self.pieces = pieces
         self.hold = hold
+        self.images = images  # the image indices its (one) block holds
         self.prompt_tokens = [2] * 10
         self.cancelled = threading.Event()
         self.completion: Completion | None = None
 
     def stream(self):
-        tail = Block(0, 0, 10, "computed", reason="tail")
-        yield BlockEvent(0, 0, 10, "computed", 0.01, reason="tail")
+        tail = Block(0, 0, 10, "computed", reason="tail", images=self.images)
+        yield BlockEvent(0, 0, 10, "computed", 0.01, reason="tail", images=self.images)
         text = ""
         for piece in self.pieces:
             text += piece
@@ -147,6 +150,9 @@ class FakeRequest:
         self.cancelled.set()
 
 
+NO_IMAGES = object()  # FakeEngine.submit called without the images keyword
+
+
 class FakeEngine:
     instances: list[FakeEngine] = []
 
@@ -157,6 +163,9 @@ class FakeEngine:
         self.name = model
         self.options = options
         self.submitted: list[tuple[object, dict]] = []
+        # Per submit: the `images=` it was given, or NO_IMAGES when the keyword was left out.
+        self.images: list = []
+        self.reject_images: str | None = None  # an ImageError message (a text-only model)
         self.closed = False
         self.cleared = False
         self.pieces = ["Hello", ", world"]
@@ -164,11 +173,15 @@ class FakeEngine:
         self.requests: list[FakeRequest] = []
         FakeEngine.instances.append(self)
 
-    def submit(self, prompt, **sampling):
+    def submit(self, prompt, *, images=NO_IMAGES, **sampling):
         if sampling.get("temperature", 0) < 0:
             raise ValueError("temperature must be >= 0")
+        if images is not NO_IMAGES and self.reject_images:
+            raise ImageError(self.reject_images)
         self.submitted.append((prompt, sampling))
-        request = FakeRequest(self.pieces, hold=self.hold)
+        self.images.append(images)
+        indices = tuple(range(len(images))) if images is not NO_IMAGES else ()
+        request = FakeRequest(self.pieces, hold=self.hold, images=indices)
         self.requests.append(request)
         return request
 
@@ -1154,3 +1167,260 @@ def test_terminal_view_appends_new_text_and_the_status_once():
     view.close()
     view.close()
     assert written == ["Hel", "lo", ", world", "\n\n[interrupted]\n"]
+
+
+# -- %%llm --image -----------------------------------------------------------------------------
+
+
+def png(path: Path, width: int, height: int) -> Path:
+    """Write a `width` x `height` PNG to `path` (a colour gradient) and return the path."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    pixels[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None, :]
+    pixels[..., 1] = np.linspace(0, 255, height, dtype=np.uint8)[:, None]
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def sizes(images) -> list[tuple[int, int]]:
+    return [image.size for image in images]
+
+
+class Shown:
+    """IPython's `display` in a notebook: records what each call showed, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list = []  # (object shown, its keyword arguments)
+        self.updates: list = []  # objects sent as display updates, in order
+
+    def __call__(self, obj, **kwargs):
+        self.calls.append((obj, kwargs))
+        return self
+
+    def update(self, obj, **kwargs) -> None:
+        self.updates.append(obj)
+
+    def bundles(self) -> list[dict]:
+        """The mimebundles shown (widgets left out), in order."""
+        return [obj for obj, _ in self.calls if isinstance(obj, dict)]
+
+
+@pytest.fixture
+def notebook(ip, monkeypatch):
+    """`ip` as a kernel's shell: answers are displays (and strips), recorded by `Shown`."""
+    import IPython.display
+
+    shown = Shown()
+    monkeypatch.setattr(IPython.display, "display", shown)
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)
+    return shown
+
+
+def test_image_option_reads_a_file_and_sends_its_picture(ip, tmp_path):
+    cat = png(tmp_path / "cat.png", 40, 30)
+    run(ip, "%load_model default")
+    assert error_of(run(ip, f"%%llm --image {cat} --max-tokens 4\nWhat is this?")) is None
+    prompt, sampling = engine().submitted[-1]
+    assert prompt == [{"role": "user", "content": "What is this?"}]  # the engine places them
+    assert sampling == {"max_tokens": 4}
+    (image,) = engine().images[-1]
+    assert image.size == (40, 30) and image.mode == "RGB"
+    run(ip, "%%llm\nNo picture")
+    assert engine().images[-1] is NO_IMAGES  # without --image the keyword is left out
+
+
+def test_image_option_reads_pil_images_and_numpy_arrays_from_variables(ip):
+    import numpy as np
+    from PIL import Image
+
+    run(ip, "%load_model default")
+    ip.user_ns["pic"] = Image.new("RGBA", (20, 10), (255, 0, 0, 255))
+    ip.user_ns["arr"] = np.zeros((12, 8, 3), dtype=np.uint8)
+    ip.user_ns["grey"] = np.full((5, 6), 128, dtype=np.uint8)
+    assert error_of(run(ip, "%%llm --image pic --image arr --image grey\nCompare")) is None
+    images = engine().images[-1]
+    assert sizes(images) == [(20, 10), (8, 12), (6, 5)]
+    assert {image.mode for image in images} == {"RGB"}
+
+
+def test_repeated_image_options_keep_their_order(ip, tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    png(tmp_path / "a.png", 11, 11)
+    png(tmp_path / "b.png", 33, 22)
+    run(ip, "%load_model default")
+    ip.user_ns["middle"] = np.zeros((7, 9, 3), dtype=np.uint8)
+    run(ip, "%%llm --image b.png --image middle --image a.png\nThree pictures")
+    assert sizes(engine().images[-1]) == [(33, 22), (9, 7), (11, 11)]
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ("--image missing.png", "'missing.png'"),
+        ("--image notes.txt", "'notes.txt'"),
+        ("--image settings", "variable settings"),
+        ("--image pic --image flat", "variable flat"),
+        ("--image undefined_name", "'undefined_name'"),
+    ],
+    ids=["missing-file", "not-an-image", "not-an-image-variable", "bad-array", "unknown-name"],
+)
+def test_an_unreadable_image_is_a_one_line_usage_error_naming_it(
+    ip, tmp_path, monkeypatch, capsys, option, named
+):
+    import numpy as np
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a picture")
+    run(ip, "%load_model default")
+    ip.user_ns["settings"] = {"a": 1}
+    ip.user_ns["pic"] = Image.new("RGB", (4, 4))
+    ip.user_ns["flat"] = np.zeros(7, dtype=np.float32)
+    capsys.readouterr()
+    err = error_of(run(ip, f"%%llm {option}\nWhat is this?"))
+    assert isinstance(err, UsageError), err
+    message = str(err)
+    assert "\n" not in message and named in message, message
+    n = option.count("--image")
+    assert f"image {n}" in message, message  # which --image, counted from 1
+    assert engine().submitted == []  # nothing was sent
+    shown = capsys.readouterr()
+    assert "Traceback" not in shown.out + shown.err
+
+
+def test_image_errors_say_what_is_wrong(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a picture")
+    run(ip, "%load_model default")
+    ip.user_ns["settings"] = {"a": 1}
+    messages = {
+        option: str(error_of(run(ip, f"%%llm --image {option}\nHi")))
+        for option in ("missing.png", "notes.txt", "settings", "undefined_name")
+    }
+    assert "no such file" in messages["missing.png"]
+    assert "not an image" in messages["notes.txt"]
+    assert "is a dict" in messages["settings"]
+    assert "neither a variable here nor a file" in messages["undefined_name"]
+
+
+def test_a_model_that_refuses_images_is_a_usage_error_and_shows_no_thumbnails(
+    ip, notebook, tmp_path
+):
+    cat = png(tmp_path / "cat.png", 8, 8)
+    run(ip, "%load_model default")
+    notebook.calls.clear()  # the load's progress line
+    engine().reject_images = "image 1: this model reads text only; load a vision model"
+    err = error_of(run(ip, f"%%llm --image {cat}\nWhat is this?"))
+    assert isinstance(err, UsageError) and "reads text only" in str(err)
+    assert notebook.calls == []  # no thumbnails of a request that never started
+
+
+def test_thumbnails_are_shown_above_the_answer(ip, notebook, tmp_path):
+    import base64
+    import io
+
+    from PIL import Image
+
+    cat = png(tmp_path / "cat.png", 640, 480)
+    run(ip, "%load_model default")
+    notebook.calls.clear()  # the load's progress line
+    ip.user_ns["pic"] = Image.new("RGB", (20, 10))
+    assert error_of(run(ip, f"%%llm --image {cat} --image pic\nCompare them")) is None
+    images, answer = notebook.bundles()[:2]
+    # The thumbnails first, then the answer (and its strip).
+    assert notebook.calls[0][0] is images
+    assert '<div class="mnb-answer">' in answer["text/html"]
+    final = [b for b in notebook.updates if isinstance(b, dict)][-1]  # the answer, updated
+    assert "Hello, world" in final["text/plain"] and "end of text" in final["text/plain"]
+    assert images["text/plain"] == "[image 1: cat.png, 640x480]\n[image 2: pic, 20x10]"
+    markup = images["text/html"]
+    assert markup.startswith('<div class="mnb-images"')
+    figures = re.findall(r'<figure class="mnb-image" data-index="(\d+)"', markup)
+    assert figures == ["0", "1"]
+    captions = re.findall(r"<figcaption[^>]*>(.*?)</figcaption>", markup)
+    assert captions == ["cat.png · 640x480", "pic · 20x10"]
+    sources = re.findall(r'<img src="data:image/png;base64,([^"]+)"', markup)
+    assert len(sources) == 2
+    thumb = Image.open(io.BytesIO(base64.b64decode(sources[0])))
+    assert thumb.format == "PNG" and max(thumb.size) <= 96 and thumb.size[0] > thumb.size[1]
+
+
+def test_image_names_are_escaped_in_the_thumbnail_display(ip, notebook, tmp_path):
+    odd = png(tmp_path / 'a<b>&"x".png', 8, 8)
+    run(ip, "%load_model default")
+    notebook.calls.clear()  # the load's progress line
+    assert error_of(run(ip, f"%%llm --image '{odd}'\nHi")) is None
+    markup = notebook.bundles()[0]["text/html"]
+    assert "<b>" not in markup and "a&lt;b&gt;&amp;&quot;x&quot;.png · 8x8" in markup
+    assert notebook.bundles()[0]["text/plain"] == '[image 1: a<b>&"x".png, 8x8]'
+
+
+def test_a_terminal_prints_the_image_lines_before_the_answer(ip, capsys, tmp_path):
+    cat = png(tmp_path / "cat.png", 40, 30)
+    run(ip, "%load_model default")
+    capsys.readouterr()
+    run(ip, f"%%llm --image {cat}\nWhat is this?")
+    out = capsys.readouterr().out
+    assert "[image 1: cat.png, 40x30]" in out
+    assert out.index("[image 1: cat.png, 40x30]") < out.index("Hello, world")
+
+
+def test_the_strip_and_block_map_know_the_images(ip, notebook, tmp_path):
+    from mlx_nbengine.notebook.widgets import BlockMap, BlockStrip
+
+    cat = png(tmp_path / "cat.png", 200, 100)
+    run(ip, "%load_model default")
+    notebook.calls.clear()  # the load's progress line
+    assert error_of(run(ip, f"%%llm --blocks --image {cat}\nWhat is this?")) is None
+    (strip,) = [obj for obj, _ in notebook.calls if isinstance(obj, BlockStrip)]
+    (block_map,) = [obj for obj, _ in notebook.calls if isinstance(obj, BlockMap)]
+    for widget in (strip, block_map):
+        (image,) = widget.images
+        assert {k: image[k] for k in ("index", "name", "width", "height")} == {
+            "index": 0,
+            "name": "cat.png",
+            "width": 200,
+            "height": 100,
+        }
+        assert image["src"].startswith("data:image/png;base64,")
+        assert [b["images"] for b in widget.blocks] == [[0]]
+        assert 'data-image="0"' in widget.html()
+        assert "image 1: cat.png" in widget.text()
+    # The strip's thumbnail is small: 64 px at most.
+    import base64
+    import io
+
+    from PIL import Image
+
+    data = base64.b64decode(strip.images[0]["src"].split(",", 1)[1])
+    assert Image.open(io.BytesIO(data)).size == (64, 32)
+
+
+def test_image_works_with_bg_chat_and_raw(ip, tmp_path):
+    cat = png(tmp_path / "cat.png", 16, 16)
+    run(ip, "%load_model default")
+    # --bg: the images go with the request; the handle answers as usual.
+    assert error_of(run(ip, f"%%llm --bg -o job --image {cat}\nDescribe")) is None
+    assert ip.user_ns["job"].result(timeout=10).text == "Hello, world"
+    assert sizes(engine().images[-1]) == [(16, 16)]
+    # --chat: the images go with that turn's question, the next turn sends none.
+    run(ip, f"%%llm --chat pets --image {cat}\nWhat animal is this?")
+    assert sizes(engine().images[-1]) == [(16, 16)]
+    assert engine().submitted[-1][0] == [{"role": "user", "content": "What animal is this?"}]
+    run(ip, "%%llm --chat pets\nAnd its colour?")
+    assert engine().images[-1] is NO_IMAGES
+    assert [m["role"] for m in engine().submitted[-1][0]] == ["user", "assistant", "user"]
+    # --raw: the text as is, with the images.
+    run(ip, f"%%llm --raw --image {cat}\nA photo of")
+    assert engine().submitted[-1][0] == "A photo of"
+    assert sizes(engine().images[-1]) == [(16, 16)]
+
+
+def test_image_option_is_in_the_llm_help():
+    doc = magics_mod.LLMMagics.llm.__doc__
+    assert "--image IMG" in doc
+    assert "repeatable" in doc and "variable" in doc

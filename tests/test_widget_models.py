@@ -68,12 +68,13 @@ def special_ids(engine):
     return frozenset(int(t) for t in engine.model.tokenizer.all_special_ids)
 
 
-def follow(engine, prompt, *, on_blocks=None, max_tokens=4):
+def follow(engine, prompt, *, on_blocks=None, max_tokens=4, images=None):
     """Submit `prompt`, feed its events to a new strip; (strip, completion, changes).
 
     `changes` lists the strip's block indices at each `blocks` change before `finish`.
     """
-    request = engine.submit(prompt, max_tokens=max_tokens)
+    extra = {"images": images} if images else {}
+    request = engine.submit(prompt, max_tokens=max_tokens, **extra)
     tokens = request.prompt_tokens
     strip = widgets.BlockStrip(
         n_blocks=math.ceil(len(tokens) / BS), block_size=BS, prompt_tokens=len(tokens)
@@ -187,3 +188,29 @@ def test_the_block_map_of_an_edited_request_matches_its_strip(engine_factory):
     assert [b["reason"] for b in block_map.blocks] == reasons(strip)
     assert block_map.edit == strip.edit
     assert 'data-reason="edited"' in block_map.html()
+
+
+def test_an_image_prompt_marks_the_blocks_its_image_overlaps(tiny_model_dir, tmp_path):
+    """A real vision request: the strip's blocks (fed its BlockEvents, then the report)
+    carry the image whose tokens they hold, as the report's image span says."""
+    import numpy as np
+
+    engine = Engine.load(tiny_model_dir("qwen2_vl"), block_size=BS, cache_dir=tmp_path)
+    try:
+        picture = np.zeros((56, 56, 3), dtype=np.uint8)
+        picture[:, :28] = (255, 128, 0)
+        messages = [{"role": "user", "content": "What colours are in this picture?"}]
+        strip, completion, _ = follow(engine, messages, images=[picture])
+        (span,) = completion.report.images
+        expected = [
+            [0] if b["start"] < span.end and span.start < b["end"] else [] for b in strip.blocks
+        ]
+        assert [b["images"] for b in strip.blocks] == expected
+        assert any(expected)
+        # The same marks come out of the report's blocks (what --blocks draws).
+        from mlx_nbengine.notebook.blockinfo import block_dicts
+
+        assert [b["images"] for b in block_dicts(completion.report.blocks)] == expected
+        assert 'data-image="0"' in strip.html()
+    finally:
+        engine.close()

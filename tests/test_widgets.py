@@ -238,6 +238,7 @@ def test_block_dict_reads_an_engine_block_event():
         "seconds": 0.5,
         "head": "",
         "last": "",
+        "images": [],  # a text block
     }
     json.dumps(d)  # JSON-ready: it syncs to the browser and saves with the notebook
 
@@ -827,6 +828,143 @@ def test_front_end_module_parses():
     assert out.returncode == 0, out.stderr
 
 
+# --- image blocks ---------------------------------------------------------------------------
+
+
+def image_inputs() -> list[SimpleNamespace]:
+    """Two images as `%%llm --image` reads them: a name and an RGB picture."""
+    from PIL import Image
+
+    return [
+        SimpleNamespace(name="cat.png", image=Image.new("RGB", (640, 480), (200, 120, 40))),
+        SimpleNamespace(name="<b>dog</b>.jpg", image=Image.new("RGB", (30, 90), (40, 90, 200))),
+    ]
+
+
+def image_blocks() -> list[dict]:
+    """A prompt whose image 0 spans blocks 1-2, image 1 starts in block 2, text after."""
+    return [
+        block(0, "computed", reason="new", records=()),
+        block(1, "computed", reason="new", records=(), images=[0]),
+        block(2, "computed", reason="new", records=(), images=[0, 1]),
+        block(3, "computed", kind="tail", reason="tail", records=(), end=60),
+    ]
+
+
+def test_block_dict_reads_the_images_of_an_image_block():
+    from mlx_nbengine.engine.events import BlockEvent
+
+    event = BlockEvent(index=1, start=16, end=32, source="computed", seconds=0.1, reason="new")
+    assert block_dict(event)["images"] == []
+    # Any engine object with `images` (a BlockEvent or a BlockReport), sorted, each once.
+    image_block = SimpleNamespace(
+        index=1, start=16, end=32, source="computed", seconds=0.1, images=(2, 0, 2)
+    )
+    assert block_dict(image_block)["images"] == [0, 2]
+
+
+def test_image_dicts_hold_each_images_name_size_and_a_64px_thumbnail():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    dicts = image_dicts(image_inputs())
+    assert [(d["index"], d["name"], d["width"], d["height"]) for d in dicts] == [
+        (0, "cat.png", 640, 480),
+        (1, "<b>dog</b>.jpg", 30, 90),
+    ]
+    thumbs = []
+    for d in dicts:
+        prefix, data = d["src"].split(",", 1)
+        assert prefix == "data:image/png;base64"
+        thumbs.append(Image.open(io.BytesIO(base64.b64decode(data))).size)
+    assert thumbs == [(64, 48), (21, 64)]
+    json.dumps(dicts)
+
+
+def test_strip_marks_image_blocks_and_names_their_images_on_hover():
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    html = strip_html(image_blocks(), n_blocks=5, images=images)
+    elements = parse(html)
+    cells = select(elements, "mnb-block", within="mnb-strip")
+    assert [c.attrs.get("data-image") for c in cells] == [None, "0", "0 1", None, None]
+    assert cells[1].attrs["title"].endswith(" · image 1: cat.png")
+    assert cells[2].attrs["title"].endswith(" · image 1: cat.png, image 2: <b>dog</b>.jpg")
+    assert "image" not in cells[0].attrs["title"]
+    assert [c.text for c in cells[:4]] == ["C", "C", "C", "T"]  # the mark is no text
+    assert "<b>dog" not in html  # names are escaped
+    # The legend explains the mark, with the number of image blocks.
+    (key,) = [k for k in select(elements, "mnb-key") if "data-images" in k.attrs]
+    assert key.attrs["data-count"] == "2" and "image blocks" in key.all_text(elements)
+    # Without image blocks there is no such key.
+    keys = select(parse(strip_html(rerun_blocks(), n_blocks=6)), "mnb-key")
+    assert not [k for k in keys if "data-images" in k.attrs]
+    # Without the image dicts the title still says which image.
+    cells = select(parse(strip_html(image_blocks()[1:2])), "mnb-block")
+    (cell,) = [c for c in cells if c.attrs["data-index"] == "1"]
+    assert cell.attrs["title"].endswith(" · image 1")
+
+
+def test_image_blocks_have_a_visible_mark_in_light_and_dark_themes():
+    rules = dict(_css_rules())
+    (mark,) = [
+        body for sel, body in rules.items() if "[data-image]::after" in sel and "content" in body
+    ]
+    assert 'content:""' in mark.replace(" ", "") and "position:absolute" in mark.replace(" ", "")
+    (glyph,) = [body for sel, body in rules.items() if sel.startswith(".mnb-img-mark,")]
+    # Drawn in the theme's text colour on the theme's background: readable in both themes.
+    assert "var(--mnb-fg)" in glyph and "var(--mnb-bg)" in glyph
+
+
+def test_map_rows_of_image_blocks_carry_their_images():
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    elements = parse(map_html(image_blocks(), images=images))
+    rows = select(elements, "mnb-block", within="mnb-map")
+    assert [r.attrs.get("data-image") for r in rows] == [None, "0", "0 1", None]
+    chips = select(elements, "mnb-img-chip")
+    assert [(c.attrs["data-image-index"], c.attrs["title"]) for c in chips] == [
+        ("0", "image 1: cat.png"),
+        ("0", "image 1: cat.png"),
+        ("1", "image 2: <b>dog</b>.jpg"),
+    ]
+    assert all(c.within("mnb-text") for c in chips)
+    assert [c.all_text(elements) for c in chips] == ["image 1", "image 1", "image 2"]
+    assert "data-index" not in " ".join(" ".join(c.attrs) for c in chips)  # rows own that
+
+
+def test_strip_and_map_widgets_take_the_images_and_mention_them_in_their_text():
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    strip = BlockStrip(n_blocks=4, blocks=image_blocks(), images=images)
+    block_map = BlockMap(blocks=image_blocks(), images=images)
+    for widget in (strip, block_map):
+        state = widget.get_state()
+        assert state["images"] == images  # synced to the front end
+        json.dumps(state)
+        assert 'data-image="0 1"' in widget.html()
+        assert widget._repr_mimebundle_()[0]["text/html"] == widget.html()
+    assert strip.text() == (
+        "4 prompt blocks: 3 computed, 1 tail; 2 image blocks "
+        "(image 1: cat.png, image 2: <b>dog</b>.jpg)"
+    )
+    lines = block_map.text().splitlines()
+    assert lines[0].startswith("Block map: 4 blocks; 2 image blocks")
+    assert lines[2].endswith("[image 1: cat.png]")
+    assert lines[3].endswith("[image 1: cat.png, image 2: <b>dog</b>.jpg]")
+    assert "[" not in lines[1] and "[" not in lines[4]
+    # No images: no traitlet content, no mention.
+    assert BlockStrip(n_blocks=1).images == [] and BlockMap().images == []
+    assert "image" not in BlockStrip(n_blocks=6, blocks=rerun_blocks()).text()
+
+
 # --- a real run -----------------------------------------------------------------------------
 
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. "
@@ -1289,3 +1427,74 @@ def test_map_names_each_layer_kind_once_when_given_one_per_layer():
     assert title.text.endswith("layer kinds: kv + window")
     chips = [e.attrs["data-record"] for e in select(parse(html), "mnb-rec")]
     assert chips[:2] == ["kv", "window"] and len(chips) == 4  # two disk blocks, two kinds
+
+
+READ_IMAGE_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
+  e.dataset.index, e.dataset.image || null, e.getAttribute("title"), e.textContent,
+  getComputedStyle(e, "::after").content])"""
+
+
+def test_live_strip_marks_image_blocks_like_the_static_html_and_hover_shows_the_thumbnail(page):
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    state = {"_kind": "strip", "n_blocks": 5, "block_size": 16, "prompt_tokens": 60,
+             "blocks": image_blocks(), "edit": None, "images": images}  # fmt: skip
+    page.evaluate("(s) => window.draw('imgstrip', s)", state)
+    live = page.evaluate(READ_IMAGE_CELLS, "#imgstrip .mnb-block")
+    static = [
+        [e.attrs["data-index"], e.attrs.get("data-image"), e.attrs["title"], e.text]
+        for e in select(parse(strip_html(image_blocks(), n_blocks=5, images=images)), "mnb-block")
+    ]
+    assert [row[:4] for row in live] == static
+    # The mark: a pseudo-element on image blocks only.
+    assert [row[4] != "none" for row in live] == [False, True, True, False, False]
+    assert page.get_attribute("#imgstrip .mnb-key[data-images]", "data-count") == "2"
+    assert page.is_hidden("#imgstrip .mnb-preview")
+    page.hover("#imgstrip .mnb-block[data-index='2']")
+    assert page.is_visible("#imgstrip .mnb-preview")
+    thumbs = page.evaluate(
+        "() => [...document.querySelectorAll('#imgstrip .mnb-preview figure')].map((f) => "
+        "[f.dataset.imageIndex, f.querySelector('img').getAttribute('src'), f.textContent])"
+    )
+    assert thumbs == [
+        ["0", images[0]["src"], "cat.png · 640x480"],
+        ["1", images[1]["src"], "<b>dog</b>.jpg · 30x90"],
+    ]
+    page.hover("#imgstrip .mnb-block[data-index='0']")
+    assert page.is_hidden("#imgstrip .mnb-preview")  # a text block shows none
+    page.hover("#imgstrip .mnb-block[data-index='1']")
+    assert page.evaluate("document.querySelectorAll('#imgstrip .mnb-preview figure').length") == 1
+    page.mouse.move(0, 0)
+    assert page.is_hidden("#imgstrip .mnb-preview")
+
+
+def test_live_map_marks_image_rows_and_its_details_show_the_thumbnails(page):
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    state = {"_kind": "map", "blocks": image_blocks(), "edit": None, "block_size": 16,
+             "prompt_tokens": 60, "layer_kinds": ["kv"], "images": images}  # fmt: skip
+    page.evaluate("(s) => window.draw('imgmap', s)", state)
+    html = map_html(image_blocks(), images=images)
+    live = page.evaluate(
+        "() => [...document.querySelectorAll('#imgmap tr.mnb-block')].map((r) => "
+        "[r.dataset.index, r.dataset.image || null, "
+        "[...r.querySelectorAll('.mnb-img-chip')].map((c) => c.getAttribute('title'))])"
+    )
+    elements = parse(html)
+    static = [
+        [r.attrs["data-index"], r.attrs.get("data-image"),
+         [c.attrs["title"] for c in select(elements, "mnb-img-chip") if c.within_node(r)]]
+        for r in select(elements, "mnb-block")
+    ]  # fmt: skip
+    assert live == static
+    page.hover("#imgmap tr.mnb-block[data-index='2']")
+    details = page.inner_text("#imgmap .mnb-details")
+    assert "block 2" in details and "image 1: cat.png, image 2: <b>dog</b>.jpg" in details
+    srcs = page.evaluate(
+        "() => [...document.querySelectorAll('#imgmap .mnb-details img')].map((i) => i.src)"
+    )
+    assert srcs == [images[0]["src"], images[1]["src"]]
+    page.hover("#imgmap tr.mnb-block[data-index='0']")
+    assert page.locator("#imgmap .mnb-details img").count() == 0

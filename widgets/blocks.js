@@ -163,6 +163,56 @@ function tip(block, edit) {
   return parts.join(" · ");
 }
 
+// --- images -------------------------------------------------------------------------------
+
+// The indices of the images whose tokens overlap `block` (its dict's `images`), sorted.
+function imageIds(block) {
+  if (!block) return [];
+  return [...new Set((block.images || []).map((i) => Math.trunc(Number(i))))].sort((a, b) => a - b);
+}
+
+// The image dict of `index` among the widget's `images` (undefined when not known).
+function imageOf(index, images) {
+  return (images || []).find((im, i) => Number(im.index ?? i) === index);
+}
+
+// "image 1: cat.png" (or "image 1" where the image's name is not known).
+function imageLabel(index, images) {
+  const name = String(imageOf(index, images)?.name || "");
+  return name ? `image ${index + 1}: ${name}` : `image ${index + 1}`;
+}
+
+const imageTip = (block, images) => imageIds(block).map((i) => imageLabel(i, images)).join(", ");
+
+// A thumbnail with its caption ("cat.png · 640x480"); the caption alone without a picture.
+function thumb(index, images) {
+  const image = imageOf(index, images);
+  const label = imageLabel(index, images);
+  const caption = image
+    ? `${image.name || `image ${index + 1}`} · ${int(image.width)}x${int(image.height)}`
+    : label;
+  const src = image && String(image.src || "").startsWith("data:image/") ? image.src : null;
+  return h(
+    "figure",
+    { class: "mnb-thumb", "data-image-index": index },
+    src ? h("img", { src, alt: label, title: label }) : "",
+    h("figcaption", {}, caption),
+  );
+}
+
+// A map row's marks of the images its block holds: "image 1"... (name on hover).
+function imageChips(block, images) {
+  return imageIds(block).map((i) => [
+    h(
+      "span",
+      { class: "mnb-img-chip", "data-image-index": i, title: imageLabel(i, images) },
+      h("span", { class: "mnb-img-mark", "aria-hidden": "true" }),
+      `image ${i + 1}`,
+    ),
+    " ",
+  ]);
+}
+
 // Each record kind once, in the order kv, window, state (others after, as met).
 function recordKinds(layerKinds) {
   const order = ["kv", "window", "state"];
@@ -221,8 +271,9 @@ function share(block) {
 }
 
 // One key per kind with its count; a key for the partly restored blocks when there are
-// (`parts`: each one's part), its swatch filled like theirs.
-function legend(counts, parts = []) {
+// (`parts`: each one's part), its swatch filled like theirs; a key for the `nImages` image
+// blocks when there are.
+function legend(counts, parts = [], nImages = 0) {
   const keys = KINDS.map(([kind, letter, label]) =>
     h(
       "span",
@@ -244,6 +295,17 @@ function legend(counts, parts = []) {
         ),
         "partly restored ",
         h("b", { class: "mnb-count" }, int(parts.length)),
+      ),
+    );
+  }
+  if (nImages) {
+    keys.push(
+      h(
+        "span",
+        { class: "mnb-key", "data-images": "true", "data-count": nImages },
+        h("span", { class: "mnb-img-mark", "aria-hidden": "true" }),
+        "image blocks ",
+        h("b", { class: "mnb-count" }, int(nImages)),
       ),
     );
   }
@@ -277,16 +339,20 @@ function editBox(edit) {
 
 // Set one cell's look from its block (or pending) and the block before it; touch only
 // what changed.
-function paintCell(cell, index, block, edit, before) {
+function paintCell(cell, index, block, edit, before, images) {
   const kind = block ? kindOf(block) : "pending";
   const part = block ? partOf(block, before) : null;
+  const ids = imageIds(block);
+  let title = block ? tip(block, edit) : `block ${index} · pending`;
+  if (ids.length) title += ` · ${imageTip(block, images)}`;
   const attrs = {
     "data-kind": kind,
     "data-reason": block ? String(block.reason || "") : "",
     "data-edit": block && edit && edit.block === index ? "true" : null,
     "data-restored": block ? String(tokenSplit(block)[0]) : null,
     "data-part": part,
-    title: block ? tip(block, edit) : `block ${index} · pending`,
+    "data-image": ids.length ? ids.join(" ") : null,
+    title,
   };
   for (const [name, value] of Object.entries(attrs)) {
     if (value === null) cell.removeAttribute(name);
@@ -313,9 +379,38 @@ function cellGrid(n) {
 
 // --- strip --------------------------------------------------------------------------------
 
+// The strip's hover box: over an image block's cell, the thumbnails of its images, just
+// under the cell (kept inside the strip); hidden elsewhere.
+function watchImages(root, state) {
+  const show = (cell) => {
+    const ids = (cell.getAttribute("data-image") || "").split(" ").filter(Boolean).map(Number);
+    if (!ids.length) return hide();
+    state.preview.replaceChildren(...ids.map((i) => thumb(i, state.images)));
+    state.preview.hidden = false;
+    const maxLeft = Math.max(0, root.clientWidth - state.preview.offsetWidth);
+    state.preview.style.left = `${Math.min(cell.offsetLeft, maxLeft)}px`;
+    state.preview.style.top = `${cell.offsetTop + cell.offsetHeight + 4}px`;
+  };
+  const hide = () => {
+    state.preview.hidden = true;
+  };
+  root.addEventListener("mouseover", (event) => {
+    const cell = event.target.closest(".mnb-block");
+    if (cell && root.contains(cell)) show(cell);
+    else hide();
+  });
+  root.addEventListener("mouseleave", hide);
+}
+
 function drawStrip(model, root, state) {
   const blocks = model.get("blocks") || [];
   const edit = model.get("edit");
+  const images = model.get("images") || [];
+  state.images = images;
+  if (!state.preview) {
+    state.preview = h("div", { class: "mnb-preview", hidden: true, "aria-hidden": "true" });
+    watchImages(root, state);
+  }
   const known = byIndex(blocks);
   const n = Math.max(model.get("n_blocks") || 0, known.size ? Math.max(...known.keys()) + 1 : 0);
   if (state.n !== n) {
@@ -325,10 +420,12 @@ function drawStrip(model, root, state) {
     state.cells = cells;
     state.foot = h("div", { class: "mnb-foot" });
     state.edit = h("div");
-    root.replaceChildren(grid, state.foot, state.edit);
+    root.replaceChildren(grid, state.foot, state.edit, state.preview);
     root.setAttribute("data-n-blocks", n);
   }
-  state.cells.forEach((cell, i) => paintCell(cell, i, known.get(i), edit, known.get(i - 1)));
+  state.cells.forEach((cell, i) =>
+    paintCell(cell, i, known.get(i), edit, known.get(i - 1), images),
+  );
   const parts = [...known.keys()]
     .sort((a, b) => a - b)
     .map((i) => partOf(known.get(i), known.get(i - 1)))
@@ -338,8 +435,9 @@ function drawStrip(model, root, state) {
   const promptTokens = model.get("prompt_tokens");
   if (blockSize) caption += ` of ${int(blockSize)} tokens`;
   if (promptTokens) caption += ` · ${plural(promptTokens, "prompt token")}`;
+  const nImages = blocks.filter((block) => imageIds(block).length).length;
   state.foot.replaceChildren(
-    legend(kindCounts(blocks, n), parts),
+    legend(kindCounts(blocks, n), parts, nImages),
     h("span", { class: "mnb-caption" }, caption),
   );
   // show_edit false: the cell stays marked, the banner is left to a block map below.
@@ -368,8 +466,8 @@ function recordChips(block, layerKinds) {
   });
 }
 
-function textCell(block) {
-  const parts = [];
+function textCell(block, images) {
+  const parts = [imageChips(block, images)];
   if (block.head) parts.push(h("q", { class: "mnb-head" }, block.head));
   if (block.last) {
     // A no-break space: a wrapped row breaks after the ellipsis, never before it.
@@ -389,9 +487,10 @@ function swatch(block, part) {
   );
 }
 
-function row(block, edit, layerKinds, before) {
+function row(block, edit, layerKinds, before, images) {
   const kind = kindOf(block);
   const part = partOf(block, before);
+  const ids = imageIds(block);
   return h(
     "tr",
     {
@@ -402,12 +501,13 @@ function row(block, edit, layerKinds, before) {
       "data-edit": edit && edit.block === block.index ? "true" : null,
       "data-restored": String(tokenSplit(block)[0]),
       "data-part": part,
+      "data-image": ids.length ? ids.join(" ") : null,
       // Rows are the map's way in to the details panel, by keyboard as well.
       tabindex: 0,
     },
     h("td", { class: "mnb-num" }, String(block.index)),
     h("td", { class: "mnb-num mnb-range" }, `${int(block.start)}–${int(block.end)}`),
-    h("td", { class: "mnb-text" }, textCell(block)),
+    h("td", { class: "mnb-text" }, textCell(block, images)),
     // A partly restored block's source says how its tokens split.
     h("td", { class: "mnb-source" }, swatch(block, part), " ",
       part ? splitWords(block) : String(block.source || "")),
@@ -417,7 +517,7 @@ function row(block, edit, layerKinds, before) {
   );
 }
 
-function details(block, edit, layerKinds, before) {
+function details(block, edit, layerKinds, before, images) {
   if (!block) {
     return [h("span", { class: "mnb-dim" }, "Hover or click a block to see where it came from.")];
   }
@@ -454,9 +554,12 @@ function details(block, edit, layerKinds, before) {
     }
     items.push(["records", text]);
   }
+  const ids = imageIds(block);
+  if (ids.length) items.push(["images", imageTip(block, images)]);
   return [
     h("div", { class: "mnb-details-title" }, swatch(block, part), ` block ${block.index}`),
     h("dl", {}, items.map(([term, value]) => [h("dt", {}, term), h("dd", {}, value)])),
+    ids.length ? h("div", { class: "mnb-details-images" }, ids.map((i) => thumb(i, images))) : "",
   ];
 }
 
@@ -464,6 +567,7 @@ function drawMap(model, root, state) {
   const blocks = [...(model.get("blocks") || [])].sort((a, b) => a.index - b.index);
   const edit = model.get("edit");
   const layerKinds = recordKinds(model.get("layer_kinds") || []);
+  const images = model.get("images") || [];
   const known = byIndex(blocks);
   const n = blocks.length;
   let head = `Block map · ${plural(n, "block")}`;
@@ -475,7 +579,9 @@ function drawMap(model, root, state) {
 
   // No strip of cells: the answer's strip is drawn just above the map.
   const panel = h("div", { class: "mnb-details", "aria-live": "polite" });
-  const rows = blocks.map((block) => row(block, edit, layerKinds, known.get(block.index - 1)));
+  const rows = blocks.map((block) =>
+    row(block, edit, layerKinds, known.get(block.index - 1), images),
+  );
   const rowOf = new Map(rows.map((r) => [Number(r.getAttribute("data-index")), r]));
   const tall = n > TALL_ROWS;
   const table = h(
@@ -505,7 +611,17 @@ function drawMap(model, root, state) {
 
   // Hover shows a block; a click pins it (click again to unpin).
   const show = (index) => {
-    panel.replaceChildren(...details(known.get(index), edit, layerKinds, known.get(index - 1)));
+    const block = known.get(index);
+    panel.replaceChildren(...details(block, edit, layerKinds, known.get(index - 1), images));
+    // An image block's thumbnails sit on the panel's right: room for them.
+    const ids = imageIds(block);
+    if (ids.length) {
+      panel.setAttribute("data-image", ids.join(" "));
+      panel.style.setProperty("--mnb-images", String(ids.length));
+    } else {
+      panel.removeAttribute("data-image");
+      panel.style.removeProperty("--mnb-images");
+    }
   };
   const select = (index) => {
     state.selected = index;
@@ -875,9 +991,12 @@ function drawStore(model, root) {
 const VIEWS = {
   strip: {
     draw: drawStrip,
-    traits: ["n_blocks", "block_size", "prompt_tokens", "blocks", "edit", "show_edit"],
+    traits: ["n_blocks", "block_size", "prompt_tokens", "blocks", "edit", "show_edit", "images"],
   },
-  map: { draw: drawMap, traits: ["blocks", "edit", "block_size", "prompt_tokens", "layer_kinds"] },
+  map: {
+    draw: drawMap,
+    traits: ["blocks", "edit", "block_size", "prompt_tokens", "layer_kinds", "images"],
+  },
   store: { draw: drawStore, traits: ["view"] },
 };
 

@@ -18,11 +18,15 @@ Terms:
   *partly restored* block, a computed block whose first tokens were restored (a
   token-exact restore ended inside it, at an edit or before the tail). `head` and `last`
   are the first and last words of the block's text (``""`` when no tokenizer is at
-  hand).
+  hand). `images` are the 0-based indices of the request's images whose tokens overlap
+  the block (``[]`` for a text block, and from engines without images).
 - *special tokens* (`special`): token ids the caller marks special (a tokenizer's
   ``all_special_ids``: ``<bos>``, ``<|im_start|>``...). They are dropped before decoding,
   so the words shown are the prompt's text, never its chat template's markers, whatever
   `decode` keeps.
+- *image dict* (`image_dicts`): ``{"index", "name", "width", "height", "src"}`` per
+  image of a request: its name (file or variable), original size and a small PNG
+  thumbnail as a ``data:`` URI, for the widgets' marks on image blocks.
 - *edit dict* (`edit_dict`): ``{"position", "block", "before", "after"}``: the first
   prompt token that differs from the stored continuation, the block holding it, and the
   words just before and from it.
@@ -33,10 +37,19 @@ neither MLX nor the engine and accepts events from engines with or without `reas
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-__all__ = ["block_dict", "block_dicts", "edit_dict", "first_words", "last_words", "report_edit"]
+__all__ = [
+    "block_dict",
+    "block_dicts",
+    "edit_dict",
+    "first_words",
+    "image_dicts",
+    "last_words",
+    "report_edit",
+]
 
 Decode = Callable[[list[int]], str]
 
@@ -147,6 +160,7 @@ def block_dict(
         "seconds": float(getattr(block, "seconds", 0.0) or 0.0),
         "head": head,
         "last": last,
+        "images": sorted({int(i) for i in (getattr(block, "images", None) or ())}),
     }
 
 
@@ -161,6 +175,36 @@ def block_dicts(
     special = frozenset(special)
     out = [block_dict(b, decode=decode, tokens=tokens, special=special) for b in blocks]
     return sorted(out, key=lambda b: b["index"])
+
+
+# Longest side of the thumbnails the widgets show on an image block.
+THUMB_SIDE = 64
+
+
+def thumbnail_uri(image: Any, *, max_side: int = THUMB_SIDE) -> str:
+    """A ``data:image/png;base64,...`` URI of `image` (a PIL image) scaled to `max_side`."""
+    from mlx_nbengine.models.images import thumbnail_png
+
+    data = base64.b64encode(thumbnail_png(image, max_side=max_side)).decode("ascii")
+    return f"data:image/png;base64,{data}"
+
+
+def image_dicts(images: Iterable[Any], *, max_side: int = THUMB_SIDE) -> list[dict[str, Any]]:
+    """The image dicts of a request's `images` (each with `name` and a PIL `image`, as
+    `mlx_nbengine.notebook.prompting.ImageInput`), in order."""
+    out = []
+    for index, item in enumerate(images):
+        width, height = item.image.size
+        out.append(
+            {
+                "index": index,
+                "name": str(item.name),
+                "width": int(width),
+                "height": int(height),
+                "src": thumbnail_uri(item.image, max_side=max_side),
+            }
+        )
+    return out
 
 
 def edit_dict(

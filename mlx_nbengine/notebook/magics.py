@@ -34,7 +34,9 @@ Terms:
 In a kernel (a notebook front end) every answer gets a block strip under it, `--blocks`
 adds the block map after the answer and `%llm_cache` shows the store view: the widgets of
 `mlx_nbengine.notebook.widgets`, whose bundles also carry static ``text/html`` for exported
-notebooks. Terminal IPython gets their text instead.
+notebooks. Terminal IPython gets their text instead. A cell with ``--image`` (a vision
+model's pictures) first shows a thumbnail of each image, above the answer; its strip and
+map mark the blocks that hold an image's tokens.
 
 Errors the user can fix (no model loaded, an unknown option, an empty cell, a model that
 fails to load, is not cached while offline or is ambiguous, a prompt the engine rejects)
@@ -58,7 +60,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from mlx_nbengine import _blas
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.notebook.prompting import (
     build_prompt,
@@ -66,6 +68,7 @@ from mlx_nbengine.notebook.prompting import (
     interpolate,
     parse_options,
     parse_size,
+    read_images,
     sampling_options,
 )
 from mlx_nbengine.notebook.render import (
@@ -74,6 +77,7 @@ from mlx_nbengine.notebook.render import (
     TerminalView,
     cache_rows,
     format_bytes,
+    images_bundle,
     key_value_bundle,
     models_bundle,
     models_text,
@@ -179,6 +183,13 @@ def _special_ids(engine: Any) -> frozenset[int]:
     tokenizer = getattr(getattr(engine, "model", None), "tokenizer", None)
     ids = getattr(tokenizer, "all_special_ids", None)
     return frozenset(int(t) for t in ids) if ids else frozenset()
+
+
+def _image_dicts(images: list[Any]) -> list[dict]:
+    """The widgets' image dicts (64-px thumbnails); [] where they cannot be drawn."""
+    if _widgets() is None:
+        return []
+    return image_dicts(images)
 
 
 def _blas_hint() -> str | None:
@@ -544,6 +555,16 @@ class LLMMagics(Magics):
         "--markdown", action="store_true", help="render the answer as Markdown (HTML shown as text)"
     )
     @argument("--blocks", action="store_true", help="show the block map after the answer")
+    @argument(
+        "--image",
+        action="append",
+        metavar="IMG",
+        default=None,
+        help=(
+            "an image for a vision model: a variable (PIL image, numpy array, bytes, path) "
+            "or a file path (repeatable, in order)"
+        ),
+    )
     @cell_magic
     def llm(self, line: str, cell: str) -> None:
         """Ask the loaded model; the cell body is the prompt.
@@ -563,6 +584,13 @@ class LLMMagics(Magics):
         replaces its turn and every later one; the cell is recognised by the cell id
         JupyterLab sends, or, where there is none (nbclient, terminal), by identical
         source text.
+
+        --image IMG (repeatable) shows a vision model pictures with the prompt, in the
+        order given: IMG is a variable of this namespace when it names one (a PIL image,
+        a numpy array HxWx3 of uint8, the bytes of an image file, or a path), else the
+        path of an image file (PNG, JPEG, GIF, WebP, ...). A thumbnail of each is shown
+        above the answer, and the block strip marks the blocks holding an image's tokens.
+        With --chat the images go with that turn's question.
         """
         args = parse_options(self.llm, line, "%%llm")
         engine = self._require_engine()
@@ -582,30 +610,40 @@ class LLMMagics(Magics):
             text = interpolate(text, self.shell.user_ns)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
+        # Read before anything is submitted: a bad image is one line, and no turn begins.
+        images = read_images(args.image, self.shell.user_ns) if args.image else []
 
         conversation = self.session.chats.get(args.chat) if args.chat else None
         key = None if conversation is None else self.session.next_turn_key(f"%%llm {line}\n{cell}")
         prompt, chat = build_prompt(
             text, raw=args.raw, system=args.system, conversation=conversation, key=key
         )
+        # Only a request with images names them: engines (and fakes) before images differ.
+        extra = {"images": [item.image for item in images]} if images else {}
         try:
-            request = engine.submit(prompt, **sampling_options(args))
+            request = engine.submit(prompt, **sampling_options(args), **extra)
         except (EngineError, ValueError) as exc:
             if chat is not None:
                 chat.abandon()
             raise UsageError(short_error(exc)) from None
 
+        thumbs = _image_dicts(images) if images else []
+        if images:
+            # The pictures above the answer, as the model got them (in order).
+            self._display(images_bundle(images))
         if self._updates_in_place():
             view = AnswerView(
                 title=args.chat or "",
                 markdown=args.markdown,
-                strip=self._strip_feed(engine, request, show_edit=not args.blocks),
+                strip=self._strip_feed(engine, request, show_edit=not args.blocks, images=thumbs),
             )
         else:
             view = TerminalView(title=args.chat or "")
         view.show()
         after = (
-            (lambda completion: self._show_block_map(engine, completion)) if args.blocks else None
+            (lambda completion: self._show_block_map(engine, completion, images=thumbs))
+            if args.blocks
+            else None
         )
         if args.bg:
             self._start_background(request, view, args, chat, after=after)
@@ -622,9 +660,12 @@ class LLMMagics(Magics):
             raise GenerationInterrupted()
         return None
 
-    def _strip_feed(self, engine: Any, request: Any, *, show_edit: bool) -> StripFeed | None:
+    def _strip_feed(
+        self, engine: Any, request: Any, *, show_edit: bool, images: list[dict] | None = None
+    ) -> StripFeed | None:
         """The block strip for `request`, all its blocks pending; None without widgets.
-        With `show_edit` false (a block map follows, with its own) it marks no edit banner."""
+        With `show_edit` false (a block map follows, with its own) it marks no edit banner;
+        `images` are the request's image dicts (`blockinfo.image_dicts`)."""
         block_size = getattr(engine, "block_size", None)
         tokens = getattr(request, "prompt_tokens", None)
         widgets = _widgets()
@@ -635,6 +676,7 @@ class LLMMagics(Magics):
             block_size=block_size,
             prompt_tokens=len(tokens),
             show_edit=show_edit,
+            images=list(images or []),
         )
         return StripFeed(
             strip,
@@ -644,8 +686,11 @@ class LLMMagics(Magics):
             block_size=block_size,
         )
 
-    def _show_block_map(self, engine: Any, completion: Any) -> None:
-        """`--blocks`: every prompt block of `completion`, its words, source and reason."""
+    def _show_block_map(
+        self, engine: Any, completion: Any, *, images: list[dict] | None = None
+    ) -> None:
+        """`--blocks`: every prompt block of `completion`, its words, source and reason
+        (and, with `images`, which blocks hold which image)."""
         widgets = _widgets()
         if widgets is None:
             return
@@ -665,6 +710,7 @@ class LLMMagics(Magics):
             block_size=block_size,
             prompt_tokens=len(tokens),
             layer_kinds=self._layer_kinds(engine),
+            images=list(images or []),
         )
         if self._updates_in_place():
             self._display(block_map)

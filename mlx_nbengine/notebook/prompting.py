@@ -19,6 +19,12 @@ Terms:
   the engine's defaults stay the single source of truth.
 - *prompt*: what ``Engine.submit`` receives: the text itself with ``--raw``, else a
   list of chat messages (``{"role": ..., "content": ...}``) for the chat template.
+- *image input* (`ImageInput`, ``%%llm --image VALUE``): one picture the request shows
+  the model. `VALUE` is a variable of the user namespace when it names one (a PIL image,
+  a numpy array, the bytes of an encoded image, or a path), else a file path. `read_images`
+  reads every one (`mlx_nbengine.models.images.load_image`) before anything is submitted,
+  so a missing file, a file that is not an image or a variable that is not one is a
+  one-line `UsageError` naming it; the engine then gets the RGB pictures.
 - *chat turn* (`ChatTurn`): with ``--chat NAME``, the turn of the named conversation
   that the request answers; it is finished with the answer, or abandoned when the
   request fails, so the conversation never keeps a half-asked question.
@@ -32,7 +38,9 @@ from __future__ import annotations
 import os
 import re
 import string
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -42,12 +50,14 @@ from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, Turn
 
 __all__ = [
     "ChatTurn",
+    "ImageInput",
     "Prompt",
     "build_prompt",
     "engine_options",
     "interpolate",
     "parse_options",
     "parse_size",
+    "read_images",
     "sampling_options",
 ]
 
@@ -142,6 +152,68 @@ def sampling_options(args: Any) -> dict[str, Any]:
         "stop": args.stop,
     }
     return {name: value for name, value in given.items() if value is not None}
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One ``--image``: how the user named it, where it came from, the RGB picture read."""
+
+    name: str  # the file name (a path) or the variable name
+    value: str  # what was written after --image
+    image: Any  # RGB PIL image
+    variable: bool = False
+
+    @property
+    def width(self) -> int:
+        return int(self.image.size[0])
+
+    @property
+    def height(self) -> int:
+        return int(self.image.size[1])
+
+
+def _image_error(message: str, index: int, source: str) -> UsageError:
+    """One line for a `load_image` message, naming where the image came from."""
+    message = " ".join(message.splitlines())
+    label = f"image {index + 1}"
+    if message.startswith(label):
+        message = f"{label} ({source}){message[len(label) :]}"
+    else:
+        message = f"{label} ({source}): {message}"
+    return UsageError(message)
+
+
+def read_images(values: Sequence[str] | None, namespace: Mapping[str, Any]) -> list[ImageInput]:
+    """The ``--image`` `values`, in order, each read into an RGB picture.
+
+    A value that names a variable of `namespace` is that variable's value; any other is a
+    file path (``~`` expanded). Whatever cannot be read is a one-line `UsageError` naming
+    the image (its position, and its variable or file).
+    """
+    from mlx_nbengine.errors import ImageError
+    from mlx_nbengine.models.images import load_image
+
+    out: list[ImageInput] = []
+    for index, value in enumerate(values or ()):
+        variable = value.isidentifier() and value in namespace
+        if variable:
+            item, name = namespace[value], value
+        else:
+            path = Path(value).expanduser()
+            if value.isidentifier() and not path.exists():
+                raise UsageError(
+                    f"image {index + 1}: {value!r} is neither a variable here nor "
+                    "a file; define it, or give the path of an image file"
+                )
+            item, name = value, path.name or value
+        try:
+            image = load_image(item, index=index)
+        except ImageError as exc:
+            if not variable:  # load_image's message names the file already
+                raise UsageError(" ".join(str(exc).splitlines())) from None
+            raise _image_error(str(exc), index, f"variable {value}") from None
+        out.append(ImageInput(name=name, value=value, image=image, variable=variable))
+    return out
 
 
 @dataclass

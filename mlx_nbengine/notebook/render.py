@@ -23,6 +23,9 @@ Terms:
   model found locally (a `mlx_nbengine.models.LocalModel`): name, source, kind (text,
   vision or gguf), size on disk, and whether a GGUF model was converted already (``-`` for
   MLX models, which need no conversion); below it, where the listing looked.
+- *image display* (`images_bundle`): with ``%%llm --image``, one display right above the
+  answer: a thumbnail per image (``figure.mnb-image``) captioned with its name (file or
+  variable) and original size; ``text/plain`` "[image 1: cat.png, 640x480]".
 - *strip feed* (`StripFeed`): a `BlockStrip` widget shown as a second display output right
   under the answer, created when the request is submitted with one pending cell per prompt
   block, filled in as `BlockEvent`s arrive and marked with the edit at the end. Terminal
@@ -53,6 +56,8 @@ __all__ = [
     "answer_facts",
     "cache_rows",
     "format_bytes",
+    "images_bundle",
+    "images_text",
     "key_value_bundle",
     "model_rows",
     "models_bundle",
@@ -438,6 +443,48 @@ class TerminalView(AnswerView):
         if not self._closed:
             self._write(f"\n\n{self.status_line()}\n")
             self._closed = True
+
+
+# -- the images above the answer ---------------------------------------------------------------
+
+# The thumbnails' longest side in the answer's image display.
+IMAGE_THUMB_SIDE = 96
+_FIGURES_STYLE = "display: flex; flex-wrap: wrap; gap: 8px; margin: 0 0 0.4em"
+_FIGURE_STYLE = "margin: 0; display: inline-flex; flex-direction: column; align-items: flex-start"
+_IMG_STYLE = (
+    "display: block; max-width: 96px; max-height: 96px; border-radius: 3px; "
+    "border: 1px solid var(--jp-border-color2, #d1d9e0)"
+)
+_CAPTION_STYLE = "font-size: 0.8em; margin-top: 2px; color: var(--jp-ui-font-color2, #757575)"
+
+
+def images_text(images: Sequence[Any]) -> str:
+    """One line per image: "[image 1: cat.png, 640x480]"."""
+    return "\n".join(
+        f"[image {i + 1}: {item.name}, {item.width}x{item.height}]" for i, item in enumerate(images)
+    )
+
+
+def images_bundle(images: Sequence[Any], *, max_side: int = IMAGE_THUMB_SIDE) -> Bundle:
+    """The display shown above an answer: a captioned thumbnail per image.
+
+    `images` are the request's `mlx_nbengine.notebook.prompting.ImageInput`s (duck-typed:
+    `name`, `width`, `height` and the PIL `image`), in the order the model gets them.
+    """
+    from mlx_nbengine.notebook.blockinfo import thumbnail_uri
+
+    figures = []
+    for i, item in enumerate(images):
+        name = html.escape(str(item.name))
+        caption = f"{name} · {item.width}x{item.height}"
+        figures.append(
+            f'<figure class="mnb-image" data-index="{i}" style="{_FIGURE_STYLE}">'
+            f'<img src="{thumbnail_uri(item.image, max_side=max_side)}" '
+            f'alt="image {i + 1}: {name}" title="image {i + 1}: {name}" style="{_IMG_STYLE}">'
+            f'<figcaption style="{_CAPTION_STYLE}">{caption}</figcaption></figure>'
+        )
+    markup = f'<div class="mnb-images" style="{_FIGURES_STYLE}">{"".join(figures)}</div>'
+    return {"text/plain": images_text(images), "text/html": markup}
 
 
 # -- the block strip ---------------------------------------------------------------------------

@@ -14,20 +14,24 @@ package as ``mlx_nbengine/notebook/static/``):
   and letter, with its restored share filled from the bottom in the colour of where the
   restore came from (its *part*: the source of the block before it, ``disk`` for the
   first block). It marks the edited block's cell and, unless `show_edit` is False (when a
-  block map follows and shows it), the edit's words too.
+  block map follows and shows it), the edit's words too. A block holding an image's tokens
+  (an *image block*, its dict's ``images``) carries ``data-image`` (the image indices,
+  space-separated) and a small picture mark; hovering it names the image (the live strip
+  shows its thumbnail, from `images`).
 - `BlockMap` (``%%llm --blocks``): per block its token range, first and last words,
   source (with the restored and computed tokens of a partly restored block), *reason*
   (why it was restored or computed) and seconds; the first changed token of an edited
   prompt (the *edit*); which record kinds each block read, against the model's
   `layer_kinds`. It draws no strip of its own: the answer's strip is just above it.
-  Hovering or clicking a row shows its block in a details panel. Every row shows; only
+  Hovering or clicking a row shows its block in a details panel (with the thumbnails of
+  an image block's images). Every row shows; only
   the live map of more than `TALL_ROWS` blocks scrolls its rows, in a tall box that opens
   at the first computed block.
 - `StoreView` (``%llm_cache``): the engine's `cache_view()` dict: blocks and bytes held
   against the budget, the running totals of blocks restored, computed and evicted by
   request (one even step per history point), records by kind and the latest evictions.
 
-Blocks and edits are the dicts of `mlx_nbengine.notebook.blockinfo`. Every widget's
+Blocks, edits and images are the dicts of `mlx_nbengine.notebook.blockinfo`. Every widget's
 display bundle also carries ``text/html``: the same picture as static HTML (a ``<style>``
 block, no JavaScript), from the pure functions `strip_html`, `map_html` and
 `store_html`, so that a notebook exported without its widget state still shows it. Model
@@ -265,6 +269,51 @@ def _words(block: Mapping[str, Any]) -> str:
     return f"“{head or last}”" if head or last else ""
 
 
+def _image_ids(block: Mapping[str, Any] | None) -> list[int]:
+    """The indices of the images whose tokens overlap `block` (its dict's ``images``)."""
+    if block is None:
+        return []
+    return sorted({int(i) for i in block.get("images") or ()})
+
+
+def _image_attr(block: Mapping[str, Any] | None) -> str:
+    """The ``data-image`` attribute of an image block ("" for any other block)."""
+    ids = _image_ids(block)
+    return f' data-image="{" ".join(map(str, ids))}"' if ids else ""
+
+
+def _image_label(index: int, images: Sequence[Mapping[str, Any]]) -> str:
+    """ "image 1: cat.png" (or "image 1" where the image's name is not known)."""
+    known = {int(im.get("index", i)): im for i, im in enumerate(images)}
+    name = str(known.get(index, {}).get("name") or "")
+    return f"image {index + 1}: {name}" if name else f"image {index + 1}"
+
+
+def _image_tip(block: Mapping[str, Any], images: Sequence[Mapping[str, Any]]) -> str:
+    return ", ".join(_image_label(i, images) for i in _image_ids(block))
+
+
+def _image_key(blocks: Iterable[Mapping[str, Any]]) -> str:
+    """The legend's key for image blocks, when there are."""
+    n = sum(1 for b in blocks if _image_ids(b))
+    if not n:
+        return ""
+    return (
+        f'<span class="mnb-key" data-images="true" data-count="{n}">'
+        '<span class="mnb-img-mark" aria-hidden="true"></span>'
+        f'image blocks <b class="mnb-count">{n:,}</b></span>'
+    )
+
+
+def _image_chips(block: Mapping[str, Any], images: Sequence[Mapping[str, Any]]) -> str:
+    """A map row's marks of the images its block holds: "image 1"... (name on hover)."""
+    return "".join(
+        f'<span class="mnb-img-chip" data-image-index="{i}" title="{_e(_image_label(i, images))}">'
+        f'<span class="mnb-img-mark" aria-hidden="true"></span>image {i + 1}</span> '
+        for i in _image_ids(block)
+    )
+
+
 def _by_index(blocks: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
     return {int(b["index"]): b for b in blocks}
 
@@ -282,9 +331,9 @@ def _fill(block: Mapping[str, Any]) -> str:
     return f'<span class="mnb-fill" style="--mnb-share: {_fixed(share, 3)}"></span>'
 
 
-def _legend(counts: Mapping[str, int], parts: Sequence[str] = ()) -> str:
+def _legend(counts: Mapping[str, int], parts: Sequence[str] = (), image_key: str = "") -> str:
     """One key per kind with its count; a key for the partly restored blocks when there
-    are (`parts`: each one's part), its swatch filled like theirs."""
+    are (`parts`: each one's part), its swatch filled like theirs; then `image_key`."""
     items = []
     for kind, (letter, label) in KINDS.items():
         n = counts.get(kind, 0)
@@ -301,7 +350,7 @@ def _legend(counts: Mapping[str, int], parts: Sequence[str] = ()) -> str:
             '<span class="mnb-fill" style="--mnb-share: 0.5"></span></span>'
             f'partly restored <b class="mnb-count">{len(parts):,}</b></span>'
         )
-    return f'<div class="mnb-legend">{"".join(items)}</div>'
+    return f'<div class="mnb-legend">{"".join(items)}{image_key}</div>'
 
 
 def _edit_html(edit: Mapping[str, Any] | None) -> str:
@@ -331,6 +380,7 @@ def _cell(
     block: Mapping[str, Any] | None,
     edit: Mapping[str, Any] | None,
     before: Mapping[str, Any] | None,
+    images: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     if block is None:
         return (
@@ -341,10 +391,13 @@ def _cell(
     letter = KINDS.get(kind, ("?", kind))[0]
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
     part = _part(block, before)
+    tip = _tip(block, edit)
+    if _image_ids(block):
+        tip += " · " + _image_tip(block, images)
     return (
         f'<div class="mnb-block" data-index="{i}" data-kind="{_e(kind)}" '
-        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)} '
-        f'title="{_e(_tip(block, edit))}">{_fill(block) if part else ""}{letter}</div>'
+        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)}'
+        f'{_image_attr(block)} title="{_e(tip)}">{_fill(block) if part else ""}{letter}</div>'
     )
 
 
@@ -352,11 +405,12 @@ def _cells(
     n_blocks: int,
     blocks: Sequence[Mapping[str, Any]],
     edit: Mapping[str, Any] | None,
+    images: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     known = _by_index(blocks)
     n = max(n_blocks, max(known, default=-1) + 1)
     dense = " mnb-dense" if n > DENSE_BLOCKS else ""
-    cells = "".join(_cell(i, known.get(i), edit, known.get(i - 1)) for i in range(n))
+    cells = "".join(_cell(i, known.get(i), edit, known.get(i - 1), images) for i in range(n))
     # The inline style keeps the cells in rows where a sanitizer drops the <style> block.
     return f'<div class="mnb-cells{dense}" style="display: flex; flex-wrap: wrap">{cells}</div>'
 
@@ -376,11 +430,13 @@ def strip_html(
     prompt_tokens: int = 0,
     edit: Mapping[str, Any] | None = None,
     show_edit: bool = True,
+    images: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The block strip as static HTML: one ``div.mnb-block`` cell per block, a legend.
 
     The edited block's cell is always marked; `show_edit` False leaves out the edit's
-    banner (its words), for a strip that a block map, which shows it, follows.
+    banner (its words), for a strip that a block map, which shows it, follows. An image
+    block's cell has ``data-image`` and a mark, and names its `images` on hover.
     """
     counts = _kind_counts(blocks, n_blocks)
     known = _by_index(blocks)
@@ -393,8 +449,8 @@ def strip_html(
         caption += f" · {_plural(prompt_tokens, 'prompt token')}"
     return (
         f'{_style()}<div class="mnb-root mnb-strip" data-n-blocks="{n}">'
-        f"{_cells(n_blocks, blocks, edit)}"
-        f'<div class="mnb-foot">{_legend(counts, parts)}'
+        f"{_cells(n_blocks, blocks, edit, images)}"
+        f'<div class="mnb-foot">{_legend(counts, parts, _image_key(blocks))}'
         f'<span class="mnb-caption">{caption}</span></div>'
         f"{_edit_html(edit) if show_edit else ''}</div>"
     )
@@ -421,13 +477,15 @@ def _row(
     edit: Mapping[str, Any] | None,
     layer_kinds: Sequence[str],
     before: Mapping[str, Any] | None,
+    images: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     i = int(block["index"])
     kind = str(block.get("kind") or block.get("source"))
     letter = KINDS.get(kind, ("?", kind))[0]
     start, end = int(block.get("start", 0)), int(block.get("end", 0))
     head, last = block.get("head") or "", block.get("last") or ""
-    text = f'<q class="mnb-head">{_e(head)}</q>' if head else ""
+    text = _image_chips(block, images)
+    text += f'<q class="mnb-head">{_e(head)}</q>' if head else ""
     if last:
         # A no-break space: a wrapped row breaks after the ellipsis, never before it.
         text += f'\u00a0<span class="mnb-dim">…</span> <q class="mnb-last">{_e(last)}</q>'
@@ -438,8 +496,8 @@ def _row(
     part_attr = f' data-part="{_e(part)}"' if part else ""
     return (
         f'<tr class="mnb-block" data-index="{i}" data-kind="{_e(kind)}" '
-        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)}>'
-        f'<td class="mnb-num">{i}</td>'
+        f'data-reason="{_e(block.get("reason", ""))}"{edited}{_restored_attrs(block, part)}'
+        f'{_image_attr(block)}><td class="mnb-num">{i}</td>'
         f'<td class="mnb-num mnb-range">{start:,}–{end:,}</td>'
         f'<td class="mnb-text">{text}</td>'
         f'<td class="mnb-source"><span class="mnb-swatch" data-kind="{_e(kind)}"{part_attr}>'
@@ -457,11 +515,13 @@ def map_html(
     prompt_tokens: int = 0,
     edit: Mapping[str, Any] | None = None,
     layer_kinds: Sequence[str] = (),
+    images: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The block map as static HTML: its title, the edit, one row per block.
 
     No strip of cells: the answer's strip is drawn just above the map. `layer_kinds` are
-    the model's record kinds, one per layer or each once.
+    the model's record kinds, one per layer or each once. An image block's row has
+    ``data-image`` and, before its words, a mark per image (named by `images` on hover).
     """
     blocks = sorted(blocks, key=lambda b: int(b["index"]))
     layer_kinds = record_kinds(layer_kinds)
@@ -474,7 +534,9 @@ def map_html(
     if layer_kinds:
         head += " · layer kinds: " + " + ".join(_e(k) for k in layer_kinds)
     known = _by_index(blocks)
-    rows = "".join(_row(b, edit, layer_kinds, known.get(int(b["index"]) - 1)) for b in blocks)
+    rows = "".join(
+        _row(b, edit, layer_kinds, known.get(int(b["index"]) - 1), images) for b in blocks
+    )
     table = (
         '<div class="mnb-scroll"><table class="mnb-table"><thead><tr>'
         '<th class="mnb-num">block</th><th class="mnb-num">tokens</th><th>text</th>'
@@ -764,6 +826,8 @@ class BlockStrip(_Widget):
     blocks = traitlets.List(traitlets.Dict()).tag(sync=True)
     edit = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     show_edit = traitlets.Bool(True).tag(sync=True)
+    # The request's images (`blockinfo.image_dicts`): named and shown on image blocks.
+    images = traitlets.List(traitlets.Dict()).tag(sync=True)
 
     def __init__(self, **kwargs: Any) -> None:
         self._lock = threading.Lock()
@@ -792,13 +856,14 @@ class BlockStrip(_Widget):
             prompt_tokens=self.prompt_tokens,
             edit=self.edit,
             show_edit=self.show_edit,
+            images=self.images,
         )
 
     def text(self) -> str:
         counts = _kind_counts(self.blocks, self.n_blocks)
         parts = [f"{counts[k]} {label}" for k, (_, label) in KINDS.items() if counts[k]]
         n = max(self.n_blocks, len(self.blocks))
-        return f"{_plural(n, 'prompt block')}: {', '.join(parts) or 'none'}"
+        return f"{_plural(n, 'prompt block')}: {', '.join(parts) or 'none'}{_images_text(self)}"
 
 
 class BlockMap(_Widget):
@@ -810,6 +875,8 @@ class BlockMap(_Widget):
     block_size = traitlets.Int(0).tag(sync=True)
     prompt_tokens = traitlets.Int(0).tag(sync=True)
     layer_kinds = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    # The request's images (`blockinfo.image_dicts`): named and shown on image blocks.
+    images = traitlets.List(traitlets.Dict()).tag(sync=True)
 
     def html(self) -> str:
         return map_html(
@@ -818,18 +885,32 @@ class BlockMap(_Widget):
             prompt_tokens=self.prompt_tokens,
             edit=self.edit,
             layer_kinds=self.layer_kinds,
+            images=self.images,
         )
 
     def text(self) -> str:
-        lines = [f"Block map: {_plural(len(self.blocks), 'block')}"]
+        lines = [f"Block map: {_plural(len(self.blocks), 'block')}{_images_text(self)}"]
         if self.edit:
             lines.append(f"first change at token {int(self.edit.get('position', 0)):,}")
         for b in sorted(self.blocks, key=lambda b: int(b["index"])):
-            lines.append(
+            line = (
                 f"{int(b['index']):>4} {int(b.get('start', 0)):>7,}-{int(b.get('end', 0)):<7,} "
                 f"{b.get('source', ''):<8} {reason_phrase(b, self.edit)}"
             )
+            if _image_ids(b):
+                line += f" [{_image_tip(b, self.images)}]"
+            lines.append(line)
         return "\n".join(lines)
+
+
+def _images_text(widget: BlockStrip | BlockMap) -> str:
+    """ "; 2 image blocks (image 1: cat.png)" for a widget with image blocks, else ""."""
+    blocks = [b for b in widget.blocks if _image_ids(b)]
+    if not blocks:
+        return ""
+    ids = sorted({i for b in blocks for i in _image_ids(b)})
+    names = ", ".join(_image_label(i, widget.images) for i in ids)
+    return f"; {_plural(len(blocks), 'image block')} ({names})"
 
 
 class StoreView(_Widget):
