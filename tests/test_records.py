@@ -203,11 +203,18 @@ def test_assembly_at_an_earlier_boundary_than_the_live_cache_reached():
 # --- partial records and cuts ----------------------------------------------------------------
 
 
-def test_a_partial_record_holds_the_blocks_first_tokens_and_no_state():
+def test_a_partial_record_holds_the_blocks_first_tokens_and_the_state_at_its_end():
     layers = make_layers(lm_cache, window=24)
     seen = run(layers, [B, 5])  # 21 tokens: block 1 holds 5
     recs = extract_block_records(layers, block=1, block_size=B, end=B + 5)
-    assert set(recs) == {"kv", "window"}  # a state there would serve no cut
+    # The state was taken where the model call ended: it resumes a prompt holding all 21.
+    assert set(recs) == {"kv", "window", "state"}
+    assert recs["state"].layers[2]["offset"] == B + 5
+    # Ending elsewhere than where the cache stands, there is no state to take.
+    assert set(extract_block_records(layers, block=1, block_size=B, end=B + 3)) == {
+        "kv",
+        "window",
+    }
     assert recs["kv"].layers[0] == {"class": "KVCache", "start": B, "end": B + 5}
     assert mx.array_equal(recs["kv"].arrays["L0.k"], seen[0][0][..., B : B + 5, :]).item()
     assert recs["window"].layers[1]["start"] == B

@@ -391,3 +391,37 @@ def test_a_cut_cache_holds_exactly_what_a_cold_prefill_computes(stored, edit_at)
     cold_logits = lm.model(mx.array(edit[FIRST_STEP:])[None], cache=cold)[0, -1]
     assert mx.abs(warm - cold_logits).max().item() < 1e-3
     assert mx.argmax(warm).item() == mx.argmax(cold_logits).item()
+
+
+# --- recurrent states at a partial block's end ------------------------------------------------
+
+
+def test_a_hybrid_models_next_chat_turn_resumes_where_the_answer_ended(engine_factory):
+    """qwen3_5 keeps the recurrent state taken where a finished request's cache ended: a
+    prompt holding that whole cache (the next turn: prompt, answer, a new question)
+    resumes there, inside a block, instead of at the last boundary."""
+    engine = engine_factory("qwen3_5")
+    first_prompt = prompt(40, seed=11)
+    first = run(engine, first_prompt, max_tokens=6)
+    held = first_prompt + first.tokens[:-1]  # the last sampled token was never fed
+    assert len(held) % BS, "the cache ends inside a block"
+    replace_hot_cache(engine)
+    turn = held + first.tokens[-1:] + prompt(12, seed=12)[1:]
+    second = run(engine, turn)
+    assert second.report.restore_source == "disk"
+    assert second.report.restored_tokens == len(held)
+    assert second.report.kept_boundary is None
+    assert second.tokens == cold_tokens(engine_factory, "qwen3_5", turn)
+
+
+def test_a_hybrid_model_edited_inside_a_partial_block_keeps_the_boundary(engine_factory):
+    engine = engine_factory("qwen3_5")
+    first_prompt = prompt(40, seed=13)
+    first = run(engine, first_prompt, max_tokens=6)
+    replace_hot_cache(engine)
+    edited = changed(first_prompt, 36)  # inside the partial block, before its end
+    second = run(engine, edited)
+    assert second.report.restored_tokens == 32
+    assert second.report.kept_boundary == "state"
+    assert second.tokens == cold_tokens(engine_factory, "qwen3_5", edited)
+    assert first.tokens  # the first run answered

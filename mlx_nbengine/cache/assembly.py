@@ -19,7 +19,9 @@ tokens. ``"kv"`` layers append the follower's first ``k`` tokens; ``"window"`` l
 (window ``W >= B``, so a follower's window record holds its block from the start) take
 the last ``min(W, p)`` tokens of the chain's window records followed by the follower's
 first ``k``, exactly the tokens a cold prefill to ``p`` would hold. ``"state"`` layers
-cannot be cut (a recurrent state exists only at the boundary where it was taken).
+resume only from a state taken exactly at ``p``: the follower's own ``"state"`` record,
+which a partial follower has when it was stored at its end (the planner cuts such models
+only at the whole length of such a follower).
 """
 
 from __future__ import annotations
@@ -132,11 +134,10 @@ def assemble(
                 raise RecordError(f"window layer {i} assembles {keys.shape[2]} tokens")
             c.keys, c.values, c.offset, c._idx = keys, values, p, keys.shape[2]
         else:
-            if cut_tokens:
-                raise RecordError(f"layer {i} keeps a recurrent state: it cannot be cut")
-            rec = record(n_blocks - 1, "state")
+            # A cut resumes from the follower's own state, taken at its end (= p).
+            rec = record(n_blocks, "state") if cut_tokens else record(n_blocks - 1, "state")
             meta = _layer(rec, i)
-            if meta.get("offset") != b:
+            if meta.get("offset") != p:
                 raise RecordError(f"state record of layer {i} is for offset {meta.get('offset')}")
             restore_snapshot(c, meta, rec.arrays)
     return template_cache

@@ -24,9 +24,12 @@ hot cache). A cut needs the follower's ``"kv"`` and ``"window"`` records (the ch
 window records already cover ``[p - W, b)``). Layers that cannot be cut keep the
 boundary, and the plan says why (`RestorePlan.kept_boundary`, one of
 `BOUNDARY_REASONS`): ``"state"`` (recurrent layers resume only at a stored
-checkpoint), ``"window"`` (a sliding window narrower than a block: a window record
-then lacks the block's first tokens), ``"block"`` (whole blocks were asked for),
-``"evicted"`` (the follower's records are gone).
+checkpoint: a model with them is cut only at the whole length of a partial follower
+the prompt holds entirely, whose ``"state"`` record was taken at its end, e.g. where an
+image ends or a finished request's cache ended), ``"window"`` (a sliding window
+narrower than a block: a window record then lacks the block's first tokens),
+``"block"`` (whole blocks were asked for), ``"evicted"`` (the follower's records are
+gone).
 
 `PrefixCache` ties keys, records, the `BlockStore`, the planner and assembly
 together for one model. It is not thread-safe: the engine calls it from its
@@ -293,18 +296,25 @@ class PrefixCache:
         least = min(self.root_min_shared, len(own) - 1) if n == 0 else 1
         parent = plan.keys[n - 1] if n else ROOT
         candidates = [
-            (key, min(shared, room))
-            for key, shared, _ in self.followers.ranked(parent, own)
+            (key, min(shared, room), length)
+            for key, shared, length in self.followers.ranked(parent, own)
             if shared >= least and not inside_image(start + min(shared, room))
         ]
         if not candidates:
             return plan
         why = None if to_token else "block"
         why = why or self.cut_blocker
+        if why == "state":
+            # A recurrent state resumes only where it was taken: the end of a partial
+            # follower the prompt holds whole (an image's end, a finished request's end).
+            exact = [c for c in candidates if c[1] == c[2] < B]
+            if not exact:
+                return replace(plan, kept_boundary="state")
+            candidates, why = exact, None
         if why is not None:
             return replace(plan, kept_boundary=why)
-        kinds = [k for k in KINDS if k in self.kinds and k != "state"]
-        for key, k in candidates:
+        kinds = [k for k in KINDS if k in self.kinds]
+        for key, k, _ in candidates:
             needed = tuple((key, kind) for kind in kinds)
             if all(self.store.has(*item) for item in needed):
                 return replace(plan, cut=Cut(block=n, key=key, tokens=k, needed=needed))
@@ -448,10 +458,11 @@ class PrefixCache:
                     raise RecordError("record is gone")
                 rec = record_from_bytes(data)
                 self._check(rec, cut.block, kind)
-                if (
-                    min(m["end"] for m in rec.layers.values())
-                    < cut.block * self.block_size + cut.tokens
-                ):
+                p = cut.block * self.block_size + cut.tokens
+                if kind == "state":
+                    if any(m.get("offset") != p for m in rec.layers.values()):
+                        raise RecordError("the follower's state was taken elsewhere")
+                elif min(m["end"] for m in rec.layers.values()) < p:
                     raise RecordError("the follower is shorter than the cut")
             except RecordError:
                 self.store.delete(key, kind)

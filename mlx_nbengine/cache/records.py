@@ -19,7 +19,8 @@ kind*, which decides what a block must keep so the cache can be rebuilt later:
 
 A *partial record* holds only the first ``m < B`` tokens of its block, ``[start,
 start + m)`` (a stored partial block, see `blocks.partial_key`): ``"kv"`` and
-``"window"`` kinds only.
+``"window"`` kinds, and ``"state"`` when it was taken right after a model call that
+ended at ``start + m``.
 
 A *record* bundles all layers of one kind for one block: arrays named
 ``L<layer>.<name>`` plus string metadata (kind, block, block size, and per
@@ -208,11 +209,11 @@ def extract_block_records(
     layer counts tokens. Arrays are evaluated, so records may cross threads.
 
     `end` (inside the block) takes a *partial block*'s records instead: the tokens
-    ``[start, end)``, ``"kv"`` and ``"window"`` only (a state there would resume only a
-    prompt that shares all of them: not kept).
+    ``[start, end)``, and the ``"state"`` there when the cache has seen exactly `end`
+    tokens (it resumes a prompt that holds all of them: an image's end, a finished
+    request's end).
     """
     start = block * block_size
-    partial = end is not None and end != start + block_size
     if end is None:
         end = start + block_size
     if not start < end <= start + block_size:
@@ -250,7 +251,7 @@ def extract_block_records(
                 "end": end,
                 "max_size": int(c.max_size),
             }
-        elif seen == end and not partial:
+        elif seen == end:
             protocol, snapshot = _take_snapshot(c)
             skeleton = _encode(snapshot, arrays[kind], f"L{i}")
             layers[kind][str(i)] = {

@@ -38,7 +38,11 @@ Terms:
 - *partial block*: when a sequence finishes, the tokens its cache holds after the last
   boundary (a prompt's tail, often the question a notebook edits, and the answer) are
   stored as a partial block (its records where cuts are made, else only its tokens), so
-  a later edit of that tail is cut to the token too.
+  a later edit of that tail is cut to the token too. Models with recurrent layers keep
+  the state taken at its end: a prompt that holds the whole partial block (a chat's next
+  turn, the same request again) resumes there. Their image prompts also end a prefill
+  step at each image's end and store a partial block there (an *image-end checkpoint*),
+  so a new question about the same image resumes after the whole image.
 - *parity*: restored arrays are the stored ones; for tokens the earlier run computed in
   a prefill step of a few dozen tokens or more they equal what a cold run computes (CPU
   matmuls and attention give the same bits whatever the length of such a step). The
@@ -193,6 +197,7 @@ class GenerationThread:
         self._host_sampling = True  # sampled rows are drawn in numpy (CPU: see `sampling`)
         self._batch = DecodeBatch()
         self._vision: Any = None  # engine.vision.VisionRunner of a vision model
+        self._image_checkpoints = False  # end a prefill step (and store) at each image end
         self._bidirectional = False  # its image tokens attend both ways
         self._hot: HotCache | None = None
         self._state_layers = False
@@ -286,7 +291,15 @@ class GenerationThread:
                 self._io.open(lambda: self._prefix_factory(lm))
                 self.has_prefix = True
                 self.store_off = self._io.prefix.store.budget_bytes == 0
-                self._cut_ok = self._io.prefix.cut_blocker is None
+                # Partial blocks keep records where cuts can use them: every model but
+                # one with windows narrower than a block (recurrent states are cut only at
+                # a partial block's end, where its state record was taken).
+                self._cut_ok = self._io.prefix.cut_blocker in (None, "state")
+                self._image_checkpoints = (
+                    self._vision is not None
+                    and self.to_token
+                    and self._io.prefix.cut_blocker == "state"
+                )
         except BaseException as exc:
             self._load_error = exc
             self._release_streams()
@@ -576,6 +589,11 @@ class GenerationThread:
                 if span.cuts(end_step):
                     end_step = span.end
             end_step = min(end_step, len(seq.prompt))
+        if self._image_checkpoints:
+            # A recurrent state exists only where a call ends: end one at each image's end.
+            for span in seq.images:
+                if pos < span.end < end_step and span.end % bs:
+                    end_step = span.end
         return pos, end_step
 
     def _prefill_step(self, seq: Sequence) -> None:
@@ -602,6 +620,10 @@ class GenerationThread:
         seq.cache_tokens.extend(seq.prompt[start:end])
         seq.report_computed(start, end, time.perf_counter() - t)
         self._checkpoint_prefill(seq, start, end)
+        if self._image_checkpoints and end % self.block_size:
+            if any(span.end == end for span in seq.images):
+                # The image-end checkpoint: a partial block with the state taken here.
+                self._save_partial(seq.prompt[:end], seq.cache, images=seq.images)
         if end == len(seq.prompt) - 1:
             self._join(seq, seq.prompt[-1])
         if not last:
@@ -832,8 +854,12 @@ class GenerationThread:
         """Store the partial last block of a finished cache (the tokens after its last
         boundary: a prompt's tail, often the question a notebook edits, and the answer),
         so a later prompt can be restored into it to the token (a cut; see `planner`).
-        Its records only where cuts are made (a token-exact engine whose model can be
-        cut); elsewhere only its tokens, so a later edit there is still reported."""
+        Also called mid-prefill at an image's end (`tokens` = the prompt up to it) on
+        models with recurrent layers. Its records only where cuts are made (a
+        token-exact engine whose model has no window narrower than a block; with
+        recurrent layers the state taken at its end too, so a prompt holding the whole
+        partial block resumes there); elsewhere only its tokens, so a later edit there is
+        still reported."""
         bs, n = self.block_size, len(tokens)
         if not self.has_prefix or n % bs == 0:
             return
