@@ -1407,13 +1407,23 @@ def test_image_works_with_bg_chat_and_raw(ip, tmp_path):
     assert error_of(run(ip, f"%%llm --bg -o job --image {cat}\nDescribe")) is None
     assert ip.user_ns["job"].result(timeout=10).text == "Hello, world"
     assert sizes(engine().images[-1]) == [(16, 16)]
-    # --chat: the images go with that turn's question, the next turn sends none.
+    # --chat: the images go with that turn's question (image parts before its text) and
+    # stay in the conversation: the next turn sends them again with the history.
     run(ip, f"%%llm --chat pets --image {cat}\nWhat animal is this?")
     assert sizes(engine().images[-1]) == [(16, 16)]
-    assert engine().submitted[-1][0] == [{"role": "user", "content": "What animal is this?"}]
+    first_turn = {
+        "role": "user",
+        "content": [{"type": "image"}, {"type": "text", "text": "What animal is this?"}],
+    }
+    assert engine().submitted[-1][0] == [first_turn]
     run(ip, "%%llm --chat pets\nAnd its colour?")
+    assert sizes(engine().images[-1]) == [(16, 16)]
+    messages = engine().submitted[-1][0]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[0] == first_turn and messages[2]["content"] == "And its colour?"
+    # A conversation without images sends none.
+    run(ip, "%%llm --chat plain\nHello")
     assert engine().images[-1] is NO_IMAGES
-    assert [m["role"] for m in engine().submitted[-1][0]] == ["user", "assistant", "user"]
     # --raw: the text as is, with the images.
     run(ip, f"%%llm --raw --image {cat}\nA photo of")
     assert engine().submitted[-1][0] == "A photo of"

@@ -3,7 +3,8 @@
 Terms:
 
 - *conversation*: an optional system message and an ordered list of turns, under a name.
-- *turn*: one user message (a cell's prompt) and the assistant's answer to it. A turn is
+- *turn*: one user message (a cell's prompt, with the images its cell gave, which stay
+  in the conversation) and the assistant's answer to it. A turn is
   *pending* while its request runs; its answer is filled in when the request finishes
   (the partial text if it was interrupted, so the history matches what the user saw).
 - *turn key*: what identifies the cell a turn came from, so that re-running that cell
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["ChatBook", "Conversation", "PendingTurnError", "Turn", "turn_key"]
 
@@ -41,6 +43,7 @@ class Turn:
     key: str
     user: str
     assistant: str | None = None  # None while pending
+    images: list[Any] = field(default_factory=list)  # what the cell gave (any objects)
 
     @property
     def pending(self) -> bool:
@@ -53,8 +56,13 @@ class Conversation:
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
 
-    def begin(self, key: str, user: str, *, system: str | None = None) -> tuple[Turn, list[dict]]:
+    def begin(
+        self, key: str, user: str, *, system: str | None = None, images: list[Any] | None = None
+    ) -> tuple[Turn, list[dict]]:
         """Start the turn `key` and return it with the chat messages to send.
+
+        `images` go with this turn's message (image parts before its text) and stay in the
+        conversation; `images()` lists every turn's, in order, for the request.
 
         A turn with the same key and every turn after it are dropped first (re-running an
         edited cell rewrites history from there). `system`, when given, replaces the
@@ -73,7 +81,7 @@ class Conversation:
                 )
         if system is not None:
             self.system = system
-        turn = Turn(key=key, user=user)
+        turn = Turn(key=key, user=user, images=list(images or []))
         self.turns = [*kept, turn]
         return turn, self.messages()
 
@@ -83,10 +91,19 @@ class Conversation:
         if self.system:
             out.append({"role": "system", "content": self.system})
         for turn in self.turns:
-            out.append({"role": "user", "content": turn.user})
+            if turn.images:
+                parts = [{"type": "image"} for _ in turn.images]
+                content: Any = [*parts, {"type": "text", "text": turn.user}]
+            else:
+                content = turn.user
+            out.append({"role": "user", "content": content})
             if turn.assistant is not None:
                 out.append({"role": "assistant", "content": turn.assistant})
         return out
+
+    def images(self) -> list[Any]:
+        """Every turn's images, in the order their image parts appear in `messages`."""
+        return [image for turn in self.turns for image in turn.images]
 
     def finish(self, turn: Turn, answer: str) -> None:
         """Record the answer of `turn` (ignored if the turn was replaced meanwhile)."""

@@ -616,10 +616,17 @@ class LLMMagics(Magics):
         conversation = self.session.chats.get(args.chat) if args.chat else None
         key = None if conversation is None else self.session.next_turn_key(f"%%llm {line}\n{cell}")
         prompt, chat = build_prompt(
-            text, raw=args.raw, system=args.system, conversation=conversation, key=key
+            text,
+            raw=args.raw,
+            system=args.system,
+            conversation=conversation,
+            key=key,
+            images=images,
         )
+        # A conversation sends the images of all its turns (their parts are in the messages).
+        sent = conversation.images() if conversation is not None else images
         # Only a request with images names them: engines (and fakes) before images differ.
-        extra = {"images": [item.image for item in images]} if images else {}
+        extra = {"images": [item.image for item in sent]} if sent else {}
         try:
             request = engine.submit(prompt, **sampling_options(args), **extra)
         except (EngineError, ValueError) as exc:
@@ -627,7 +634,7 @@ class LLMMagics(Magics):
                 chat.abandon()
             raise UsageError(short_error(exc)) from None
 
-        thumbs = _image_dicts(images) if images else []
+        thumbs = _image_dicts(sent) if sent else []
         if images:
             # The pictures above the answer, as the model got them (in order).
             self._display(images_bundle(images))

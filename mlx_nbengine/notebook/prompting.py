@@ -237,12 +237,14 @@ def build_prompt(
     system: str | None = None,
     conversation: Conversation | None = None,
     key: str | None = None,
+    images: list[Any] | None = None,
 ) -> tuple[Prompt, ChatTurn | None]:
     """The prompt for `text` and, in a `conversation`, the chat turn it begins.
 
     `raw` sends `text` as is; otherwise it becomes the user message, after the
     `system` message if any. In a `conversation`, `key` names the turn (see
-    `mlx_nbengine.notebook.chat.turn_key`): a known key replaces that turn and the later ones.
+    `mlx_nbengine.notebook.chat.turn_key`): a known key replaces that turn and the later
+    ones, and the turn keeps `images` (its message gets their image parts).
     """
     if raw:
         return text, None
@@ -252,7 +254,7 @@ def build_prompt(
             messages.insert(0, {"role": "system", "content": system})
         return messages, None
     try:
-        turn, messages = conversation.begin(key, text, system=system)
+        turn, messages = conversation.begin(key, text, system=system, images=images)
     except PendingTurnError as exc:
         raise UsageError(str(exc)) from None
     return messages, ChatTurn(conversation, turn)
