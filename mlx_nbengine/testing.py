@@ -21,6 +21,11 @@ Families and the cache layout they produce (one entry per layer):
   no KV sharing), image tokens attending to each other both ways
   (``use_bidirectional_attention: "vision"``), a two-block vision tower and Gemma 4's
   processor (8-pixel patches pooled 2x2, at most 16 image tokens an image).
+- ``qwen3_5_vl`` (vision, mlx-vlm model_type ``qwen3_5``; `make_tiny_qwen3_5_vlm`): hybrid
+  like ``qwen3_5``, three mlx-vlm `ArraysCache` (gated-delta linear attention) layers then
+  one `KVCache` (``full_attention_interval=4``), multimodal rotary positions, a two-block
+  vision tower and mlx-vlm's Qwen3-VL processor (8-pixel patches merged 2x2, at most 64
+  image tokens an image; 64x64 gives 16).
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on the
 text in `_TRAINING_TEXT` (vocab 512), with special tokens ``<bos>``, ``<eos>``,
@@ -45,12 +50,13 @@ __all__ = [
     "make_tiny_gemma4_vlm",
     "make_tiny_gguf",
     "make_tiny_model",
+    "make_tiny_qwen3_5_vlm",
     "make_tiny_tokenizer",
     "make_tiny_vlm",
 ]
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
-VISION_FAMILIES = ("qwen2_vl", "gemma4")
+VISION_FAMILIES = ("qwen2_vl", "gemma4", "qwen3_5_vl")
 # Also buildable (plain KVCache, like llama): qwen3 and qwen2 (Q/K/V biases), the GGUF
 # converter's other architectures.
 EXTRA_FAMILIES = ("qwen3", "qwen2")
@@ -257,6 +263,8 @@ def make_tiny_model(
         return make_tiny_gemma4_vlm(
             directory, seed=seed, dtype=dtype, sliding_window=sliding_window
         )
+    if family == "qwen3_5_vl":
+        return make_tiny_qwen3_5_vlm(directory, seed=seed, dtype=dtype)
     if family in VISION_FAMILIES:
         return make_tiny_vlm(directory, seed=seed, dtype=dtype)
     config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
@@ -526,6 +534,106 @@ def _save_random_vlm(config: dict[str, Any], directory: Path, *, seed: int, dtyp
     model = arch.Model(model_config)
     _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def make_tiny_qwen3_5_vlm(directory: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a tiny random-weight Qwen3.5 vision model directory (mlx-vlm) and return it.
+
+    Its language model is hybrid like the ``qwen3_5`` text family: four layers, gated-delta
+    linear attention (mlx-vlm `ArraysCache`) in the first three and full attention
+    (`KVCache`) in the fourth (``full_attention_interval=4``, Qwen3.5's own layout), with
+    interleaved multimodal rotary positions on a quarter of each head. The vision tower has
+    two blocks on 8-pixel patches merged 2x2 (16-pixel cells, sides rounded to the nearest
+    cell, at most 64 image tokens): a 64x64 image becomes 16 image tokens, 80x48 (either
+    way round) 15 and 200x150 54. Tokens and chat template are `make_tiny_vlm`'s
+    (``<|vision_start|><|image_pad|><|vision_end|>`` for an ``{"type": "image"}`` part),
+    the processor is mlx-vlm's Qwen3-VL one. `load` returns it as kind ``"vision"``.
+    """
+    directory = Path(directory)
+    make_tiny_tokenizer(
+        directory, extra_special_tokens=VISION_TOKENS, chat_template=_VL_CHAT_TEMPLATE
+    )
+    ids = {name: i for i, name in enumerate([*SPECIAL_TOKENS, *VISION_TOKENS])}
+    patch_size, merge_size = 8, 2
+    cell = patch_size * merge_size
+    text_config = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        # 32 * 0.25 = 8 rotary dims: 4 frequencies split (time, height, width).
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 100000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "pad_token_id": ids["<pad>"],
+    }
+    vision_config = {
+        "model_type": "qwen3_5",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,  # the language model's hidden size
+        "in_channels": 3,
+        "patch_size": patch_size,
+        "spatial_merge_size": merge_size,
+        "temporal_patch_size": 2,
+        # Learned positions on an 8x8 grid, interpolated to each image's patch grid.
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [],
+    }
+    config = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text_config,
+        "vision_config": vision_config,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": VOCAB_SIZE,
+        "tie_word_embeddings": True,
+        "bos_token_id": ids["<bos>"],
+        # Set, not left to mlx-vlm: without it the loader adds Qwen's chat end id (248046).
+        "eos_token_id": ids["<eos>"],
+    }
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "temporal_patch_size": 2,
+        "min_pixels": cell * cell,
+        "max_pixels": cell * cell * 64,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    _save_random_vlm(config, directory, seed=seed, dtype=dtype)
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return directory
 
 
 # Gemma 4-style image marks (begin, end, image token); `<|video|>` is here because

@@ -1,8 +1,11 @@
-"""The tiny vision families (``qwen2_vl``, ``gemma4``): each loads offline through `load` as
-a vision model; its processor expands the chat template's image placeholder into a run of
-image tokens whose length follows the image's size; `get_input_embeddings` gives the same
-text rows with or without pixel values (so image rows can be swapped in from a memo); and
-in Gemma 4's single-call prefill the image tokens attend to each other both ways."""
+"""The tiny vision families (``qwen2_vl``, ``gemma4``, ``qwen3_5_vl``): each loads offline
+through `load` as a vision model; its processor expands the chat template's image
+placeholder into a run of image tokens whose length follows the image's size;
+`get_input_embeddings` gives the same text rows with or without pixel values (so image rows
+can be swapped in from a memo); and in Gemma 4's single-call prefill the image tokens attend
+to each other both ways. Qwen3.5's hybrid language model (linear-attention state plus a KV
+cache) prefilled in chunks, with its multimodal positions sliced alongside, gives the
+logits of one call."""
 
 from __future__ import annotations
 
@@ -11,24 +14,28 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_vlm.models.cache import KVCache, RotatingKVCache
+from mlx_vlm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from PIL import Image
 
 from mlx_nbengine.models import load
 from mlx_nbengine.testing import VISION_FAMILIES, VOCAB_SIZE
 
-IMAGE_TOKEN = {"qwen2_vl": "<|image_pad|>", "gemma4": "<|image|>"}
+IMAGE_TOKEN = {"qwen2_vl": "<|image_pad|>", "gemma4": "<|image|>", "qwen3_5_vl": "<|image_pad|>"}
+MODEL_TYPE = {"qwen3_5_vl": "qwen3_5"}  # the config's model_type where it is not the family
 # What the run of image tokens is bracketed by once the processor has expanded it.
 IMAGE_MARKS = {
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>"),
     "gemma4": ("<|image>", "<image|>"),
+    "qwen3_5_vl": ("<|vision_start|>", "<|vision_end|>"),
 }
 # (width, height) -> image tokens. Qwen2-VL: 28-pixel cells (14-pixel patches merged 2x2),
 # sides rounded to the nearest cell. Gemma 4: resized to fit 16 soft tokens of 2x2 8-pixel
-# patches, sides floored to 16 pixels.
+# patches, sides floored to 16 pixels. Qwen3.5: 16-pixel cells (8-pixel patches merged 2x2),
+# sides rounded to the nearest cell, at most 64 tokens (200x150 is shrunk to 96x144).
 TOKENS_PER_IMAGE = {
     "qwen2_vl": {(64, 64): 4, (80, 48): 6, (48, 80): 6, (200, 150): 35},
     "gemma4": {(64, 64): 16, (80, 48): 15, (48, 80): 15, (200, 150): 12},
+    "qwen3_5_vl": {(64, 64): 16, (80, 48): 15, (48, 80): 15, (200, 150): 54},
 }
 MESSAGES = [
     {
@@ -78,7 +85,7 @@ def token_id(lm, token: str) -> int:
 
 def embeddings(lm, family: str, inputs: dict, *, with_pixels: bool) -> mx.array:
     extra = {}
-    if with_pixels and family == "qwen2_vl":
+    if with_pixels and family in ("qwen2_vl", "qwen3_5_vl"):
         extra["image_grid_thw"] = mx.array(inputs["image_grid_thw"])
     pixels = mx.array(inputs["pixel_values"]) if with_pixels else None
     features = lm.model.get_input_embeddings(
@@ -91,7 +98,7 @@ def embeddings(lm, family: str, inputs: dict, *, with_pixels: bool) -> mx.array:
 def test_each_vision_family_loads_offline_as_a_vision_model(loaded, family):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     lm = loaded(family)
-    assert lm.kind == "vision" and lm.model_type == family
+    assert lm.kind == "vision" and lm.model_type == MODEL_TYPE.get(family, family)
     assert lm.processor is not None and lm.context_length == 8192
 
 
@@ -189,3 +196,90 @@ def test_text_rows_do_not_depend_on_pixel_values(loaded, family):
     is_image = inputs["input_ids"][0] == token_id(lm, IMAGE_TOKEN[family])
     assert np.array_equal(with_pixels[~is_image], without[~is_image])
     assert all(not np.array_equal(with_pixels[i], without[i]) for i in np.flatnonzero(is_image))
+
+
+def test_qwen3_5_vl_is_hybrid_linear_and_full_attention(loaded):
+    lm = loaded("qwen3_5_vl")
+    assert type(lm.processor).__name__ == "Qwen3VLProcessor"
+    assert [type(c) for c in lm.make_cache()] == [ArraysCache] * 3 + [KVCache]
+    assert lm.config["text_config"]["full_attention_interval"] == 4
+    assert lm.model.language_model.model.embed_tokens.weight.shape[0] == VOCAB_SIZE
+    config = lm.config
+    assert config["image_token_id"] == token_id(lm, "<|image_pad|>")
+    assert config["vision_start_token_id"] == token_id(lm, "<|vision_start|>")
+    assert config["vision_end_token_id"] == token_id(lm, "<|vision_end|>")
+    # Only the tiny tokenizer's <eos>: mlx-vlm would add Qwen's (out of vocab) if unset.
+    assert set(lm.tokenizer.eos_token_ids) == {token_id(lm, "<eos>")}
+    assert lm.model.config.eos_token_id == token_id(lm, "<eos>")
+
+
+def qwen3_5_features(lm, inputs, **kw):
+    return lm.model.get_input_embeddings(
+        input_ids=mx.array(inputs["input_ids"]),
+        pixel_values=mx.array(inputs["pixel_values"]),
+        image_grid_thw=mx.array(inputs["image_grid_thw"]),
+        **kw,
+    )
+
+
+def test_qwen3_5_vl_positions_and_cached_image_features(loaded):
+    lm = loaded("qwen3_5_vl")
+    inputs = process(lm)
+    features = qwen3_5_features(lm, inputs)
+    n = inputs["input_ids"].shape[1]
+    assert features.position_ids.shape == (3, 1, n)
+    # 16 image tokens on a 4x4 grid take 4 positions: the text after them runs 12 behind.
+    assert np.array(features.rope_deltas).tolist() == [[-12]]
+    is_image = inputs["input_ids"][0] == lm.config["image_token_id"]
+    rows = features.inputs_embeds[0][mx.array(np.flatnonzero(is_image))]
+    memo = qwen3_5_features(lm, inputs, cached_image_features=rows)
+    assert np.array_equal(np.array(memo.inputs_embeds), np.array(features.inputs_embeds))
+    assert np.array_equal(np.array(memo.position_ids), np.array(features.position_ids))
+
+
+def test_qwen3_5_vl_chunked_prefill_and_decode_match_one_call(loaded):
+    lm = loaded("qwen3_5_vl")
+    inputs = process(lm)
+    ids = mx.array(inputs["input_ids"])
+    features = qwen3_5_features(lm, inputs)
+    embeds, positions = features.inputs_embeds, features.position_ids
+    n = ids.shape[1]
+    is_image = np.flatnonzero(inputs["input_ids"][0] == lm.config["image_token_id"])
+
+    def prefill(cuts):
+        cache = lm.make_cache()
+        bounds = [0, *cuts, n]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            out = lm.language_model(
+                ids[:, a:b],
+                inputs_embeds=embeds[:, a:b],
+                cache=cache,
+                position_ids=positions[..., a:b],
+            )
+        return np.array(out.logits[0, -1]), cache
+
+    one, _ = prefill([])
+    # Cuts at a block-like step, inside the image run, and right after it.
+    for cuts in ([16, 32], [int(is_image[0]) + 5], [int(is_image[-1]) + 1]):
+        chunked, _ = prefill(cuts)
+        np.testing.assert_allclose(chunked, one, rtol=0, atol=1e-4)
+
+    # Decode: the next token's position comes from the cache offset plus the rope delta.
+    token = int(one.argmax())
+    longer = mx.concatenate([ids, mx.array([[token]])], axis=1)
+    full = lm.model.get_input_embeddings(
+        input_ids=longer,
+        pixel_values=mx.array(inputs["pixel_values"]),
+        image_grid_thw=mx.array(inputs["image_grid_thw"]),
+    )
+    reference = lm.language_model(
+        longer,
+        inputs_embeds=full.inputs_embeds,
+        cache=lm.make_cache(),
+        position_ids=full.position_ids,
+    )
+    _, cache = prefill([n // 2])
+    step = lm.language_model(mx.array([[token]]), cache=cache, rope_deltas=features.rope_deltas)
+    np.testing.assert_allclose(
+        np.array(step.logits[0, -1]), np.array(reference.logits[0, -1]), rtol=0, atol=1e-4
+    )

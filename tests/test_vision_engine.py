@@ -4,6 +4,9 @@
   need each row's rope delta).
 - ``gemma4``: image tokens attend to each other both ways (sliding-window and full layers);
   restores never end inside an image, and an image is always computed in one call.
+- ``qwen3_5_vl``: a hybrid (linear-attention layers with recurrent states, and full
+  attention): a restore ends inside a block only where a state was taken, e.g. at the
+  image-end checkpoint.
 
 Every restore is checked against a cold run of the same prompt on a fresh engine (same
 greedy tokens), so a wrong key, a wrong cut or a wrong mask shows up as other tokens.
@@ -17,7 +20,7 @@ import pytest
 from mlx_nbengine.engine import Engine
 from mlx_nbengine.errors import ImageError, InvalidRequestError
 
-FAMILIES = ("qwen2_vl", "gemma4")
+FAMILIES = ("qwen2_vl", "gemma4", "qwen3_5_vl")
 BLOCK = 16
 PRE = "Some long preamble text that goes on and on for a while " * 3
 
@@ -326,3 +329,24 @@ def test_whole_block_restores_stop_before_a_bidirectional_image(engines, family)
     else:
         assert restored == inside[-1]
     assert second.tokens == cold(engines, family, question, [picture(0)])
+
+
+def test_a_hybrid_resumes_after_the_whole_image_from_its_image_end_checkpoint(engines):
+    """qwen3_5_vl keeps recurrent states: a restore can end inside a block only where a
+    state was taken. The engine ends a prefill step at each image's end and stores a
+    partial block there, so a new question resumes right after the image."""
+    engine = engines("qwen3_5_vl")
+    for extra in range(16):  # a preamble that makes the image end early in its block
+        pre = PRE + "word " * extra
+        first = run(engine, chat(pre=pre), [picture(0)])
+        span = first.report.images[0]
+        if 2 <= span.end % BLOCK <= BLOCK - 6:
+            break
+    assert 2 <= span.end % BLOCK <= BLOCK - 6
+    displace_hot_cache(engine)
+    question = chat("Which colours?", pre=pre)
+    second = run(engine, question, [picture(0)])
+    assert second.report.restored_tokens == span.end
+    assert second.report.kept_boundary is None
+    assert engine.stats()["vision_encodes"] == 1
+    assert second.tokens == cold(engines, "qwen3_5_vl", question, [picture(0)])
