@@ -5,7 +5,8 @@ on the default model for a reader; here `MLX_NBENGINE_NOTEBOOK_MODEL` swaps it f
 random-weight model (the default model is too slow for the suite): a two-layer
 ``gemma3_text`` (one sliding-window layer, one global) with Gemma 3 270M's 512-token window
 for the KV-cache notebook, so that its window section has window records to show, and a
-``llama`` for the editing notebook. Each
+``llama`` for the editing notebook. `notebooks/vision_prompts.ipynb` runs on the tiny
+``qwen2_vl`` it writes itself (`MLX_NBENGINE_VISION_MODEL` unset). Each
 notebook is executed once per module with nbclient, widget state saved, the way
 `jupyter nbconvert --execute` records it.
 
@@ -15,7 +16,9 @@ notebook's metadata); a block's *kind* is what the strip colours (memory, disk,
 computed, tail). The tests read what the notebooks promise a reader: blocks restored
 after an edit and computed from the edit on, ``kv+window`` records for sliding-window
 blocks, a ``state`` checkpoint for the hybrid model, the agent's follow-up restored up to
-where its prompt leaves the first one, the plots, and the block maps in the HTML export.
+where its prompt leaves the first one, the plots, the block maps in the HTML export, and a
+picture's blocks: computed, restored for a new question, never restored for another
+picture of the same size, read back from disk without encoding the picture again.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from mlx_nbengine.notebook.export import notebook_to_html  # noqa: E402
 NOTEBOOKS = REPO / "notebooks"
 KV_NOTEBOOK = NOTEBOOKS / "kv_cache_explained.ipynb"
 EDITING_NOTEBOOK = NOTEBOOKS / "iterative_prompt_editing.ipynb"
+VISION_NOTEBOOK = NOTEBOOKS / "vision_prompts.ipynb"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 BLOCK = 256  # the notebooks keep the engine's default block size
 WINDOW = 512  # Gemma 3 270M's sliding window, which the tiny gemma3_text copies
@@ -44,12 +48,14 @@ RESTORED = {"memory", "disk"}
 NUMBER = r"(\d+(?:,\d{3})*)"  # a printed count: 3,288
 
 
-def execute(path: Path, model: Path, tmp: Path) -> nbformat.NotebookNode:
+def execute(path: Path, model: Path | None, tmp: Path) -> nbformat.NotebookNode:
     """`path` executed in a fresh kernel with `model` as its model; temp files under `tmp`."""
     env = {
-        "MLX_NBENGINE_NOTEBOOK_MODEL": str(model),
-        # The editing notebook's chat section writes its own tiny chat model without this.
+        "MLX_NBENGINE_NOTEBOOK_MODEL": str(model or ""),
+        # The editing notebook's chat section writes its own tiny chat model without this,
+        # the vision notebook its own tiny vision model.
         "MLX_NBENGINE_CHAT_MODEL": "",
+        "MLX_NBENGINE_VISION_MODEL": "",
         # Scratch files and the notebooks' temporary model folders land in the test's tmp.
         "TMPDIR": str(tmp),
     }
@@ -78,7 +84,12 @@ def editing_notebook(tiny_model_dir, tmp_path_factory):
     return execute(EDITING_NOTEBOOK, model, tmp_path_factory.mktemp("editing-notebook"))
 
 
-@pytest.fixture(params=["kv", "editing"])
+@pytest.fixture(scope="module")
+def vision_notebook(tmp_path_factory):
+    return execute(VISION_NOTEBOOK, None, tmp_path_factory.mktemp("vision-notebook"))
+
+
+@pytest.fixture(params=["kv", "editing", "vision"])
 def any_notebook(request):
     return request.getfixturevalue(f"{request.param}_notebook")
 
@@ -159,7 +170,7 @@ def test_every_code_cell_runs_without_error(any_notebook):
 
 
 def test_the_notebooks_are_committed_without_outputs():
-    for path in (KV_NOTEBOOK, EDITING_NOTEBOOK):
+    for path in (KV_NOTEBOOK, EDITING_NOTEBOOK, VISION_NOTEBOOK):
         nb = nbformat.read(path, as_version=4)
         for c in nb.cells:
             if c.cell_type == "code":
@@ -303,3 +314,52 @@ def test_the_second_chat_turn_restores_the_first(editing_notebook):
     assert restored_count(turn2["blocks"]) >= len(turn2["blocks"]) - 2
     (status,) = [o for o in cell(editing_notebook, "%llm_status").outputs if "data" in o]
     assert re.search(r"conversations\s+minutes", status["data"]["text/plain"])
+
+
+# -- the vision notebook -----------------------------------------------------------------------
+
+ASKED = "%%llm --image sunset --blocks --max-tokens 16\nDescribe"
+
+
+def image_blocks(blocks: list[dict]) -> list[dict]:
+    return [b for b in blocks if b.get("images")]
+
+
+def test_the_first_image_prompt_computes_its_image_blocks(vision_notebook):
+    first = next(c for c in vision_notebook.cells if c.source.startswith(ASKED))
+    shown = [o for o in first.outputs if "data" in o]
+    # The picture above the answer, then the answer, the strip and the map.
+    assert 'class="mnb-images"' in shown[0]["data"]["text/html"]
+    assert "data:image/png;base64," in shown[0]["data"]["text/html"]
+    blocks = state(vision_notebook, widgets(first)[1])["blocks"]
+    assert len(image_blocks(blocks)) >= 2
+    assert {b["source"] for b in image_blocks(blocks)} == {"computed"}
+
+
+def test_a_new_question_restores_the_pictures_blocks_from_memory(vision_notebook):
+    blocks = block_map(vision_notebook, "%%llm --image sunset --blocks --max-tokens 16\nWhich")[
+        "blocks"
+    ]
+    pictured = image_blocks(blocks)
+    whole = [b for b in pictured if b["source"] != "computed"]
+    assert whole and {b["source"] for b in whole} == {"memory"}
+    assert 'data-image="0"' in html(
+        widgets(cell(vision_notebook, "%%llm --image sunset --blocks --max-tokens 16\nWhich"))[1]
+    )
+
+
+def test_another_picture_of_the_same_size_restores_nothing_of_it(vision_notebook):
+    blocks = block_map(vision_notebook, "%%llm --image stripes")["blocks"]
+    assert {b["source"] for b in image_blocks(blocks)} == {"computed"}
+    assert all(b["restored"] == 0 for b in image_blocks(blocks))
+
+
+def test_the_first_picture_again_comes_from_disk_without_encoding_it_again(vision_notebook):
+    asked = [c for c in vision_notebook.cells if c.source.startswith(ASKED)]
+    assert len(asked) == 2
+    blocks = state(vision_notebook, widgets(asked[1])[1])["blocks"]
+    assert {b["source"] for b in image_blocks(blocks)} == {"disk"}
+    status = "".join(
+        o["data"]["text/plain"] for o in cell(vision_notebook, "%llm_status").outputs if "data" in o
+    )
+    assert re.search(r"pictures encoded\s+2\b", status), status

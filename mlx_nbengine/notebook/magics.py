@@ -822,7 +822,8 @@ class LLMMagics(Magics):
 
     @line_magic
     def llm_status(self, line: str = "") -> None:
-        """Show the loaded model, its parallel slots, and active and queued requests."""
+        """Show the loaded model, its parallel slots, and active and queued requests (with a
+        vision model: pictures encoded by its vision tower and feature-memo hits)."""
         if line.strip():
             raise UsageError("%llm_status takes no arguments")
         session = self.session
@@ -847,6 +848,12 @@ class LLMMagics(Magics):
             ("shared prefill steps", stats.get("group_prefills", "-")),
             ("conversations", ", ".join(session.chats.names()) or "-"),
         ]
+        if "vision_encodes" in stats:  # a vision model
+            rows += [
+                ("pictures encoded", stats["vision_encodes"]),
+                ("feature memo hits", stats.get("feature_memo_hits", 0)),
+                ("feature memo", format_bytes(stats.get("feature_memo_bytes", 0))),
+            ]
         self._display(key_value_bundle("mlx_nbengine", rows))
 
 
