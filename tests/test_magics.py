@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,9 +276,28 @@ def ip(shell):
     magics_mod.unload_ipython_extension(shell)
 
 
+@contextmanager
+def sigint_as_in_a_kernel_cell() -> Iterator[None]:
+    """SIGINT raises `KeyboardInterrupt` here, as ipykernel arranges it while a cell runs.
+
+    ipykernel ignores SIGINT while idle and installs `signal.default_int_handler` around
+    each request (`Kernel.pre_handler_hook` / `post_handler_hook`), whatever the process
+    inherited. A plain `InteractiveShell` does not, and a test run started with SIGINT
+    ignored (a background job, `nohup ... &`) inherits SIG_IGN: without this the
+    interrupt would never reach the cell.
+    """
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
 def run(ip, source: str):
-    """Run a cell; return its result (errors are in result.error_in_exec / before_exec)."""
-    return ip.run_cell(source)
+    """Run a cell as the kernel would (SIGINT interrupts it); return its result (errors
+    are in result.error_in_exec / before_exec)."""
+    with sigint_as_in_a_kernel_cell():
+        return ip.run_cell(source)
 
 
 def error_of(result) -> BaseException | None:

@@ -66,7 +66,8 @@ def assemble(
     `cut_tokens` more from the follower records under block ``n_blocks`` (a cut, see the
     module docstring); return it.
 
-    Raises `RecordError` when a needed record is missing or does not fit the template.
+    Raises `RecordError` when a needed record is missing or does not fit the template (or
+    the slices of one layer do not join).
     """
     if not 0 <= cut_tokens < block_size:
         raise RecordError(f"a cut restores 0 to {block_size - 1} tokens, not {cut_tokens}")
@@ -94,8 +95,7 @@ def assemble(
                 k, v = _cut(record(n_blocks, "kv"), i, b, cut_tokens)
                 parts_k.append(k)
                 parts_v.append(v)
-            keys = mx.concatenate(parts_k, axis=2)
-            values = mx.concatenate(parts_v, axis=2)
+            keys, values = _join(parts_k, i), _join(parts_v, i)
             if keys.shape[2] != p or values.shape[2] != p:
                 raise RecordError(f"kv layer {i} assembles {keys.shape[2]} tokens, expected {p}")
             c.keys, c.values, c.offset = keys, values, p
@@ -128,8 +128,7 @@ def assemble(
                 covered = p
             if covered != p:
                 raise RecordError(f"window records of layer {i} end at {covered}, expected {p}")
-            keys = mx.concatenate(parts_k, axis=2)
-            values = mx.concatenate(parts_v, axis=2)
+            keys, values = _join(parts_k, i), _join(parts_v, i)
             if keys.shape[2] != p - lo:
                 raise RecordError(f"window layer {i} assembles {keys.shape[2]} tokens")
             c.keys, c.values, c.offset, c._idx = keys, values, p, keys.shape[2]
@@ -141,6 +140,15 @@ def assemble(
                 raise RecordError(f"state record of layer {i} is for offset {meta.get('offset')}")
             restore_snapshot(c, meta, rec.arrays)
     return template_cache
+
+
+def _join(parts: list[mx.array], i: int) -> mx.array:
+    """Layer `i`'s token slices in one array; `RecordError` when their shapes disagree
+    (`PrefixCache.load` checks records against the model first: this is a last guard)."""
+    try:
+        return mx.concatenate(parts, axis=2)
+    except ValueError as e:
+        raise RecordError(f"the records of layer {i} do not join: {e}") from e
 
 
 def _cut(rec: Record, i: int, start: int, k: int) -> tuple[mx.array, mx.array]:

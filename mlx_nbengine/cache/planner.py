@@ -41,6 +41,19 @@ does it leave the closest stored continuation of its prefix?), so the engine can
 a block was computed. They rest on the `FollowerIndex` (`followers`), which `save` fills
 when given a block's parent and tokens.
 
+*Checks*: every record read back is checked before it is served (`records.check_record`):
+its metadata must fit the block and the model's layer layout (the template's layer kinds,
+classes and windows), its arrays must be those the metadata names with its token counts,
+and each array must fit the model's cache. The expected shapes and dtypes are learned
+from the records this process extracted itself: `save` merges each record it is given
+into a per-kind signature (`records.record_signature`: kv/window arrays
+``(1, heads, *, head_dim)`` and their dtype, state arrays as they were), before any of
+them can be read back (the store is this process's scratch file; the template cache is
+empty, so it cannot tell). A kind nothing was saved of yet (a foreign blob under a key
+before any save) is held to the first record of that kind the same `load` read, so a
+chain never mixes shapes. A record that does not fit is a `RecordError`: deleted, and the
+plan falls back (a miss, never an error).
+
 *Recency*: the store evicts the least recently touched record first. Touching
 a chain puts, oldest first, the records not needed at its boundary (earlier
 boundaries' state checkpoints, window slices that fell out of the window),
@@ -63,9 +76,13 @@ from mlx_nbengine.cache.records import (
     Record,
     RecordError,
     RecordKind,
+    Signature,
+    check_record,
     layer_kinds,
     layer_windows,
+    merge_signatures,
     record_from_bytes,
+    record_signature,
     record_to_bytes,
 )
 
@@ -182,14 +199,21 @@ class PrefixCache:
         windows: Sequence[int | None],
         block_size: int = 256,
         store: Any,
+        layer_classes: Sequence[str] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if len(windows) != len(layer_kinds):
             raise ValueError("windows needs one entry per layer")
+        if layer_classes is not None and len(layer_classes) != len(layer_kinds):
+            raise ValueError("layer_classes needs one entry per layer")
         self.fingerprint = fingerprint
         self.layer_kinds = list(layer_kinds)
         self.windows = list(windows)
+        # The class of each layer cache (None: not checked), and per kind the shapes and
+        # dtypes of the records this process saved (see *Checks* in the module docstring).
+        self.layer_classes = list(layer_classes) if layer_classes is not None else None
+        self.signatures: dict[RecordKind, Signature] = {}
         self.block_size = block_size
         self.store = store
         self.kinds: tuple[RecordKind, ...] = tuple(k for k in KINDS if k in self.layer_kinds)
@@ -220,6 +244,7 @@ class PrefixCache:
             windows=layer_windows(template_cache),
             block_size=block_size,
             store=store,
+            layer_classes=[type(c).__name__ for c in template_cache],
         )
 
     # --- keys and plans ----------------------------------------------------------------------
@@ -396,12 +421,53 @@ class PrefixCache:
 
     # --- load, assemble ----------------------------------------------------------------------
 
-    def _check(self, rec: Record, block: int, kind: RecordKind) -> None:
-        if rec.kind != kind or rec.block != block or rec.block_size != self.block_size:
-            raise RecordError(f"record under block {block} {kind} is another block's")
-        want = {i for i, k in enumerate(self.layer_kinds) if k == kind}
-        if set(rec.layers) != want:
-            raise RecordError(f"{kind} record of block {block} has layers {sorted(rec.layers)}")
+    def _check(
+        self,
+        rec: Record,
+        block: int,
+        kind: RecordKind,
+        *,
+        whole: bool = True,
+        first_read: dict[RecordKind, Signature] | None = None,
+    ) -> None:
+        """Raise `RecordError` unless `rec` fits block `block`'s `kind` layers of this model
+        (`whole`: a chain's whole block; else a cut's follower, whose first tokens serve).
+
+        Arrays are held to the signature learned by `save`; for a kind with none yet, to
+        the first record of that kind read into `first_read` (one `load`'s records)."""
+        signature = self.signatures.get(kind)
+        if signature is None and first_read is not None:
+            signature = first_read.get(kind)
+        check_record(
+            rec,
+            block=block,
+            kind=kind,
+            block_size=self.block_size,
+            layer_kinds=self.layer_kinds,
+            windows=self.windows,
+            classes=self.layer_classes,
+            whole=whole,
+            signature=signature,
+        )
+        if signature is None and first_read is not None:
+            first_read[kind] = record_signature(rec)
+
+    def _read(
+        self,
+        key: str,
+        block: int,
+        kind: RecordKind,
+        *,
+        whole: bool = True,
+        first_read: dict[RecordKind, Signature] | None = None,
+    ) -> Record:
+        """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit."""
+        data = self.store.get(key, kind)
+        if data is None:
+            raise RecordError("record is gone")
+        rec = record_from_bytes(data)
+        self._check(rec, block, kind, whole=whole, first_read=first_read)
+        return rec
 
     def load(self, plan: RestorePlan) -> tuple[RestorePlan, dict[int, dict[RecordKind, Record]]]:
         """Read and decode the plan's records (arrays evaluated).
@@ -415,17 +481,14 @@ class PrefixCache:
         """
         cut, n_wanted = plan.cut, plan.n_blocks
         loaded: dict[tuple[str, RecordKind], Record] = {}
+        first_read: dict[RecordKind, Signature] = {}
         while plan.n_blocks > 0:
             bad = None
             for block, (key, kind) in self._blocks_of(plan):
                 if (key, kind) in loaded:
                     continue
-                data = self.store.get(key, kind)
                 try:
-                    if data is None:
-                        raise RecordError("record is gone")
-                    rec = record_from_bytes(data)
-                    self._check(rec, block, kind)
+                    rec = self._read(key, block, kind, first_read=first_read)
                 except RecordError:
                     bad = (key, kind)
                     break
@@ -440,7 +503,7 @@ class PrefixCache:
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
         if cut is not None and plan.n_blocks == n_wanted:
-            records = self._load_cut(cut)
+            records = self._load_cut(cut, first_read)
             if records is None:
                 plan = replace(plan, cut=None, kept_boundary="evicted")
             else:
@@ -448,16 +511,14 @@ class PrefixCache:
                 by_block[cut.block] = records
         return plan, by_block
 
-    def _load_cut(self, cut: Cut) -> dict[RecordKind, Record] | None:
+    def _load_cut(
+        self, cut: Cut, first_read: dict[RecordKind, Signature] | None = None
+    ) -> dict[RecordKind, Record] | None:
         """The cut's records, or None (a bad one deleted) when one is gone or damaged."""
         out: dict[RecordKind, Record] = {}
         for key, kind in cut.needed:
-            data = self.store.get(key, kind)
             try:
-                if data is None:
-                    raise RecordError("record is gone")
-                rec = record_from_bytes(data)
-                self._check(rec, cut.block, kind)
+                rec = self._read(key, cut.block, kind, whole=False, first_read=first_read)
                 p = cut.block * self.block_size + cut.tokens
                 if kind == "state":
                     if any(m.get("offset") != p for m in rec.layers.values()):
@@ -505,6 +566,8 @@ class PrefixCache:
         """Store one block's records under its key; False when any was not stored.
 
         Records already held are kept as they are (equal keys mean equal prefixes).
+        Every record given is merged into its kind's signature (`signatures`), which
+        `load` holds the records it reads to.
         With `parent` (the previous block's key, `ROOT` for block 0) and the block's
         `tokens` (`blocks.match_ids` where it overlaps images), a block now held is added
         to `followers`; so is one saved with no records at all (a partial block whose
@@ -514,6 +577,10 @@ class PrefixCache:
         """
         ok = True
         for kind, rec in records.items():
+            # This process's own records teach what the model's records look like.
+            learned = self.signatures.get(kind)
+            own = record_signature(rec)
+            self.signatures[kind] = own if learned is None else merge_signatures(learned, own)
             if self.store.has(key, kind):
                 continue
             ok = self.store.put(key, kind, record_to_bytes(rec)) and ok

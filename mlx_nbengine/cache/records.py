@@ -26,6 +26,14 @@ A *record* bundles all layers of one kind for one block: arrays named
 ``L<layer>.<name>`` plus string metadata (kind, block, block size, and per
 layer the class name, token range and scalars as JSON). Records travel as
 safetensors blobs (`record_to_bytes` / `record_from_bytes`).
+
+Before a record read back from the store reaches a model it is checked
+(`check_record`): its metadata fits the block and the model's layer layout (layer
+set, classes, token ranges, windows, a well-formed snapshot skeleton), it holds
+exactly the arrays that metadata names, each of the record's own token count, and each
+array fits the *signature* of that layer: the shapes (the token axis of kv/window
+arrays left free) and dtypes of the records the engine itself extracted for this model
+(`record_signature`, merged over every record it saved with `merge_signatures`).
 """
 
 from __future__ import annotations
@@ -39,14 +47,20 @@ import mlx.core as mx
 
 __all__ = [
     "KINDS",
+    "ArraySpec",
     "Record",
     "RecordError",
     "RecordKind",
+    "Signature",
+    "check_record",
+    "check_signature",
     "extract_block_records",
     "layer_kind",
     "layer_kinds",
     "layer_windows",
+    "merge_signatures",
     "record_from_bytes",
+    "record_signature",
     "record_to_bytes",
     "restore_snapshot",
 ]
@@ -171,10 +185,14 @@ def restore_snapshot(layer_cache: Any, layer_meta: dict[str, Any], arrays: dict)
             f"{type(layer_cache).__name__}"
         )
     snapshot = _decode(layer_meta["snapshot"], arrays)
-    if layer_meta["protocol"] == "snapshot":
-        layer_cache.prefix_cache_restore(snapshot)
-    else:
-        layer_cache.state = snapshot["state"]
+    try:
+        if layer_meta["protocol"] == "snapshot":
+            layer_cache.prefix_cache_restore(snapshot)
+        else:
+            layer_cache.state = snapshot["state"]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # The layer's own code refused the snapshot: a record that does not fit, not a crash.
+        raise RecordError(f"state record does not fit {type(layer_cache).__name__}: {e}") from e
 
 
 # --- extraction -----------------------------------------------------------------------------
@@ -293,6 +311,188 @@ def record_from_bytes(data: bytes) -> Record:
     try:
         rec = Record(meta["kind"], dict(arrays), dict(meta))
         _ = (rec.block, rec.block_size, rec.layers)  # parse now, so a bad blob fails here
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise RecordError(f"record metadata is malformed: {e}") from e
     return rec
+
+
+# --- checks before a record reaches the model -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What one record array may look like: its dtypes and shape, None where a dimension
+    may vary (the token axis of kv/window arrays; any dimension two saved records
+    disagreed on)."""
+
+    dtypes: frozenset
+    shape: tuple[int | None, ...]
+
+    def accepts(self, a: mx.array) -> bool:
+        if a.dtype not in self.dtypes or a.ndim != len(self.shape):
+            return False
+        return all(w is None or w == d for w, d in zip(self.shape, a.shape, strict=True))
+
+    def describe(self) -> str:
+        dims = ", ".join("*" if d is None else str(d) for d in self.shape)
+        return f"({dims}) {'/'.join(sorted(str(d).rsplit('.', 1)[-1] for d in self.dtypes))}"
+
+
+Signature = dict[str, ArraySpec | None]
+"""Array name -> its `ArraySpec` (None: saved records disagreed on its rank: any array)."""
+
+_TOKEN_AXIS = 2  # keys/values are (batch, heads, tokens, head_dim)
+
+
+def record_signature(rec: Record) -> Signature:
+    """The shapes and dtypes of `rec`'s arrays, the token axis of kv/window arrays free."""
+    out: Signature = {}
+    for name, a in rec.arrays.items():
+        shape: list[int | None] = list(a.shape)
+        if rec.kind != "state" and a.ndim > _TOKEN_AXIS:
+            shape[_TOKEN_AXIS] = None
+        out[name] = ArraySpec(frozenset([a.dtype]), tuple(shape))
+    return out
+
+
+def merge_signatures(old: Signature, new: Signature) -> Signature:
+    """A signature accepting the arrays of both: dtypes joined, differing dimensions freed."""
+    out = dict(old)
+    for name, spec in new.items():
+        if name not in out:
+            out[name] = spec
+            continue
+        have = out[name]
+        if have is None or spec is None or len(have.shape) != len(spec.shape):
+            out[name] = None
+        else:
+            dims = zip(have.shape, spec.shape, strict=True)
+            out[name] = ArraySpec(
+                have.dtypes | spec.dtypes, tuple(a if a == b else None for a, b in dims)
+            )
+    return out
+
+
+def check_signature(rec: Record, signature: Signature) -> None:
+    """Raise `RecordError` unless every array of `rec` fits `signature`."""
+    for name, a in rec.arrays.items():
+        if name not in signature:
+            raise RecordError(f"{rec.kind} record of block {rec.block} holds an unknown {name}")
+        spec = signature[name]
+        if spec is not None and not spec.accepts(a):
+            got = ArraySpec(frozenset([a.dtype]), tuple(a.shape)).describe()
+            raise RecordError(
+                f"{rec.kind} record of block {rec.block}: {name} is {got}, "
+                f"the model's cache holds {spec.describe()}"
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(meta: dict, i: int, *names: str) -> list[int]:
+    values = [meta.get(n) for n in names]
+    if not all(_is_int(v) for v in values):
+        raise RecordError(f"layer {i} metadata lacks integer {', '.join(names)}")
+    return values
+
+
+def _skeleton_arrays(skeleton: Any, out: list[str]) -> list[str]:
+    """The array names a snapshot skeleton references; `RecordError` if it is malformed."""
+    if isinstance(skeleton, list):
+        for v in skeleton:
+            _skeleton_arrays(v, out)
+    elif isinstance(skeleton, dict):
+        if set(skeleton) == {"$array"} and isinstance(skeleton["$array"], str):
+            out.append(skeleton["$array"])
+        elif set(skeleton) == {"$dict"} and isinstance(skeleton["$dict"], dict):
+            for v in skeleton["$dict"].values():
+                _skeleton_arrays(v, out)
+        else:
+            raise RecordError("state snapshot skeleton is malformed")
+    elif not (skeleton is None or isinstance(skeleton, bool | int | float | str)):
+        raise RecordError("state snapshot skeleton is malformed")
+    return out
+
+
+def check_record(
+    rec: Record,
+    *,
+    block: int,
+    kind: RecordKind,
+    block_size: int,
+    layer_kinds: list[RecordKind],
+    windows: list[int | None],
+    classes: list[str] | None = None,
+    whole: bool = True,
+    signature: Signature | None = None,
+) -> None:
+    """Raise `RecordError` unless `rec` can rebuild block `block`'s `kind` layers of a model
+    with this layout (one entry per layer in `layer_kinds`, `windows`, `classes`).
+
+    The metadata must fit: the kind, block and block size; exactly the model's layers of
+    that kind, of the template's classes (when `classes` is given); the token range of
+    each kv/window layer (the whole block with `whole`, else its first tokens: a cut's
+    follower), the window size, a state's offset (the block's end with `whole`) and a
+    well-formed snapshot skeleton. The arrays must be exactly those the metadata names;
+    kv/window arrays are ``(1, heads, tokens, head_dim)`` with the layer's token count.
+    With `signature` every array must also fit it (`check_signature`).
+    """
+    if rec.kind != kind or rec.block != block or rec.block_size != block_size:
+        raise RecordError(f"record under block {block} {kind} is another block's")
+    layers = rec.layers
+    want = {i for i, k in enumerate(layer_kinds) if k == kind}
+    if set(layers) != want:
+        raise RecordError(f"{kind} record of block {block} has layers {sorted(layers)}")
+    first, last = block * block_size, (block + 1) * block_size
+    names: list[str] = []
+    for i in sorted(want):
+        meta = layers[i]
+        if not isinstance(meta, dict):
+            raise RecordError(f"layer {i} metadata is malformed")
+        if classes is not None and meta.get("class") != classes[i]:
+            raise RecordError(f"{kind} record of layer {i} is for {meta.get('class')!r}")
+        if kind == "state":
+            (offset,) = _ints(meta, i, "offset")
+            if not (offset == last if whole else first < offset <= last):
+                raise RecordError(f"state record of layer {i} is for offset {offset}")
+            if meta.get("protocol") not in ("snapshot", "state"):
+                raise RecordError(f"state record of layer {i} has no known protocol")
+            skeleton = meta.get("snapshot")
+            own = _skeleton_arrays(skeleton, [])
+            if meta["protocol"] == "state" and not (
+                isinstance(skeleton, dict) and "state" in skeleton.get("$dict", {})
+            ):
+                raise RecordError(f"state record of layer {i} holds no state")
+            if any(not n.startswith(f"L{i}.") for n in own):
+                raise RecordError(f"state record of layer {i} refers to another layer's arrays")
+            names += own
+            continue
+        start, end = _ints(meta, i, "start", "end")
+        if not (end == last if whole else first < end <= last):
+            raise RecordError(f"{kind} record of layer {i} ends at {end}, not in block {block}")
+        if kind == "window":
+            (size,) = _ints(meta, i, "max_size")
+            if size != windows[i]:
+                raise RecordError(f"window record of layer {i} is for W={size}")
+            lo = max(first, end - size)
+        else:
+            lo = first
+        if start != lo:
+            raise RecordError(f"{kind} record of layer {i} starts at {start}, not {lo}")
+        for name in (f"L{i}.k", f"L{i}.v"):
+            a = rec.arrays.get(name)
+            if a is None:
+                raise RecordError(f"{kind} record of block {block} lacks {name}")
+            if a.ndim != 4 or a.shape[0] != 1 or a.shape[_TOKEN_AXIS] != end - start:
+                raise RecordError(
+                    f"{kind} record of block {block}: {name} has shape {tuple(a.shape)}, "
+                    f"expected (1, heads, {end - start}, head_dim)"
+                )
+            names.append(name)
+    if sorted(rec.arrays) != sorted(set(names)):
+        extra = sorted(set(rec.arrays) - set(names))
+        raise RecordError(f"{kind} record of block {block} holds arrays {extra or 'missing'}")
+    if signature is not None:
+        check_signature(rec, signature)
