@@ -411,3 +411,23 @@ def test_a_hybrid_engine_falls_back_past_a_state_record_of_another_shape(tiny_mo
     assert report.restore_source == "disk"
     assert report.restored_tokens == 4 * B  # the checkpoint at block 3's end
     assert again.tokens == first.tokens
+
+
+def test_records_that_fail_to_assemble_are_a_miss_not_a_failed_request(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The last guard: should assembly still reject what the load checks let through, the
+    prompt is computed from the start and answered as before."""
+    tokens = prompt(5 * B + 5)
+    with Engine.load(tiny_model_dir("llama"), block_size=B, cache_dir=tmp_path) as engine:
+        first = run(engine, tokens)
+        run(engine, prompt(20, seed=777), max_tokens=2)  # the hot cache holds another prompt
+
+        def refuse(*args, **kwargs):
+            raise RecordError("does not fit")
+
+        monkeypatch.setattr(engine._io.prefix, "assemble", refuse)
+        again = run(engine, tokens)
+    assert again.finish_reason == first.finish_reason
+    assert again.report.restored_tokens == 0
+    assert again.tokens == first.tokens

@@ -505,16 +505,13 @@ class GenerationThread:
         plan, records, facts = restored if restored is not None else (None, None, None)
         hot_n = self._hot_usable(seq)
         kinds_read = None
+        assembled = None
         if records is not None and plan.tokens > hot_n:
             t = time.perf_counter()
-            cache = self._io_prefix().assemble(
-                records,
-                n_blocks=plan.n_blocks,
-                template_cache=self.lm.make_cache(),
-                cut_tokens=plan.cut.tokens if plan.cut is not None else 0,
-            )
-            mx.eval([c.state for c in cache])
+            assembled = self._assemble(plan, records)
             seconds += time.perf_counter() - t
+        if assembled is not None:
+            cache = assembled
             start, source = plan.tokens, "disk"
             # Whole blobs are read, also the cut's (of which only its first tokens are used).
             seq.restored_bytes = sum(r.nbytes for recs in records.values() for r in recs.values())
@@ -550,6 +547,23 @@ class GenerationThread:
             )
         seq.phase = "prefilling"
         seq.ready_at = time.perf_counter()
+
+    def _assemble(self, plan: Any, records: dict) -> list[Any] | None:
+        """The cache rebuilt from the plan's records, or None (a miss, never a failed
+        request) when they do not fit the model after all."""
+        from mlx_nbengine.cache import RecordError
+
+        try:
+            cache = self._io_prefix().assemble(
+                records,
+                n_blocks=plan.n_blocks,
+                template_cache=self.lm.make_cache(),
+                cut_tokens=plan.cut.tokens if plan.cut is not None else 0,
+            )
+            mx.eval([c.state for c in cache])
+        except (RecordError, ValueError):
+            return None
+        return cache
 
     def _keys(self, tokens: list[int], images: tuple[Any, ...] = ()) -> list[str]:
         from mlx_nbengine.cache import block_keys
