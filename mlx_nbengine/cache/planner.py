@@ -47,9 +47,10 @@ classes and windows), its arrays must be those the metadata names with its token
 and each array must fit the model's cache. The expected shapes and dtypes are learned
 from the records this process extracted itself: `save` merges each record it is given
 into a per-kind signature (`records.record_signature`: kv/window arrays
-``(1, heads, *, head_dim)`` and their dtype, state arrays as they were), before any of
-them can be read back (the store is this process's scratch file; the template cache is
-empty, so it cannot tell). A kind nothing was saved of yet (a foreign blob under a key
+``(1, heads, *, head_dim)`` and their dtype, state arrays as they were), and the engine
+`learn`s from a one-token probe of the model when it loads, before any record is read
+back (the template cache is empty, so it cannot tell; a persistent store holds records of
+earlier processes). A kind nothing was saved of yet (a foreign blob under a key
 before any save) is held to the first record of that kind the same `load` read, so a
 chain never mixes shapes. A record that does not fit is a `RecordError`: deleted, and the
 plan falls back (a miss, never an error).
@@ -576,11 +577,8 @@ class PrefixCache:
         order is right.
         """
         ok = True
+        self.learn(records)
         for kind, rec in records.items():
-            # This process's own records teach what the model's records look like.
-            learned = self.signatures.get(kind)
-            own = record_signature(rec)
-            self.signatures[kind] = own if learned is None else merge_signatures(learned, own)
             if self.store.has(key, kind):
                 continue
             ok = self.store.put(key, kind, record_to_bytes(rec)) and ok
@@ -588,6 +586,15 @@ class PrefixCache:
             if not records or any(self.store.has(key, kind) for kind in records):
                 self.followers.add(key, parent, tokens)
         return ok
+
+    def learn(self, records: dict[RecordKind, Record]) -> None:
+        """Merge records this process extracted from the model itself into `signatures`
+        (`save` does it for every record; the engine also learns from a one-token probe
+        when the model loads, so records stored by an earlier process are checked too)."""
+        for kind, rec in records.items():
+            learned = self.signatures.get(kind)
+            own = record_signature(rec)
+            self.signatures[kind] = own if learned is None else merge_signatures(learned, own)
 
     def touch(self, keys: Sequence[str]) -> None:
         """Mark chain `keys` (a prompt's first blocks) as just used, suffix-first.

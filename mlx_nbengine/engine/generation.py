@@ -291,6 +291,7 @@ class GenerationThread:
                 self._state_layers = "state" in layer_kinds(self.lm.make_cache())
                 lm = self.lm
                 self._io.open(lambda: self._prefix_factory(lm))
+                self._learn_record_shapes()
                 self.has_prefix = True
                 self.store_off = self._io.prefix.store.budget_bytes == 0
                 # Partial blocks keep records where cuts can use them: every model but
@@ -330,6 +331,22 @@ class GenerationThread:
             self._shutdown()
             self.lm = None
             self._release_streams()
+
+    def _learn_record_shapes(self) -> None:
+        """Show the prefix cache what this model's records look like (one token through
+        the model: its cache's arrays have the heads, widths, dtypes and state shapes of
+        every record it will ever make), before any record is read back; records an
+        earlier process stored are held to them too."""
+        from mlx_nbengine.cache import extract_block_records
+
+        cache = self.lm.make_cache()
+        token = mx.array([[self.lm.bos_token_id or 0]], dtype=mx.uint32)
+        model = self.lm.language_model if self.lm.kind == "vision" else self.lm.model
+        model(token, cache=cache)
+        mx.eval([c.state for c in cache])
+        records = extract_block_records(cache, block=0, block_size=1)
+        prefix = self._io.prefix
+        self._io.call(lambda: prefix.learn(records)).result()
 
     @staticmethod
     def _release_streams() -> None:
