@@ -177,7 +177,13 @@ def test_a_full_disk_is_a_miss_and_leaves_the_store_consistent(store, monkeypatc
     store.blobfile.check_invariants()
     assert [e[0] for e in rec.events] == ["stored"]
 
+    # Saving is off after a full disk: later puts are refused at once, gets still work.
+    assert not store.saving and "off" in store.saving_error
+    assert store.stats().saving is False and store.stats().saving_error
     monkeypatch.undo()
+    assert store.put("b", "kv", blob(3 * KB)) is False
+    assert store.get("a", "kv") == blob(KB)
+    store.resume_saving()
     assert store.put("b", "kv", blob(3 * KB))
     assert store.get("b", "kv") == blob(3 * KB)
 

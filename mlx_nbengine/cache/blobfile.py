@@ -5,8 +5,9 @@ Terms:
 - *blob*: a non-empty byte string stored under a hashable *key* (the store uses
   `(block_key, kind)`).
 - *extent*: a byte range `[offset, offset + length)` of the scratch file.
-- *table*: key -> `Entry(offset, length, checksum)`, kept in memory only; the file has no
-  header and no index, so nothing on disk outlives the process.
+- *table*: key -> `Entry(offset, length, checksum)`, kept in memory only; a scratch file has
+  no header and no index, so nothing on disk outlives the process (a named file's owner
+  keeps its index elsewhere, see below).
 - *free list*: the extents inside the file that no blob uses, sorted by offset, never adjacent
   (neighbours are coalesced when space is returned) and never touching the end of the file
   (free space that reaches the end is given back with `os.ftruncate`).
@@ -18,14 +19,23 @@ Terms:
   The checksum guards against torn or stray writes, not against an attacker (the file is
   private: mode 0600, and unlinked).
 
-Invariant (`check_invariants`): the table's extents and the free list tile `[0, file_size)`
-exactly, without overlap, and `file_size` is the file's real size.
+Invariant (`check_invariants`): the table's extents and the free list tile
+`[reserved, file_size)` exactly (`reserved` is 0 for a scratch file), without overlap, and
+`file_size` is the file's real size (a named file: once `adopt` has run).
 
 The scratch file is `tempfile.TemporaryFile`: on POSIX it is created unlinked (Linux:
 `O_TMPFILE`), so a crash, a missed `close()` or garbage collection leaves nothing behind;
 where unlinking an open file is impossible (Windows) Python falls back to delete-on-close.
 Writes use `os.pwrite`, reads `os.pread` of exactly one blob (seek+read under the lock where
 those are missing); nothing reads the whole file.
+
+*Named file* (`path=`, used by the persistent store, `cache/persist.py`): the same table and
+free list over a file that outlives the process. It is opened without following a symlink,
+mode 0600, and its first `reserved` bytes (the owner's file header) are never allocated, so
+the invariant tiles `[reserved, file_size)`. The table starts empty: the owner replays its
+index and hands the extents it found to `adopt`, which drops those that overlap or run past
+the end of the file and frees every gap. `sync()` makes the written blobs durable
+(`fdatasync`). Closing a named file keeps it.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import os
 import tempfile
 import threading
 import zlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,25 +134,53 @@ class BlobFile:
     A failed write raises `OSError` after returning its space, leaving no table entry.
     """
 
-    def __init__(self, *, directory: str | os.PathLike[str] | None = None) -> None:
-        if directory is not None and not Path(directory).is_dir():
-            raise CacheError(
-                f"cache directory {os.fspath(directory)!r} does not exist or is not a folder; "
-                "create it, or pass directory=None to use the system temp folder"
-            )
-        try:
-            self._file = tempfile.TemporaryFile("w+b", buffering=0, dir=directory)
-        except OSError as exc:
-            raise CacheError(
-                f"cannot create a scratch file in {os.fspath(directory or tempfile.gettempdir())!r}"
-                f" ({exc.strerror}); pass a writable directory, or budget_bytes=0 for memory only"
-            ) from exc
+    def __init__(
+        self,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        path: str | os.PathLike[str] | None = None,
+        reserved: int = 0,
+    ) -> None:
+        if reserved < 0:
+            raise ValueError(f"reserved={reserved} must be >= 0")
+        self.path = None if path is None else Path(path)
+        if path is not None:
+            # A named file (the persistent store's data): never through a symlink, 0600.
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+            flags |= getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(path, flags, 0o600)
+            try:
+                if hasattr(os, "fchmod"):
+                    os.fchmod(fd, 0o600)
+                self._file = os.fdopen(fd, "r+b", buffering=0)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            if directory is not None and not Path(directory).is_dir():
+                raise CacheError(
+                    f"cache directory {os.fspath(directory)!r} does not exist or is not a "
+                    "folder; create it, or pass directory=None to use the system temp folder"
+                )
+            try:
+                self._file = tempfile.TemporaryFile("w+b", buffering=0, dir=directory)
+            except OSError as exc:
+                where = os.fspath(directory or tempfile.gettempdir())
+                raise CacheError(
+                    f"cannot create a scratch file in {where!r} ({exc.strerror}); pass a "
+                    "writable directory, or budget_bytes=0 for memory only"
+                ) from exc
         self._fd = self._file.fileno()
         self._lock = threading.Lock()
         self._table: dict[Hashable, Entry] = {}
         self._free: list[tuple[int, int]] = []  # (offset, length), sorted by offset
-        self._size = 0
+        self._reserved = reserved
+        self._size = reserved
         self._held = 0
+        if path is not None:
+            self._size = max(reserved, os.fstat(self._fd).st_size)
+            if self._size > reserved:
+                self._free = [(reserved, self._size - reserved)]  # nothing adopted yet
 
     # -- public API ---------------------------------------------------------------------
 
@@ -193,25 +231,83 @@ class BlobFile:
             return True
 
     def clear(self) -> None:
-        """Forget every blob and shrink the file to zero bytes."""
+        """Forget every blob and shrink the file to its reserved header (zero bytes)."""
         with self._lock:
             self._check_open()
-            os.ftruncate(self._fd, 0)
+            os.ftruncate(self._fd, self._reserved)
             self._table.clear()
             self._free.clear()
-            self._size = 0
+            self._size = self._reserved
             self._held = 0
 
     def close(self) -> None:
-        """Close (and so delete) the scratch file; calling it again does nothing."""
+        """Close the file (a scratch file is deleted, a named one kept); idempotent."""
         with self._lock:
             if self._file.closed:
                 return
             self._file.close()
             self._table.clear()
             self._free.clear()
-            self._size = 0
+            self._size = self._reserved
             self._held = 0
+
+    def adopt(self, entries: Iterable[tuple[Hashable, Entry]]) -> list[Hashable]:
+        """Take `entries` (found in an index) as the table of a named file; return the keys
+        refused: an extent that is empty, starts inside the reserved header, runs past the
+        end of the file or overlaps one adopted before it (in the order given), or a key
+        given twice. Every byte no adopted blob uses becomes free space; free space at the
+        end of the file is truncated. Only on a file whose table is still empty.
+        """
+        with self._lock:
+            self._check_open()
+            if self._table:
+                raise ValueError("adopt needs an empty table")
+            real = max(self._reserved, os.fstat(self._fd).st_size)
+            taken: list[tuple[int, int]] = []  # sorted (offset, end) of adopted extents
+            refused: list[Hashable] = []
+            for key, entry in entries:
+                start, end = entry.offset, entry.offset + entry.length
+                i = bisect.bisect_left(taken, (start, end))
+                overlaps = (i > 0 and taken[i - 1][1] > start) or (
+                    i < len(taken) and taken[i][0] < end
+                )
+                if (
+                    entry.length <= 0
+                    or start < self._reserved
+                    or end > real
+                    or overlaps
+                    or key in self._table
+                ):
+                    refused.append(key)
+                    continue
+                taken.insert(i, (start, end))
+                self._table[key] = entry
+                self._held += entry.length
+            self._free = []
+            position = self._reserved
+            for start, end in taken:
+                if start > position:
+                    self._free.append((position, start - position))
+                position = end
+            self._size = position
+            if real > position:
+                try:
+                    os.ftruncate(self._fd, position)
+                except OSError:
+                    self._size = real
+                    self._free.append((position, real - position))
+            return refused
+
+    def sync(self) -> None:
+        """Make every blob written so far durable (`fdatasync`, `fsync` where missing)."""
+        with self._lock:
+            self._check_open()
+            (getattr(os, "fdatasync", None) or os.fsync)(self._fd)
+
+    @property
+    def reserved(self) -> int:
+        """Bytes at the start of the file that hold no blob (a named file's header)."""
+        return self._reserved
 
     @property
     def closed(self) -> bool:
@@ -240,7 +336,7 @@ class BlobFile:
 
     @property
     def file_size(self) -> int:
-        """Bytes in the scratch file: held bytes plus interior free space."""
+        """Bytes in the file: held bytes plus interior free space (plus the reserved header)."""
         with self._lock:
             return self._size
 
@@ -254,7 +350,7 @@ class BlobFile:
     def free_bytes(self) -> int:
         """Bytes of free extents inside the file, waiting for reuse."""
         with self._lock:
-            return self._size - self._held
+            return self._size - self._reserved - self._held
 
     def free_extents(self) -> list[tuple[int, int]]:
         """The free list as `(offset, length)` pairs, sorted by offset."""
@@ -318,7 +414,7 @@ class BlobFile:
             [(e.offset, e.length, "blob") for e in self._table.values()]
             + [(o, n, "free") for o, n in self._free]
         )
-        position = 0
+        position = self._reserved
         for offset, length, what in extents:
             if length <= 0:
                 problems.append(f"{what} extent at {offset} has length {length}")

@@ -23,11 +23,28 @@ Terms:
 
 Keys name content (the block key hashes the model, the tokens and all earlier blocks), so a
 `put` of an item already present only refreshes its recency and writes nothing.
+
+- *persistent*: `persist_dir=DIR` keeps the records in DIR (a data file and a durable index,
+  see `cache/persist.py`) instead of an unlinked scratch file, for the next process with
+  the same `identity` (the engine's model fingerprint, block size, formats). The records
+  found there are held at once, oldest first as they were left, trimmed to the budget
+  (without events). When DIR cannot be used -- another process holds its lock, it is not
+  writable -- the store falls back to a scratch file in `directory` and `note` says so in
+  one line; an incompatible store found in DIR is set aside (`note` too). The default
+  budget counts the space the store already holds as free.
+- *saving off*: the first write that fails for lack of space or an I/O error (ENOSPC,
+  EDQUOT, EFBIG, EIO, EROFS) turns saving off: later puts are refused at once (counted
+  `rejected`), gets keep serving the records held, `saving_error` says why in one line.
+  `clear()` or `resume_saving()` turns it back on. Other write errors only reject the put.
+- *followers*: `remember(key, parent, ids)` writes a block's follower metadata into a
+  persistent store's index; `remembered()` gives it back after a restart (a no-op and an
+  empty list without persistence).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import tempfile
@@ -36,7 +53,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from mlx_nbengine.cache.blobfile import BlobFile, CorruptBlobError
+from mlx_nbengine.cache.persist import PersistentBlobs, StoreBusyError
 from mlx_nbengine.errors import CacheError
 
 __all__ = ["BlockStore", "StoreStats", "default_budget_bytes"]
@@ -49,11 +69,18 @@ MiB = 1 << 20
 DEFAULT_DISK_FRACTION = 0.25
 DEFAULT_DISK_CAP = 8 * GiB
 DEFAULT_MEMORY_BUDGET = 512 * MiB
+# Write errors that mean "no more room" or "this disk fails": saving turns off.
+SAVING_OFF_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EFBIG", "EIO", "EROFS")
+    if hasattr(errno, name)
+)
 
 
-def default_budget_bytes(directory: str | os.PathLike[str] | None = None) -> int:
-    """`min(25% of the free space where the scratch file lives, 8 GiB)`."""
-    free = shutil.disk_usage(directory or tempfile.gettempdir()).free
+def default_budget_bytes(directory: str | os.PathLike[str] | None = None, *, held: int = 0) -> int:
+    """`min(25% of the free space where the store lives, 8 GiB)`; `held` bytes the store
+    already occupies there count as free."""
+    free = shutil.disk_usage(directory or tempfile.gettempdir()).free + held
     return min(int(free * DEFAULT_DISK_FRACTION), DEFAULT_DISK_CAP)
 
 
@@ -72,6 +99,11 @@ class StoreStats:
     rejected: int
     budget_bytes: int
     description: str
+    persistent: bool = False
+    saving: bool = True
+    saving_error: str = ""
+    note: str = ""
+    records_at_open: int = 0
 
     def as_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -123,6 +155,8 @@ class BlockStore:
         directory: str | os.PathLike[str] | None = None,
         on_event: EventCallback | None = None,
         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+        persist_dir: str | os.PathLike[str] | None = None,
+        identity: dict | None = None,
     ) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise CacheError(
@@ -131,11 +165,36 @@ class BlockStore:
             )
         if memory_budget_bytes < 0:
             raise CacheError(f"memory_budget_bytes={memory_budget_bytes} must be >= 0")
-        if budget_bytes is None:
-            budget_bytes = default_budget_bytes(directory)
+        if persist_dir is not None and budget_bytes == 0:
+            raise CacheError("a persistent store keeps its records on disk; drop budget_bytes=0")
         self._lock = threading.RLock()
         self._on_event = on_event
-        self._blobs: BlobFile | _MemoryBlobs
+        self._blobs: BlobFile | _MemoryBlobs | PersistentBlobs
+        self._recency: OrderedDict[Item, int] = OrderedDict()  # item -> nbytes, oldest first
+        self._held = 0
+        self._hits = self._misses = self._stored = self._evicted = self._rejected = 0
+        self._saving_error: str | None = None
+        self._note = ""
+        self._at_open = 0
+        persistent = None
+        if persist_dir is not None:
+            persistent = self._open_persistent(persist_dir, identity or {}, directory)
+        if persistent is not None:
+            self._blobs = persistent
+            if budget_bytes is None:
+                budget_bytes = default_budget_bytes(persistent.path, held=persistent.file_size)
+            self._budget = budget_bytes
+            self._description = f"persistent store, budget {_human(budget_bytes)}"
+            for item, nbytes in persistent.items():
+                self._recency[item] = nbytes
+                self._held += nbytes
+            persistent.recency = lambda: list(self._recency)
+            while self._held > self._budget:  # a smaller budget than last time
+                self._remove(next(iter(self._recency)), [], count=False)
+            self._at_open = len(self._recency)
+            return
+        if budget_bytes is None:
+            budget_bytes = default_budget_bytes(directory)
         if budget_bytes == 0:
             self._blobs = _MemoryBlobs()
             self._budget = memory_budget_bytes
@@ -145,9 +204,29 @@ class BlockStore:
             self._budget = budget_bytes
             where = "a chosen folder" if directory is not None else "the system temp folder"
             self._description = f"scratch file in {where}, budget {_human(budget_bytes)}"
-        self._recency: OrderedDict[Item, int] = OrderedDict()  # item -> nbytes, oldest first
-        self._held = 0
-        self._hits = self._misses = self._stored = self._evicted = self._rejected = 0
+
+    def _open_persistent(
+        self, persist_dir: str | os.PathLike[str], identity: dict, directory: object
+    ) -> PersistentBlobs | None:
+        """DIR's store, or None (and a note) when this process cannot have it."""
+        where = os.fspath(persist_dir)
+        try:
+            store = PersistentBlobs(persist_dir, identity=identity)
+        except StoreBusyError as exc:
+            self._note = (
+                f"the block store in {where} is {exc}; this kernel uses a temporary store "
+                "(nothing it stores is kept)"
+            )
+            return None
+        except Exception as exc:  # noqa: BLE001 - whatever DIR holds, the kernel goes on
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            self._note = (
+                f"cannot use the block store in {where} ({reason}); this kernel uses a "
+                "temporary store (nothing it stores is kept)"
+            )
+            return None
+        self._note = store.note
+        return store
 
     # -- the owner's API ----------------------------------------------------------------
 
@@ -167,7 +246,7 @@ class BlockStore:
                 if item in self._recency:
                     self._recency.move_to_end(item)
                     return True
-                if nbytes > self._budget:
+                if nbytes > self._budget or self._saving_error is not None:
                     self._rejected += 1
                     return False
                 while self._held + nbytes > self._budget:
@@ -175,9 +254,15 @@ class BlockStore:
                     self._remove(oldest, events)
                 try:
                     self._blobs.write(item, data)
-                except OSError:
+                except OSError as exc:
                     # Disk full or file too large: the backend already returned the space.
                     self._rejected += 1
+                    if exc.errno in SAVING_OFF_ERRNOS:
+                        what = exc.strerror or os.strerror(exc.errno)
+                        self._saving_error = (
+                            f"saving to the block store is off: a write failed ({what}); "
+                            "the blocks already stored are still restored"
+                        )
                     return False
                 self._recency[item] = nbytes
                 self._held += nbytes
@@ -248,19 +333,77 @@ class BlockStore:
                 self._recency.clear()
                 self._held = 0
                 self._blobs.clear()
+                self._saving_error = None  # the space is back: try again
         finally:
             self._emit(events)
 
     def close(self) -> None:
-        """Close and delete the scratch file; no events. Calling it again does nothing."""
+        """Close and delete the scratch file (a persistent store: compact its index, keeping
+        the LRU order, close its files, release its directory); no events. Idempotent."""
         with self._lock:
+            self._blobs.close()  # first: a persistent store writes the recency order
             self._recency.clear()
             self._held = 0
-            self._blobs.close()
 
     @property
     def closed(self) -> bool:
         return self._blobs.closed
+
+    # -- persistence and saving -----------------------------------------------------------
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the records outlive this process (`persist_dir` opened)."""
+        return isinstance(self._blobs, PersistentBlobs)
+
+    @property
+    def note(self) -> str:
+        """One line on what opening `persist_dir` found or why it was not used ("" if all
+        went as asked)."""
+        return self._note
+
+    @property
+    def saving(self) -> bool:
+        """False once a write failed for lack of space or an I/O error (see the module)."""
+        return self._saving_error is None
+
+    @property
+    def saving_error(self) -> str | None:
+        """Why saving is off, in one line; None while it is on."""
+        return self._saving_error
+
+    def resume_saving(self) -> None:
+        """Try saving again (e.g. after space was freed elsewhere)."""
+        with self._lock:
+            self._saving_error = None
+
+    def remember(self, key: str, parent: str, ids: Iterable[int]) -> None:
+        """Keep block `key`'s follower metadata (its parent key, its token ids as
+        `blocks.match_ids`) in a persistent store's index; a no-op otherwise."""
+        with self._lock:
+            if isinstance(self._blobs, PersistentBlobs) and not self._blobs.closed:
+                packed = np.asarray(list(ids), dtype="<i8").tobytes()
+                self._blobs.note_follower(key, parent, packed)
+
+    def remembered(self) -> list[tuple[str, str, list[int]]]:
+        """``(key, parent, ids)`` kept by `remember`, oldest first (this process's and the
+        earlier ones'); empty without persistence."""
+        with self._lock:
+            if not isinstance(self._blobs, PersistentBlobs) or self._blobs.closed:
+                return []
+            return [
+                (key, parent, np.frombuffer(ids, dtype="<i8").tolist())
+                for key, parent, ids in self._blobs.followers()
+            ]
+
+    def flush(self) -> None:
+        """Make a persistent store's index durable now (puts already are, one by one)."""
+        with self._lock:
+            if isinstance(self._blobs, PersistentBlobs) and not self._blobs.closed:
+                try:
+                    self._blobs.flush()
+                except OSError:
+                    pass
 
     def stats(self) -> StoreStats:
         """A consistent snapshot; safe from any thread."""
@@ -277,6 +420,11 @@ class BlockStore:
                 rejected=self._rejected,
                 budget_bytes=self._budget,
                 description=self._description,
+                persistent=isinstance(self._blobs, PersistentBlobs),
+                saving=self._saving_error is None,
+                saving_error=self._saving_error or "",
+                note=self._note,
+                records_at_open=self._at_open,
             )
 
     @property
@@ -286,8 +434,16 @@ class BlockStore:
 
     @property
     def blobfile(self) -> BlobFile | None:
-        """The scratch file, None when memory only; for diagnostics and tests."""
+        """The scratch (or persistent data) file, None when memory only; for diagnostics
+        and tests."""
+        if isinstance(self._blobs, PersistentBlobs):
+            return self._blobs.blobs
         return self._blobs if isinstance(self._blobs, BlobFile) else None
+
+    @property
+    def persistence(self) -> PersistentBlobs | None:
+        """The persistent backend (data file, index log, lock), None without one."""
+        return self._blobs if isinstance(self._blobs, PersistentBlobs) else None
 
     def census(self) -> tuple[int, dict[str, tuple[int, int]]]:
         """Distinct block keys held, and per kind ``(records, bytes)``; safe from any thread."""
@@ -317,12 +473,15 @@ class BlockStore:
         if self._blobs.closed:
             raise ValueError("BlockStore is closed")
 
-    def _remove(self, item: Item, events: list[tuple[str, str, str, int]]) -> None:
+    def _remove(
+        self, item: Item, events: list[tuple[str, str, str, int]], *, count: bool = True
+    ) -> None:
         nbytes = self._recency.pop(item)
         self._held -= nbytes
         self._blobs.delete(item)
-        self._evicted += 1
-        events.append(("evicted", item[0], item[1], nbytes))
+        if count:
+            self._evicted += 1
+            events.append(("evicted", item[0], item[1], nbytes))
 
     def _emit(self, events: list[tuple[str, str, str, int]]) -> None:
         if self._on_event is not None:

@@ -19,7 +19,8 @@ chain (and of the blocks that followed its prefixes), then plans. A restore also
 returns the `BlockFacts` of the blocks its plan does not cover, read from the store at
 that moment, from which the generation thread says why each computed block was
 computed. A save names the block's parent and tokens, so the prefix cache's follower
-index learns what followed each prefix.
+index learns what followed each prefix; a persistent store keeps that too
+(`BlockStore.remember`), so the next process can cut edited blocks at once.
 
 After a step's blocks are stored, their chain is *touched* suffix-first (see
 `PrefixCache.touch`) so that, under pressure, suffixes evict first.
@@ -157,7 +158,13 @@ class CacheIO:
             return False
         records, parent, tokens = queued
         try:
-            return self.prefix.save(key, records, parent=parent, tokens=tokens)
+            saved = self.prefix.save(key, records, parent=parent, tokens=tokens)
+            if parent is not None and tokens is not None and key in self.prefix.followers:
+                # A persistent store keeps it for the next process (a no-op otherwise).
+                remember = getattr(self.prefix.store, "remember", None)
+                if remember is not None:
+                    remember(key, parent, tokens)
+            return saved
         except Exception:
             # A lost checkpoint is a future cache miss, not a reason to fail anyone.
             self.save_errors += 1
@@ -181,10 +188,19 @@ class CacheIO:
         """Wait until every job queued so far (saves included) has run."""
         self.call(lambda: None, priority=SAVE + 1).result(timeout)
 
-    def close(self) -> None:
-        """Drop queued saves, close the store on its thread, join. Idempotent."""
+    def close(self, *, drain_s: float = 0.0) -> None:
+        """Drop queued saves, close the store on its thread, join. Idempotent.
+
+        `drain_s` > 0 first lets the queued jobs run for up to that many seconds (a
+        persistent store keeps the blocks of the last request; a scratch store loses
+        them anyway)."""
         if self._closing:
             return
+        if drain_s > 0 and self._thread.is_alive():
+            try:
+                self.drain(timeout=drain_s)
+            except Exception:  # noqa: BLE001 - timed out or the thread failed: close anyway
+                pass
         self._closing = True
         # Priority -1 jumps every queued save: closing must not wait for the disk.
         self._jobs.put((-1, next(self._order), None, None))

@@ -15,7 +15,11 @@ it leaves no file behind.
 first changed token where the model's layers can be cut there; ``restore="block"`` keeps
 whole blocks from disk (see `generation`). `Engine.load(..., store=False)` runs without a
 block store (no scratch file; every whole
-prompt block is computed, with reason ``"store_off"``). `cache_view()` is what the store
+prompt block is computed, with reason ``"store_off"``). `Engine.load(..., persist_dir=DIR)`
+keeps the store in DIR for the next process that loads the same model (see
+`cache/persist.py`); `close()` then leaves DIR consistent and releases its lock, and
+`store_note` says in one line when DIR was not used as asked (another process holds it,
+an incompatible store was set aside). `cache_view()` is what the store
 view draws: the store's figures now plus the engine's `CacheLedger` (counts over all
 finished requests, history, recent evictions).
 """
@@ -48,6 +52,9 @@ from mlx_nbengine.engine.text import TextStream
 RESTORE_MODES = ("token", "block")
 """`Engine.load(restore=...)`: to the first changed token, or whole blocks only."""
 
+# How long close() lets a persistent store write the saves still queued.
+PERSIST_DRAIN_S = 10.0
+
 # Strong references: an engine's threads run until it is closed, dropped or not.
 _open_engines: set[Engine] = set()
 
@@ -78,6 +85,7 @@ class Engine:
         name: str = "model",
         store: bool = True,
         restore: str = "token",
+        persist_dir: str | os.PathLike | None = None,
     ) -> None:
         if restore not in RESTORE_MODES:
             raise InvalidRequestError(
@@ -92,6 +100,14 @@ class Engine:
                 f"cache_dir {os.fspath(cache_dir)!r} is not a directory; create it or pass None "
                 "for the system temp folder"
             )
+        if persist_dir is not None and (not store or disk_budget == 0):
+            raise InvalidRequestError(
+                "persist_dir keeps the block store on disk; it needs store=True and a disk "
+                "budget other than 0"
+            )
+        if persist_dir is not None:
+            persist_dir = os.path.expanduser(os.fspath(persist_dir))
+        self.persist_dir = persist_dir
         self.parallel = parallel
         self.block_size = block_size
         self.restore = restore
@@ -101,20 +117,29 @@ class Engine:
         keep_large_buffers_mapped()
         self._io = CacheIO()
         self._ledger = CacheLedger()
+        self._saving_warned = False
 
         def prefix_factory(lm: Any) -> Any:  # runs on the cache-I/O thread
             from mlx_nbengine.cache import PrefixCache
             from mlx_nbengine.cache.store import BlockStore
 
+            template = lm.make_cache()
             block_store = BlockStore(
-                budget_bytes=disk_budget, directory=cache_dir, on_event=self._ledger.store_event
+                budget_bytes=disk_budget,
+                directory=cache_dir,
+                on_event=self._ledger.store_event,
+                persist_dir=persist_dir,
+                identity=store_identity(lm, template, block_size=block_size),
             )
             prefix = PrefixCache.for_cache(
-                lm.make_cache(),
+                template,
                 fingerprint=lm.fingerprint,
                 store=block_store,
                 block_size=block_size,
             )
+            # What earlier processes saw follow each prefix (a persistent store only).
+            for key, parent, ids in block_store.remembered():
+                prefix.followers.add(key, parent, ids)
 
             def lookup(key: str, kind: str) -> tuple[list[int] | None, bool]:
                 held = any(block_store.has(key, k) for k in prefix.kinds)
@@ -157,6 +182,7 @@ class Engine:
         store: bool = True,
         restore: str = "token",
         revision: str | None = None,
+        persist_dir: str | os.PathLike | None = None,
     ) -> Engine:
         """Load `model` and start serving.
 
@@ -178,8 +204,12 @@ class Engine:
         prompt block computed (reason ``"store_off"``). `restore="token"` (the default)
         restores an edited prompt up to its first changed token where the model's layers
         allow it (see `generation`); ``"block"`` restores whole blocks from disk only,
-        bit-identical to a cold run of the same steps. Raises a `ModelError` if the model
-        cannot be loaded.
+        bit-identical to a cold run of the same steps. `persist_dir` keeps the block store
+        in that directory (created, or made, 0700; a data file, an index and a lock) so that a later
+        process loading the same model, dtype and block size restores its blocks from disk;
+        when another process holds it, the engine runs with a temporary store and
+        `store_note` says so (an incompatible store found there is set aside, also noted).
+        Raises a `ModelError` if the model cannot be loaded.
         """
         from mlx_nbengine.models import load as load_model
 
@@ -197,6 +227,7 @@ class Engine:
             name=name,
             store=store,
             restore=restore,
+            persist_dir=persist_dir,
         )
 
     # --- requests ---------------------------------------------------------------------------
@@ -331,6 +362,9 @@ class Engine:
         """The store's stats plus active/queued requests, the model name and `parallel`.
 
         ``group_prefills`` counts prefill steps shared by requests that arrived together.
+        ``persistent`` (the store lives in `persist_dir`), ``saving`` (False once a write
+        failed for lack of space or an I/O error; ``saving_error`` says why) and
+        ``store_note`` (`store_note`, "" when none) come with a store.
         """
         out: dict[str, Any] = {}
         if not self._closed and self._gen.has_prefix:
@@ -339,6 +373,8 @@ class Engine:
                 out.update(fut.result(timeout=10))
             except Exception:  # stats must never break the caller (e.g. a closing engine)
                 pass
+            else:
+                out["store_note"] = out.pop("note", "")
         out.update(
             model=self.model_name,
             parallel=self.parallel,
@@ -353,6 +389,32 @@ class Engine:
             **self._gen.vision_counts(),
         )
         return out
+
+    def _store(self) -> Any:
+        prefix = self._io.prefix if self._gen.has_prefix and not self._closed else None
+        return None if prefix is None else prefix.store
+
+    @property
+    def store_note(self) -> str | None:
+        """One line when the block store is not what `persist_dir` asked for (another
+        process holds the directory, an incompatible store was set aside, records were
+        dropped on open); None otherwise. Safe from any thread."""
+        store = self._store()
+        return (getattr(store, "note", "") or None) if store is not None else None
+
+    def store_warning(self) -> str | None:
+        """The one-line warning that saving to the block store is off (a full disk, an I/O
+        error), the first time it is asked after that happened; None otherwise."""
+        store = self._store()
+        error = getattr(store, "saving_error", None) if store is not None else None
+        with self._lock:
+            if error is None:
+                self._saving_warned = False  # on again (cleared): warn again next time
+                return None
+            if self._saving_warned:
+                return None
+            self._saving_warned = True
+        return error
 
     def cache_view(self) -> dict[str, Any]:
         """What the store view draws, JSON-ready; cheap and safe from any thread.
@@ -442,13 +504,15 @@ class Engine:
         return self._closed
 
     def close(self) -> None:
-        """Cancel in-flight requests, stop both threads, delete the scratch file. Idempotent."""
+        """Cancel in-flight requests, stop both threads, delete the scratch file (a
+        persistent store: write its index and release its directory). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._gen.stop()
-        self._io.close()
+        # A persistent store keeps the saves still queued (bounded: closing must not hang).
+        self._io.close(drain_s=PERSIST_DRAIN_S if self.persist_dir is not None else 0.0)
         self.model = None
         _open_engines.discard(self)
 
@@ -461,6 +525,26 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"parallel={self.parallel}"
         return f"<Engine {self.model_name} {state}>"
+
+
+def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[str, Any]:
+    """Whose records a persistent store holds: records written under another identity are
+    never read (the store is set aside). The model fingerprint covers config, weights,
+    dtype and CPU math variant; the rest names the formats and the layer layout."""
+    from mlx_nbengine.cache import blocks, records
+    from mlx_nbengine.models import gguf
+
+    key_format = getattr(blocks, "_KEY_VERSION", b"")
+    return {
+        "fingerprint": lm.fingerprint,
+        "block_size": block_size,
+        "model_type": getattr(lm, "model_type", ""),
+        "record_format": getattr(records, "_FORMAT", ""),
+        "key_format": key_format.decode() if isinstance(key_format, bytes) else str(key_format),
+        "converter": getattr(gguf, "CONVERTER_VERSION", ""),
+        "layers": ",".join(records.layer_kinds(template_cache)),
+        "windows": ",".join(str(w) for w in records.layer_windows(template_cache)),
+    }
 
 
 def _vocab_size(lm: Any) -> int | None:

@@ -392,6 +392,12 @@ class LLMMagics(Magics):
     )
     @argument("--dtype", metavar="T", default=None, help="compute dtype, e.g. bfloat16 or float32")
     @argument(
+        "--persist",
+        metavar="DIR",
+        default=None,
+        help="keep the block store in DIR, so a restarted kernel restores its blocks from disk",
+    )
+    @argument(
         "--no-store",
         action="store_true",
         help="run without a block store (every prompt block is computed)",
@@ -418,6 +424,10 @@ class LLMMagics(Magics):
         `%llm_models` lists the models found here. The cell shows a download's and a GGUF
         conversion's progress and the time spent loading.
         Loading another model replaces the current one and frees its block store.
+        --persist DIR keeps the block store in DIR (created private), so after a kernel
+        restart `%load_model` of the same model restores the notebook's blocks from disk;
+        a store of another model, dtype or block size there is set aside, and a DIR in use
+        by another kernel leaves this one with a temporary store (one line says so).
         """
         args = parse_options(self.load_model, line, "%load_model")
         options = engine_options(args)
@@ -429,6 +439,9 @@ class LLMMagics(Magics):
         self.session.engine = engine
         self.session.model = args.model
         self.session.options = options
+        note = getattr(engine, "store_note", None)
+        if isinstance(note, str) and note:
+            self._display({"text/plain": note})
         hint = _blas_hint()
         if hint is not None:
             self._display({"text/plain": hint})
@@ -663,9 +676,17 @@ class LLMMagics(Magics):
             self.shell.user_ns[args.output] = completion
         if after is not None and completion is not None:
             after(completion)
+        self._warn_saving(engine)
         if interrupted:
             raise GenerationInterrupted()
         return None
+
+    def _warn_saving(self, engine: Any) -> None:
+        # Once, in the first cell to finish after saving to the store turned off.
+        warning = getattr(engine, "store_warning", None)
+        line = warning() if callable(warning) else None
+        if isinstance(line, str) and line:
+            self._display({"text/plain": f"warning: {line}"})
 
     def _strip_feed(
         self, engine: Any, request: Any, *, show_edit: bool, images: list[dict] | None = None
@@ -848,6 +869,12 @@ class LLMMagics(Magics):
             ("shared prefill steps", stats.get("group_prefills", "-")),
             ("conversations", ", ".join(session.chats.names()) or "-"),
         ]
+        if stats.get("persistent") or stats.get("store_note"):
+            rows.append(("persistent store", "yes" if stats.get("persistent") else "no"))
+        if stats.get("store_note"):
+            rows.append(("store note", stats["store_note"]))
+        if stats.get("saving") is False:
+            rows.append(("saving", stats.get("saving_error") or "off"))
         if "vision_encodes" in stats:  # a vision model
             rows += [
                 ("pictures encoded", stats["vision_encodes"]),

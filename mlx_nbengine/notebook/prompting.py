@@ -140,6 +140,10 @@ def engine_options(args: Any) -> dict[str, Any]:
         options["revision"] = args.revision
     if getattr(args, "restore", None) is not None:
         options["restore"] = args.restore
+    if getattr(args, "persist", None) is not None:
+        if options.get("store") is False or options.get("disk_budget") == 0:
+            raise UsageError("--persist keeps the block store on disk; drop --no-store")
+        options["persist_dir"] = os.path.expanduser(args.persist)
     return options
 
 
