@@ -142,6 +142,16 @@ def make_tiny_tokenizer(
     return directory
 
 
+# The tiny qwen3_5 families' linear-attention (gated delta) layers.
+_LINEAR_ATTENTION = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+
+
 def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict[str, Any]:
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
     common = {
@@ -191,11 +201,7 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
             "model_type": "qwen3_5_text",
             "num_hidden_layers": num_layers or 4,
             "full_attention_interval": 2,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
+            **_LINEAR_ATTENTION,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 100000.0,
@@ -565,11 +571,7 @@ def make_tiny_qwen3_5_vlm(directory: str | Path, *, seed: int = 0, dtype: str = 
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 32,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_LINEAR_ATTENTION,
         # 32 * 0.25 = 8 rotary dims: 4 frequencies split (time, height, width).
         "rope_parameters": {
             "rope_type": "default",
