@@ -7,10 +7,8 @@ Terms:
   requests is admitted together (an idle loop that wakes for a request first waits
   `ADMIT_GRACE_S` for the rest of a burst). Each restores its prefix, then prefills the
   rest of its prompt but the last token, and *joins* the batch: the prompt's last token
-  is fed by the batch's next decode step, which samples the first generated token. A
-  sequence *alone* (nothing decoding, no other sequence admitted) prefills its last token
-  too and samples from its final prefill step, one model call less (a one-token prompt
-  is always computed and sampled alone).
+  is fed by the batch's next decode step, which samples the first generated token (a
+  one-token prompt is computed and sampled alone).
 - *prefill*: a sequence prefills alone, with a plain single-sequence cache, except for
   its *final step* (the one that completes its prefill) when that step stays inside one
   block: sequences whose final steps are due together are prefilled as a *group*, one
@@ -595,16 +593,12 @@ class GenerationThread:
 
     # --- prefill ----------------------------------------------------------------------------
 
-    def _prefill_end(self, seq: Sequence) -> int:
+    @staticmethod
+    def _prefill_end(seq: Sequence) -> int:
         # The last prompt token is fed by the decode step the sequence joins (its logits
-        # are the only ones needed), so that sequences arriving together share that step;
-        # a one-token prompt has nothing before it. A sequence alone (nothing decoding,
-        # nobody else admitted) takes it into its final prefill step and samples there:
-        # one model call less before its first token (a decode step reads every weight,
-        # the output head's too, for one token).
+        # are the only ones needed); a one-token prompt has nothing before it.
         n = len(seq.prompt)
-        alone = not len(self._batch) and self._admitting == [seq]
-        return n - 1 if n > 1 and not alone else n
+        return n - 1 if n > 1 else n
 
     def _next_step(self, seq: Sequence) -> tuple[int, int]:
         pos, end, bs = len(seq.cache_tokens), self._prefill_end(seq), self.block_size
