@@ -92,6 +92,7 @@ class Report:
     tokens_per_s: float | None = 40.0
     restore_source: str | None = None
     edit_at: int | None = None
+    kept_boundary: str | None = None
 
 
 @dataclass
@@ -997,6 +998,17 @@ def test_summary_line_claims_no_block_for_tokens_restored_inside_one():
     line = summary_line(Completion("x", [1], 10, "stop", report, stop_reason="eos"))
     assert line.startswith("10 prompt tokens: 9 restored from memory (part of a block), 1 computed")
     assert "(from memory)" not in line and "block from" not in line
+
+
+def test_summary_line_says_why_a_restore_kept_to_a_block_boundary():
+    blocks = [Block(0, 0, 16, "disk"), Block(1, 16, 30, "computed", reason="edited")]
+    report = Report(blocks, 16, 14, None, None, kept_boundary="state")
+    line = summary_line(Completion("x", [1], 30, "stop", report, stop_reason="eos"))
+    assert line.startswith("30 prompt tokens: 16 restored (1 block from disk), 14 computed; ")
+    assert line.endswith(
+        "; end of text after 1 token; restore kept to a block boundary: recurrent layers "
+        "resume only where a state was stored"
+    )
 
 
 def test_summary_line_names_the_stop_string_that_ended_the_answer():

@@ -74,7 +74,7 @@ REASONS: dict[str, str] = {
 
 
 KEPT_BOUNDARY: dict[str, str] = {
-    "state": "recurrent layers resume only at a stored block boundary",
+    "state": "recurrent layers resume only where a state was stored",
     "window": "the sliding window is narrower than a block",
     "block": "the engine restores whole blocks only (restore='block')",
     "evicted": "the stored continuation's records were evicted",

@@ -125,8 +125,19 @@ def stop_phrase(completion: Any) -> str:
     return f"stopped after {_plural(n, 'token')}"
 
 
+# Why a restore stopped at a block boundary short of a stored continuation
+# (`Report.kept_boundary`), as the summary line says it.
+KEPT_BOUNDARY_PHRASES = {
+    "state": "recurrent layers resume only where a state was stored",
+    "window": "the sliding window is narrower than a block",
+    "block": "whole blocks only (--restore block)",
+    "evicted": "the stored continuation was evicted",
+}
+
+
 def summary_line(completion: Any) -> str:
-    """One line: where the prompt's tokens came from, speed, and why generation stopped."""
+    """One line: where the prompt's tokens came from, speed, why generation stopped, and
+    why a restore kept to a block boundary when a stored continuation shared more."""
     report = completion.report
     # `prompt_tokens` is the list of prompt ids (an int is accepted too).
     n_prompt = completion.prompt_tokens
@@ -145,6 +156,9 @@ def summary_line(completion: Any) -> str:
     if report.tokens_per_s:
         parts.append(f"{report.tokens_per_s:.0f} tok/s")
     parts.append(stop_phrase(completion))
+    kept = getattr(report, "kept_boundary", None)
+    if kept:
+        parts.append(f"restore kept to a block boundary: {KEPT_BOUNDARY_PHRASES.get(kept, kept)}")
     return "; ".join(parts)
 
 
