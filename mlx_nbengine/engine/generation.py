@@ -8,7 +8,8 @@ Terms:
   `ADMIT_GRACE_S` for the rest of a burst). Each restores its prefix, then prefills the
   rest of its prompt but the last token, and *joins* the batch: the prompt's last token
   is fed by the batch's next decode step, which samples the first generated token (a
-  one-token prompt is computed and sampled alone).
+  one-token prompt is computed and sampled alone; a sequence alone whose final step is
+  short, `ALONE_FINAL_STEP`, samples from that step).
 - *prefill*: a sequence prefills alone, with a plain single-sequence cache, except for
   its *final step* (the one that completes its prefill) when that step stays inside one
   block: sequences whose final steps are due together are prefilled as a *group*, one
@@ -105,6 +106,13 @@ from mlx_nbengine.engine.sequence import Sequence
 ADMIT_GRACE_S = 0.005
 # The longest a sequence ready to prefill waits for others still restoring (to form a group).
 DEFER_LIMIT_S = 0.05
+# A sequence alone whose final prefill step is at most this many tokens (an edited question)
+# takes its last prompt token into that step and samples there, instead of in a decode
+# step of its own: one model call less. Only for short steps, since the output head is then
+# computed for every row of the step (Gemma 3 270M, 2,028 tokens cached, 20 to go: one call
+# 0.63 s against 0.70-0.76 s for the two; a 1,024-token step would pay 1,023 rows of a
+# 262k-word head).
+ALONE_FINAL_STEP = 32
 # Padding tokens a prefill group may add per member beyond the first: a short step costs
 # about one read of the weights, worth this many tokens of compute on small models.
 GROUP_PAD_TOKENS = 64
@@ -625,7 +633,14 @@ class GenerationThread:
             for span in seq.images:
                 if pos < span.end < end_step and span.end % bs:
                     end_step = span.end
+        n = len(seq.prompt)
+        if end_step == n - 1 and n - pos <= ALONE_FINAL_STEP and self._alone(seq):
+            end_step = n  # the last token too, sampled from this step (see the constant)
         return pos, end_step
+
+    def _alone(self, seq: Sequence) -> bool:
+        """Nothing decoding and no other sequence admitted: no decode step to share."""
+        return not len(self._batch) and self._admitting == [seq]
 
     def _prefill_step(self, seq: Sequence) -> None:
         if len(seq.prompt) > 1 and len(seq.cache_tokens) == len(seq.prompt) - 1:
