@@ -141,16 +141,20 @@ class HotCache:
     cache: list[Any]
     images: tuple[Any, ...] = ()
 
+    def __post_init__(self) -> None:
+        from mlx_nbengine.cache.blocks import match_ids
+
+        self.match = match_ids(self.tokens, self.images)  # compared with every new prompt
+
     def usable(self, prompt: Any, *, block_size: int, bidirectional: tuple[Any, ...] = ()) -> int:
         """How many leading prompt tokens this cache can serve (0 if none): worth using
         only when they cover a whole block or every prompt token but the last. `prompt`
         is the prompt's `match_ids` (images told apart); `bidirectional` the prompt's
         image spans that must not be cut (models whose images attend both ways)."""
-        from mlx_nbengine.cache.blocks import match_ids
         from mlx_nbengine.cache.followers import common_prefix
 
         limit = min(len(self.tokens), len(prompt) - 1)
-        n = common_prefix(match_ids(self.tokens, self.images)[:limit], prompt[:limit])
+        n = common_prefix(self.match[:limit], prompt[:limit])
         for span in bidirectional:
             if span.cuts(n):
                 n = span.start
@@ -519,7 +523,7 @@ class GenerationThread:
         if self._hot is None:
             return 0
         return self._hot.usable(
-            seq.match(seq.prompt),
+            seq.prompt_match,
             block_size=self.block_size,
             bidirectional=seq.images if self._bidirectional else (),
         )
@@ -770,7 +774,7 @@ class GenerationThread:
             return
         # The blocks this step completed: those whose end lies in (start, end].
         done = range(start // self.block_size, end // self.block_size)
-        match = seq.match(seq.prompt) if done else None
+        match = seq.prompt_match if done else None
         for block in done:
             chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
             self._save_block(seq.prompt_keys, match, seq.cache, block, chain=chain)

@@ -74,6 +74,7 @@ class Sequence:
     rope_delta: int = 0  # decode position offset (Qwen2-VL after images), see engine.vision
     _seconds: dict[int, float] = field(default_factory=dict)
     _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
+    _prompt_match: Any = None  # `prompt_match`, once asked for
 
     @property
     def n_blocks(self) -> int:
@@ -85,6 +86,13 @@ class Sequence:
         from mlx_nbengine.cache.blocks import match_ids
 
         return match_ids(tokens, self.images)
+
+    @property
+    def prompt_match(self) -> Any:
+        """The prompt as `blocks.match_ids`, computed once (it never changes)."""
+        if self._prompt_match is None:
+            self._prompt_match = self.match(self.prompt)
+        return self._prompt_match
 
     def block_images(self, index: int) -> tuple[int, ...]:
         start, end = self.block_span(index)
