@@ -48,6 +48,13 @@ by `DECODE_MARGIN` switches the preference and resets the wait; a losing one
 doubles it, up to `DECODE_PROBE_MAX`, so a busy machine pays almost
 nothing (a few slow steps per thousand).
 
+*Short prefill steps* (2 to `PARALLEL_MIN_TOKENS` - 1 tokens: an edit's changed tokens)
+are matrix-matrix products like prefill, not the memory-bound products of decode: they
+take the count long prefill steps run faster on (Gemma 3 270M, 20 tokens against 2,028
+cached ones on the idle 2-core machine: 0.52 s on two threads, 0.74 s on one), without
+probing the other (a probe would cost a whole step of an edited re-run), and the decode
+preference until both counts have been timed on prefill.
+
 `blas_threads_for(n_tokens)` only sets the count (no timing) for callers that
 cannot wrap their steps.
 
@@ -88,7 +95,7 @@ _handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symb
 _openblas: ctypes.CDLL | None = None
 _max_threads = 1
 
-# Steps with fewer tokens than this run single-threaded (see the module docstring).
+# Steps with fewer tokens than this are decode or short prefill steps (module docstring).
 PARALLEL_MIN_TOKENS = 32
 # Prefill steps between two tries of the thread count not currently preferred.
 PROBE_EVERY = 16
@@ -265,6 +272,14 @@ def ensure_fast_blas() -> BlasStatus:
     return _status
 
 
+def _short_step_choice() -> int:
+    """The count of a short prefill step: the faster on prefill, once both are timed."""
+    candidates = [_max_threads, 1] if _max_threads > 1 else [1]
+    if any(c not in _seconds_per_token for c in candidates):
+        return _decode_tuner().preferred
+    return min(candidates, key=lambda c: _seconds_per_token[c])
+
+
 def _prefill_choice() -> int:
     candidates = [_max_threads, 1] if _max_threads > 1 else [1]
     untried = [c for c in candidates if c not in _seconds_per_token]
@@ -314,7 +329,12 @@ def blas_threads_for(n_tokens: int) -> int:
     """
     if _openblas is None:
         return 1
-    threads = _prefill_choice() if n_tokens >= PARALLEL_MIN_TOKENS else _decode_tuner().preferred
+    if n_tokens >= PARALLEL_MIN_TOKENS:
+        threads = _prefill_choice()
+    elif n_tokens > 1:
+        threads = _short_step_choice()
+    else:
+        threads = _decode_tuner().preferred
     # Set every time (it is cheap): other code in the process may have changed it.
     _openblas.openblas_set_num_threads(threads)
     return threads

@@ -228,3 +228,24 @@ def test_prefill_tries_both_thread_counts_then_keeps_the_faster(monkeypatch):
     monkeypatch.setattr(_blas, "_prefill_steps", _blas.PROBE_EVERY)
     with _blas.blas_step(n) as probe:
         assert probe == _blas._max_threads
+
+
+def test_short_prefill_steps_take_the_count_prefill_runs_faster_on(monkeypatch):
+    """An edit's few changed tokens (2-31) are a matrix-matrix product: they run on the
+    thread count long prefill steps measured faster, never probing the other; before
+    both counts are timed, on the decode preference; one token stays a decode step."""
+    _blas.ensure_fast_blas()
+    if _blas._openblas is None or _blas._max_threads < 2:
+        pytest.skip("needs OpenBLAS with at least two threads")
+    many = _blas._max_threads
+    monkeypatch.setattr(_blas, "_decode", _blas._DecodeTuner(many, FakeClock()))
+    monkeypatch.setattr(_blas, "_seconds_per_token", {many: 0.003})
+    assert _blas.blas_threads_for(20) == 1  # one count untimed: the decode preference
+    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.004, many: 0.003})
+    for step in range(2 * _blas.PROBE_EVERY):  # never a probe, whatever the step count
+        monkeypatch.setattr(_blas, "_prefill_steps", step)
+        assert _blas.blas_threads_for(20) == many == _blas._openblas.openblas_get_num_threads()
+        assert _blas.blas_threads_for(2) == many
+    assert _blas.blas_threads_for(1) == 1  # decode keeps its own preference
+    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.002, many: 0.003})
+    assert _blas.blas_threads_for(_blas.PARALLEL_MIN_TOKENS - 1) == 1  # a busy machine
