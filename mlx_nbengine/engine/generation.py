@@ -122,9 +122,9 @@ def _prefill_blas(n_tokens: int) -> AbstractContextManager:
     """The BLAS thread count of a prefill step over `n_tokens` tokens (see `_blas`).
 
     A step long enough to be a prefill step there is tuned by `blas_step`. A shorter one
-    (an edit's few changed tokens) runs on the count decode steps prefer without being
-    counted as a decode step: a tuning probe of the other count would otherwise land on
-    it and cost a whole step of the edited re-run.
+    (an edit's few changed tokens) runs on the count prefill steps run faster on (see
+    `_blas`), without being counted as a decode step or timed: a tuning probe of the other
+    count would otherwise land on it and cost a whole step of the edited re-run.
     """
     if n_tokens >= PARALLEL_MIN_TOKENS:
         return blas_step(n_tokens)
@@ -209,6 +209,7 @@ class GenerationThread:
         self._host_sampling = True  # sampled rows are drawn in numpy (CPU: see `sampling`)
         self._batch = DecodeBatch()
         self._vision: Any = None  # engine.vision.VisionRunner of a vision model
+        self._split: Any = None  # models.head.SplitHead of a text model whose head splits
         self._image_checkpoints = False  # end a prefill step (and store) at each image end
         self._bidirectional = False  # its image tokens attend both ways
         self._hot: HotCache | None = None
@@ -295,6 +296,13 @@ class GenerationThread:
                 self._vision = VisionRunner(self.lm)
                 self._bidirectional = self._vision.bidirectional
             self._host_sampling = mx.default_device().type == mx.DeviceType.cpu
+            if self.lm.kind == "text":
+                from mlx_nbengine.models.head import split_head
+
+                # A final prefill step's logits for its last row only (see `head`).
+                self._split = split_head(
+                    self.lm.model, self.lm.make_cache, self.lm.bos_token_id or 0
+                )
             if self._prefix_factory is not None:
                 from mlx_nbengine.cache import layer_kinds
 
@@ -660,6 +668,8 @@ class GenerationThread:
                 kwargs = self._vision.prefill_kwargs(seq.embedded, start, end)
                 out = self.lm.language_model(inputs, cache=seq.cache, **kwargs)
                 logits = getattr(out, "logits", out)
+            elif last and self._split is not None:
+                logits = self._split.last_logits(inputs, seq.cache)
             else:
                 logits = self._forward(inputs, seq.cache)
             if last:
