@@ -9,18 +9,23 @@ covered in milliseconds.
 from __future__ import annotations
 
 import io
+import json
+import struct
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import cache as lm_cache
 from mlx_vlm.models import cache as vlm_cache
 
 from mlx_nbengine.cache.assembly import assemble
 from mlx_nbengine.cache.records import (
+    HostArray,
     RecordError,
     extract_block_records,
     layer_kinds,
     layer_windows,
+    record_from_buffer,
     record_from_bytes,
     record_to_bytes,
 )
@@ -159,8 +164,68 @@ def test_garbage_bytes_raise_record_error():
         record_from_bytes(foreign.getvalue())
 
 
-def restore_at(layers_lib, history: list[int], n_blocks: int, *, window: int):
-    """Records of every block taken during `history` (steps ending on boundaries), assembled."""
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16, mx.int32, mx.uint8])
+def test_a_blob_decodes_to_views_of_the_buffer_it_was_read_into(dtype):
+    live = make_layers(lm_cache)
+    run(live, [B])
+    rec = extract_block_records(live, block=0, block_size=B)["kv"]
+    rec.arrays = {n: (a * 7).astype(dtype) for n, a in rec.arrays.items()}
+    buf = np.frombuffer(record_to_bytes(rec), dtype=np.uint8)
+    back = record_from_buffer(buf)
+    assert (back.kind, back.meta) == (rec.kind, {**rec.meta, "kind": "kv"})
+    for name, a in rec.arrays.items():
+        view = back.arrays[name]
+        assert isinstance(view, HostArray) and np.shares_memory(view.data, buf)  # no copy
+        assert (view.dtype, view.shape, view.nbytes) == (dtype, tuple(a.shape), a.nbytes)
+        assert mx.array_equal(view.to_mx(), a).item() and view.to_mx().dtype == dtype
+        assert mx.array_equal(view[..., 3:5, :].to_mx(), a[..., 3:5, :]).item()
+
+
+def _blob(header: dict, data: bytes = b"\0" * 16, *, length: int | None = None) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if length is None else length) + text + data
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"\x05\0\0\0\0\0\0\0abc",  # a header longer than the blob
+        struct.pack("<Q", 2**40) + b"{}",
+        struct.pack("<Q", 3) + b"{x}",  # not JSON
+        _blob([1, 2]),  # not an object
+        _blob({"__metadata__": {"kind": 3}}),  # metadata that is not text
+        _blob({"a": {"dtype": "F8", "shape": [2], "data_offsets": [0, 2]}}),
+        _blob({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}),
+        _blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}),  # 8 bytes
+        _blob({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}),  # past the end
+        _blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [12, 4]}}),
+        _blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, True]}}),
+        _blob({"a": "F32"}),
+    ],
+)
+def test_a_malformed_blob_raises_record_error_not_a_crash(blob):
+    with pytest.raises(RecordError, match="does not decode"):
+        record_from_buffer(blob)
+
+
+def test_a_restored_kv_layer_has_room_to_its_next_step():
+    """Up to `KVCache.step` as its own growth leaves it: the tail's first tokens go in
+    place, not into a grown copy of every cached token."""
+    _, restored = restore_at(lm_cache, [B, B, B], n_blocks=3, window=24)
+    kv = restored[0]
+    assert kv.offset == 3 * B and kv.keys.shape[2] == kv.step >= 3 * B + 5
+    before = kv.keys
+    feed(restored, 5, seed=3)
+    assert kv.keys is before and kv.offset == 3 * B + 5
+
+
+def restore_at(
+    layers_lib, history: list[int], n_blocks: int, *, window: int, decode=record_from_buffer
+):
+    """Records of every block taken during `history` (steps ending on boundaries), through
+    bytes and back (`decode`: as the store's reads, views of the blob; or MLX arrays),
+    assembled."""
     live = make_layers(layers_lib, window=window)
     records: dict[int, dict] = {}
     pos = 0
@@ -169,7 +234,7 @@ def restore_at(layers_lib, history: list[int], n_blocks: int, *, window: int):
         pos += n
         if pos % B == 0:
             records[pos // B - 1] = {
-                k: record_from_bytes(record_to_bytes(r))
+                k: decode(record_to_bytes(r))
                 for k, r in extract_block_records(live, block=pos // B - 1, block_size=B).items()
             }
     restored = assemble(
@@ -184,9 +249,10 @@ def restore_at(layers_lib, history: list[int], n_blocks: int, *, window: int):
 @pytest.mark.parametrize("lib", [lm_cache, vlm_cache], ids=["mlx_lm", "mlx_vlm"])
 @pytest.mark.parametrize("window", [8, 16, 24, 100])
 @pytest.mark.parametrize("next_steps", [[B], [1, 1, 1], [5, 1, B], [1, B]])
-def test_restored_cache_continues_exactly_like_the_live_one(lib, window, next_steps):
+@pytest.mark.parametrize("decode", [record_from_buffer, record_from_bytes])
+def test_restored_cache_continues_exactly_like_the_live_one(lib, window, next_steps, decode):
     history = [B, B, B, B]
-    live, restored = restore_at(lib, history, n_blocks=4, window=window)
+    live, restored = restore_at(lib, history, n_blocks=4, window=window, decode=decode)
     for i, n in enumerate(next_steps):
         assert_same(feed(live, n, seed=1000 + i), feed(restored, n, seed=1000 + i))
     assert [c.offset for c in (restored[0], restored[1])] == [4 * B + sum(next_steps)] * 2

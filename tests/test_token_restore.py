@@ -377,7 +377,10 @@ def test_a_cut_cache_holds_exactly_what_a_cold_prefill_computes(stored, edit_at)
     for c, ref in zip(cache, cold, strict=True):
         assert c.offset == p
         if type(c).__name__ == "KVCache":
-            got, want = (c.keys, c.values), (ref.keys[..., :p, :], ref.values[..., :p, :])
+            got, want = (
+                (c.keys[..., :p, :], c.values[..., :p, :]),
+                (ref.keys[..., :p, :], ref.values[..., :p, :]),
+            )
         else:  # the last min(W, p) tokens, in order
             lo = max(0, p - c.max_size)
             got = (c._temporal_order(c.keys), c._temporal_order(c.values))

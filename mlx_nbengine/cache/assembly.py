@@ -4,7 +4,8 @@ The *template* is a fresh cache list from the model (``make_prompt_cache``);
 assembly fills its layers in place so that the model continues exactly as if
 it had prefilled the first ``b`` tokens itself:
 
-- ``"kv"`` layers get the concatenated slices of blocks ``0..n-1``, offset ``b``.
+- ``"kv"`` layers get the concatenated slices of blocks ``0..n-1``, offset ``b``, in a
+  buffer with room up to the layer's next growth step (``KVCache.step``), zeros after.
 - ``"window"`` layers get the last ``min(W, b)`` tokens in temporal order,
   offset ``b`` and write index ``_idx`` at the end of that buffer. This equals a
   freshly prefilled rotating cache for every later update: a multi-token update
@@ -22,6 +23,10 @@ first ``k``, exactly the tokens a cold prefill to ``p`` would hold. ``"state"`` 
 resume only from a state taken exactly at ``p``: the follower's own ``"state"`` record,
 which a partial follower has when it was stored at its end (the planner cuts such models
 only at the whole length of such a follower).
+
+Records read from the store hold `HostArray` views of the blobs (see `records`): each
+kv/window layer's slices are copied once, from those views into one new MLX array
+(through its writable numpy view), with no MLX array per record in between.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from collections.abc import Mapping
 import mlx.core as mx
 
 from mlx_nbengine.cache.records import (
+    HostArray,
     Record,
     RecordError,
     RecordKind,
+    host_view,
     layer_kinds,
     restore_snapshot,
 )
@@ -75,6 +82,7 @@ def assemble(
         return template_cache
     b = n_blocks * block_size
     p = b + cut_tokens
+    on_device: dict[int, dict] = {}  # a state record's arrays as MLX arrays, by record
 
     def record(block: int, kind: RecordKind) -> Record:
         rec = records_by_block.get(block, {}).get(kind)
@@ -95,10 +103,13 @@ def assemble(
                 k, v = _cut(record(n_blocks, "kv"), i, b, cut_tokens)
                 parts_k.append(k)
                 parts_v.append(v)
-            keys, values = _join(parts_k, i), _join(parts_v, i)
-            if keys.shape[2] != p or values.shape[2] != p:
-                raise RecordError(f"kv layer {i} assembles {keys.shape[2]} tokens, expected {p}")
-            c.keys, c.values, c.offset = keys, values, p
+            if _tokens(parts_k) != p or _tokens(parts_v) != p:
+                raise RecordError(f"kv layer {i} assembles {_tokens(parts_k)} tokens, not {p}")
+            # Room up to the layer's next step, as its own growth would leave: the tail's
+            # first tokens then go in place instead of into a grown copy.
+            step = int(getattr(c, "step", 1) or 1)
+            room = -(-p // step) * step
+            c.keys, c.values, c.offset = _join(parts_k, i, room), _join(parts_v, i, room), p
         elif kind == "window":
             window = int(c.max_size)
             lo = max(0, p - window)
@@ -128,9 +139,9 @@ def assemble(
                 covered = p
             if covered != p:
                 raise RecordError(f"window records of layer {i} end at {covered}, expected {p}")
+            if _tokens(parts_k) != p - lo or _tokens(parts_v) != p - lo:
+                raise RecordError(f"window layer {i} assembles {_tokens(parts_k)} tokens")
             keys, values = _join(parts_k, i), _join(parts_v, i)
-            if keys.shape[2] != p - lo:
-                raise RecordError(f"window layer {i} assembles {keys.shape[2]} tokens")
             c.keys, c.values, c.offset, c._idx = keys, values, p, keys.shape[2]
         else:
             # A cut resumes from the follower's own state, taken at its end (= p).
@@ -138,17 +149,51 @@ def assemble(
             meta = _layer(rec, i)
             if meta.get("offset") != p:
                 raise RecordError(f"state record of layer {i} is for offset {meta.get('offset')}")
-            restore_snapshot(c, meta, rec.arrays)
+            if id(rec) not in on_device:
+                on_device[id(rec)] = {
+                    n: a.to_mx() if isinstance(a, HostArray) else a for n, a in rec.arrays.items()
+                }
+            restore_snapshot(c, meta, on_device[id(rec)])
     return template_cache
 
 
-def _join(parts: list[mx.array], i: int) -> mx.array:
-    """Layer `i`'s token slices in one array; `RecordError` when their shapes disagree
-    (`PrefixCache.load` checks records against the model first: this is a last guard)."""
-    try:
-        return mx.concatenate(parts, axis=2)
-    except ValueError as e:
-        raise RecordError(f"the records of layer {i} do not join: {e}") from e
+def _tokens(parts: list) -> int:
+    return sum(int(a.shape[2]) for a in parts if a.ndim == 4)
+
+
+def _join(parts: list, i: int, room: int = 0) -> mx.array:
+    """Layer `i`'s token slices (MLX arrays or `HostArray` views of the blobs read) in one
+    MLX array of at least `room` tokens (zeros after the parts); `RecordError` when their
+    shapes disagree (`PrefixCache.load` checks records against the model first: this is a
+    last guard).
+
+    Slices read from the store are copied once, from the blob straight into the new array
+    through its numpy view; only MLX slices with no room asked for are concatenated."""
+    if not parts:
+        raise RecordError(f"no records for layer {i}")
+    if room <= _tokens(parts) and all(isinstance(a, mx.array) for a in parts):
+        try:
+            return mx.concatenate(parts, axis=2)
+        except ValueError as e:
+            raise RecordError(f"the records of layer {i} do not join: {e}") from e
+    first = parts[0]
+    if any(
+        a.ndim != 4
+        or a.dtype != first.dtype
+        or (a.shape[:2], a.shape[3]) != (first.shape[:2], first.shape[3])
+        for a in parts
+    ):
+        raise RecordError(f"the records of layer {i} do not join: shapes or dtypes differ")
+    tokens = _tokens(parts)
+    storage = mx.uint16 if first.dtype == mx.bfloat16 else first.dtype
+    out = mx.zeros((*first.shape[:2], max(tokens, room), first.shape[3]), dtype=storage)
+    view = host_view(out)
+    at = 0
+    for a in parts:
+        n = a.shape[2]
+        view[:, :, at : at + n, :] = a.data if isinstance(a, HostArray) else host_view(a)
+        at += n
+    return out.view(first.dtype) if storage != first.dtype else out
 
 
 def _cut(rec: Record, i: int, start: int, k: int) -> tuple[mx.array, mx.array]:

@@ -49,6 +49,8 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mlx_nbengine.errors import CacheError
 
 try:
@@ -124,6 +126,22 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill `buf` from `offset`; the bytes read (fewer where the file ends first)."""
+    got = 0
+    while got < len(buf):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [buf[got:]], offset + got)
+        else:  # Windows: a read into bytes, then a copy
+            more = _pread(fd, len(buf) - got, offset + got)
+            buf[got : got + len(more)] = more
+            n = len(more)
+        if n <= 0:
+            break
+        got += n
+    return got
 
 
 class BlobFile:
@@ -217,6 +235,21 @@ class BlobFile:
             data = _pread_all(self._fd, entry.length, entry.offset)
         if len(data) != entry.length:
             raise CorruptBlobError(f"blob {key!r} is short: {len(data)} of {entry.length} bytes")
+        if checksum(data) != entry.checksum:
+            raise CorruptBlobError(f"blob {key!r} failed its checksum")
+        return data
+
+    def read_buffer(self, key: Hashable) -> np.ndarray:
+        """`read` into a new uint8 array: read straight into memory the caller keeps (numpy
+        backs large arrays with huge pages where the system allows: about twice as fast
+        to fill as the pages of a new bytes object), with no copy on the way."""
+        with self._lock:
+            self._check_open()
+            entry = self._table[key]
+            data = np.empty(entry.length, dtype=np.uint8)
+            got = _pread_into(self._fd, memoryview(data), entry.offset)
+        if got != entry.length:
+            raise CorruptBlobError(f"blob {key!r} is short: {got} of {entry.length} bytes")
         if checksum(data) != entry.checksum:
             raise CorruptBlobError(f"blob {key!r} failed its checksum")
         return data

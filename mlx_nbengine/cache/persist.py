@@ -69,6 +69,8 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from mlx_nbengine.cache.blobfile import CHECKSUM, BlobFile, CorruptBlobError, Entry, checksum
 from mlx_nbengine.errors import CacheError
 
@@ -711,6 +713,9 @@ class PersistentBlobs:
 
     def read(self, key: Hashable) -> bytes:
         return self.blobs.read(_item(key))
+
+    def read_buffer(self, key: Hashable) -> np.ndarray:
+        return self.blobs.read_buffer(_item(key))
 
     def delete(self, key: Hashable) -> bool:
         item = _item(key)

@@ -82,7 +82,7 @@ from mlx_nbengine.cache.records import (
     layer_kinds,
     layer_windows,
     merge_signatures,
-    record_from_bytes,
+    record_from_buffer,
     record_signature,
     record_to_bytes,
 )
@@ -463,10 +463,10 @@ class PrefixCache:
         first_read: dict[RecordKind, Signature] | None = None,
     ) -> Record:
         """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit."""
-        data = self.store.get(key, kind)
+        data = self.store.get_buffer(key, kind)
         if data is None:
             raise RecordError("record is gone")
-        rec = record_from_bytes(data)
+        rec = record_from_buffer(data)
         self._check(rec, block, kind, whole=whole, first_read=first_read)
         return rec
 

@@ -44,10 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = [
     "KINDS",
     "ArraySpec",
+    "HostArray",
     "Record",
     "RecordError",
     "RecordKind",
@@ -55,10 +57,12 @@ __all__ = [
     "check_record",
     "check_signature",
     "extract_block_records",
+    "host_view",
     "layer_kind",
     "layer_kinds",
     "layer_windows",
     "merge_signatures",
+    "record_from_buffer",
     "record_from_bytes",
     "record_signature",
     "record_to_bytes",
@@ -80,7 +84,7 @@ class Record:
     """All layers of one kind for one block: arrays ``L<i>.<name>`` and string metadata."""
 
     kind: RecordKind
-    arrays: dict[str, mx.array]
+    arrays: dict[str, Any]  # mx.array, or `HostArray` views of a blob read from the store
     meta: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -297,23 +301,132 @@ def record_to_bytes(rec: Record) -> bytes:
     return buf.getvalue()
 
 
-def record_from_bytes(data: bytes) -> Record:
-    """Decode a blob from `record_to_bytes`; arrays are evaluated. Raises `RecordError`."""
-    buf = io.BytesIO(data)
-    buf.name = "record.safetensors"  # mx.load picks the format from the name
+# safetensors dtype -> (MLX dtype, the numpy dtype its bytes are held as: bfloat16 as uint16)
+_DTYPES: dict[str, tuple[mx.Dtype, Any]] = {
+    "F32": (mx.float32, np.float32),
+    "F16": (mx.float16, np.float16),
+    "BF16": (mx.bfloat16, np.uint16),
+    "F64": (mx.float64, np.float64),
+    "I8": (mx.int8, np.int8),
+    "I16": (mx.int16, np.int16),
+    "I32": (mx.int32, np.int32),
+    "I64": (mx.int64, np.int64),
+    "U8": (mx.uint8, np.uint8),
+    "U16": (mx.uint16, np.uint16),
+    "U32": (mx.uint32, np.uint32),
+    "U64": (mx.uint64, np.uint64),
+    "BOOL": (mx.bool_, np.bool_),
+}
+_HOST = {mx_dtype: np_dtype for mx_dtype, np_dtype in _DTYPES.values()}
+_MAX_HEADER = 16 << 20  # a record's header is a few KiB; more is not a record
+
+
+@dataclass(frozen=True)
+class HostArray:
+    """A record array still in the bytes it was read into: a numpy view of the blob (a
+    bfloat16 array's bytes as uint16) with its MLX dtype. Restoring copies it once, into
+    the cache it rebuilds (`assembly`); `to_mx` copies it into an MLX array instead."""
+
+    data: np.ndarray
+    dtype: mx.Dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def __getitem__(self, index: Any) -> HostArray:
+        return HostArray(self.data[index], self.dtype)
+
+    def to_mx(self) -> mx.array:
+        a = mx.array(np.ascontiguousarray(self.data))
+        return a.view(self.dtype) if a.dtype != self.dtype else a
+
+
+def host_view(a: mx.array) -> np.ndarray:
+    """An evaluated MLX array's memory as numpy (writable; bfloat16 as uint16)."""
+    mx.eval(a)
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+        mx.eval(a)
+    return np.array(a, copy=False)
+
+
+def _parse_header(buf: np.ndarray) -> tuple[dict[str, Any], dict[str, str], int]:
+    if buf.ndim != 1 or buf.dtype != np.uint8 or buf.size < 8:
+        raise RecordError("record blob does not decode: too short for a header")
+    n = int.from_bytes(buf[:8].tobytes(), "little")
+    if n > min(_MAX_HEADER, buf.size - 8):
+        raise RecordError("record blob does not decode: header length out of range")
     try:
-        arrays, meta = mx.load(buf, return_metadata=True)
-        mx.eval(arrays)
-    except Exception as e:  # mlx raises plain RuntimeError/ValueError on bad headers
+        header = json.loads(buf[8 : 8 + n].tobytes())
+    except (UnicodeDecodeError, ValueError) as e:
         raise RecordError(f"record blob does not decode: {e}") from e
+    if not isinstance(header, dict):
+        raise RecordError("record blob does not decode: header is not an object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise RecordError("record blob does not decode: metadata is not text")
+    return header, meta, 8 + n
+
+
+def _host_array(buf: np.ndarray, name: str, info: Any, data_start: int) -> HostArray:
+    bad = f"record blob does not decode: array {name!r}"
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        raise RecordError(f"{bad} has no known dtype")
+    mx_dtype, np_dtype = _DTYPES[info["dtype"]]
+    shape, span = info.get("shape"), info.get("data_offsets")
+    if not (
+        isinstance(shape, list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        and isinstance(span, list)
+        and len(span) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in span)
+    ):
+        raise RecordError(f"{bad} has a malformed shape or offsets")
+    count = 1
+    for d in shape:
+        count *= d
+    begin, end = span
+    itemsize = np.dtype(np_dtype).itemsize
+    if not 0 <= begin <= end <= buf.size - data_start or end - begin != count * itemsize:
+        raise RecordError(f"{bad} lies outside the blob or has the wrong size")
+    data = np.frombuffer(buf, dtype=np_dtype, count=count, offset=data_start + begin)
+    return HostArray(data.reshape(shape), mx_dtype)
+
+
+def record_from_buffer(buf: np.ndarray | bytes) -> Record:
+    """Decode a blob from `record_to_bytes` without copying its arrays: the record's arrays
+    are `HostArray` views of `buf` (keep `buf` unchanged while they live). Raises
+    `RecordError` for anything that is not a well-formed record blob."""
+    if not isinstance(buf, np.ndarray):
+        buf = np.frombuffer(buf, dtype=np.uint8)
+    header, meta, data_start = _parse_header(buf)
+    arrays = {name: _host_array(buf, name, info, data_start) for name, info in header.items()}
     if meta.get("format") != _FORMAT or meta.get("kind") not in KINDS:
         raise RecordError("blob is not an mlx_nbengine record")
     try:
-        rec = Record(meta["kind"], dict(arrays), dict(meta))
+        rec = Record(meta["kind"], arrays, dict(meta))
         _ = (rec.block, rec.block_size, rec.layers)  # parse now, so a bad blob fails here
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise RecordError(f"record metadata is malformed: {e}") from e
     return rec
+
+
+def record_from_bytes(data: bytes) -> Record:
+    """Decode a blob from `record_to_bytes` into MLX arrays (evaluated). Raises
+    `RecordError`."""
+    rec = record_from_buffer(data)
+    arrays = {name: a.to_mx() for name, a in rec.arrays.items()}
+    mx.eval(arrays)
+    return Record(rec.kind, arrays, rec.meta)
 
 
 # --- checks before a record reaches the model -------------------------------------------------

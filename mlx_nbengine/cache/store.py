@@ -52,6 +52,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +127,9 @@ class _MemoryBlobs:
 
     def read(self, key: Item) -> bytes:
         return self._blobs[key]
+
+    def read_buffer(self, key: Item) -> np.ndarray:
+        return np.frombuffer(self._blobs[key], dtype=np.uint8)
 
     def delete(self, key: Item) -> bool:
         return self._blobs.pop(key, None) is not None
@@ -274,6 +278,14 @@ class BlockStore:
 
     def get(self, key: str, kind: str) -> bytes | None:
         """The blob, or None on a miss; a damaged blob is evicted and reported as a miss."""
+        return self._get(key, kind, buffer=False)
+
+    def get_buffer(self, key: str, kind: str) -> np.ndarray | None:
+        """`get` as a read-only-by-convention uint8 array (read straight into it: the
+        restore path's one copy of the blob, see `BlobFile.read_buffer`)."""
+        return self._get(key, kind, buffer=True)
+
+    def _get(self, key: str, kind: str, *, buffer: bool) -> Any:
         item = (key, kind)
         events: list[tuple[str, str, str, int]] = []
         try:
@@ -283,7 +295,7 @@ class BlockStore:
                     self._misses += 1
                     return None
                 try:
-                    data = self._blobs.read(item)
+                    data = self._blobs.read_buffer(item) if buffer else self._blobs.read(item)
                 except (CorruptBlobError, OSError):
                     self._remove(item, events)
                     self._misses += 1

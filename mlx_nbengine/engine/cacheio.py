@@ -119,7 +119,17 @@ class CacheIO:
                 if plan.tokens <= better_than:
                     records = None
                 else:
-                    mx.eval([r.arrays for block in records.values() for r in block.values()])
+                    # Arrays the load made in MLX (not views of the blobs read): evaluated
+                    # here, before they cross to the generation thread.
+                    mx.eval(
+                        [
+                            a
+                            for block in records.values()
+                            for r in block.values()
+                            for a in r.arrays.values()
+                            if isinstance(a, mx.array)
+                        ]
+                    )
             # After the load: a record found damaged there is gone now.
             facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
             return plan, records, {f.index: f for f in facts}
