@@ -239,14 +239,18 @@ class BlobFile:
             raise CorruptBlobError(f"blob {key!r} failed its checksum")
         return data
 
-    def read_buffer(self, key: Hashable) -> np.ndarray:
-        """`read` into a new uint8 array: read straight into memory the caller keeps (numpy
-        backs large arrays with huge pages where the system allows: about twice as fast
-        to fill as the pages of a new bytes object), with no copy on the way."""
+    def read_buffer(self, key: Hashable, into: np.ndarray | None = None) -> np.ndarray:
+        """`read` into a uint8 array, with no copy on the way: `into`'s first bytes (one
+        slice of a buffer the caller reads many blobs into) when it is large enough, else a
+        new array (numpy backs large arrays with huge pages where the system allows: fewer
+        page faults than a new bytes object's pages)."""
         with self._lock:
             self._check_open()
             entry = self._table[key]
-            data = np.empty(entry.length, dtype=np.uint8)
+            if into is not None and into.dtype == np.uint8 and into.size >= entry.length:
+                data = into[: entry.length]
+            else:
+                data = np.empty(entry.length, dtype=np.uint8)
             got = _pread_into(self._fd, memoryview(data), entry.offset)
         if got != entry.length:
             raise CorruptBlobError(f"blob {key!r} is short: {got} of {entry.length} bytes")

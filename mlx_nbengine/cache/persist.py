@@ -714,8 +714,8 @@ class PersistentBlobs:
     def read(self, key: Hashable) -> bytes:
         return self.blobs.read(_item(key))
 
-    def read_buffer(self, key: Hashable) -> np.ndarray:
-        return self.blobs.read_buffer(_item(key))
+    def read_buffer(self, key: Hashable, into: np.ndarray | None = None) -> np.ndarray:
+        return self.blobs.read_buffer(_item(key), into)
 
     def delete(self, key: Hashable) -> bool:
         item = _item(key)

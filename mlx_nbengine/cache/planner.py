@@ -69,6 +69,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from mlx_nbengine.cache.assembly import assemble, window_blocks
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys, match_ids
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
@@ -187,6 +189,25 @@ def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> li
         steps.append((pos, nxt))
         pos = nxt
     return steps
+
+
+class _Arena:
+    """One buffer for every blob one `load` reads, handed out in slices: one allocation
+    (huge pages where the system gives them) in place of one per blob, whose page faults
+    cost more than the reads (36 MB of Gemma 3 270M records: 20 vs 31 ms on 2 cores). The
+    records' arrays are views of it; it is freed with the last of them."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.used = 0
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """The next `nbytes` bytes, or None when the buffer has no room left."""
+        if self.used + nbytes > self.buffer.size:
+            return None
+        out = self.buffer[self.used : self.used + nbytes]
+        self.used += nbytes
+        return out
 
 
 class PrefixCache:
@@ -461,9 +482,13 @@ class PrefixCache:
         *,
         whole: bool = True,
         first_read: dict[RecordKind, Signature] | None = None,
+        arena: _Arena | None = None,
     ) -> Record:
-        """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit."""
-        data = self.store.get_buffer(key, kind)
+        """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit. Its
+        arrays are views of the bytes read (into `arena` when it has room)."""
+        size = self.store.size(key, kind) if arena is not None else None
+        into = arena.take(size) if arena is not None and size else None
+        data = self.store.get_buffer(key, kind, into)
         if data is None:
             raise RecordError("record is gone")
         rec = record_from_buffer(data)
@@ -483,13 +508,15 @@ class PrefixCache:
         cut, n_wanted = plan.cut, plan.n_blocks
         loaded: dict[tuple[str, RecordKind], Record] = {}
         first_read: dict[RecordKind, Signature] = {}
+        items = [*plan.needed, *(cut.needed if cut is not None else ())]
+        arena = _Arena(sum(self.store.size(key, kind) or 0 for key, kind in items))
         while plan.n_blocks > 0:
             bad = None
             for block, (key, kind) in self._blocks_of(plan):
                 if (key, kind) in loaded:
                     continue
                 try:
-                    rec = self._read(key, block, kind, first_read=first_read)
+                    rec = self._read(key, block, kind, first_read=first_read, arena=arena)
                 except RecordError:
                     bad = (key, kind)
                     break
@@ -504,7 +531,7 @@ class PrefixCache:
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
         if cut is not None and plan.n_blocks == n_wanted:
-            records = self._load_cut(cut, first_read)
+            records = self._load_cut(cut, first_read, arena)
             if records is None:
                 plan = replace(plan, cut=None, kept_boundary="evicted")
             else:
@@ -513,13 +540,18 @@ class PrefixCache:
         return plan, by_block
 
     def _load_cut(
-        self, cut: Cut, first_read: dict[RecordKind, Signature] | None = None
+        self,
+        cut: Cut,
+        first_read: dict[RecordKind, Signature] | None = None,
+        arena: _Arena | None = None,
     ) -> dict[RecordKind, Record] | None:
         """The cut's records, or None (a bad one deleted) when one is gone or damaged."""
         out: dict[RecordKind, Record] = {}
         for key, kind in cut.needed:
             try:
-                rec = self._read(key, cut.block, kind, whole=False, first_read=first_read)
+                rec = self._read(
+                    key, cut.block, kind, whole=False, first_read=first_read, arena=arena
+                )
                 p = cut.block * self.block_size + cut.tokens
                 if kind == "state":
                     if any(m.get("offset") != p for m in rec.layers.values()):

@@ -128,8 +128,8 @@ class _MemoryBlobs:
     def read(self, key: Item) -> bytes:
         return self._blobs[key]
 
-    def read_buffer(self, key: Item) -> np.ndarray:
-        return np.frombuffer(self._blobs[key], dtype=np.uint8)
+    def read_buffer(self, key: Item, into: np.ndarray | None = None) -> np.ndarray:
+        return np.frombuffer(self._blobs[key], dtype=np.uint8)  # a view: nothing to read
 
     def delete(self, key: Item) -> bool:
         return self._blobs.pop(key, None) is not None
@@ -280,12 +280,19 @@ class BlockStore:
         """The blob, or None on a miss; a damaged blob is evicted and reported as a miss."""
         return self._get(key, kind, buffer=False)
 
-    def get_buffer(self, key: str, kind: str) -> np.ndarray | None:
-        """`get` as a read-only-by-convention uint8 array (read straight into it: the
-        restore path's one copy of the blob, see `BlobFile.read_buffer`)."""
-        return self._get(key, kind, buffer=True)
+    def get_buffer(self, key: str, kind: str, into: np.ndarray | None = None) -> np.ndarray | None:
+        """`get` as a uint8 array, read straight into it (the restore path's one copy of
+        the blob): a slice of `into` when it is large enough (`BlobFile.read_buffer`).
+        Treat it as read-only."""
+        return self._get(key, kind, buffer=True, into=into)
 
-    def _get(self, key: str, kind: str, *, buffer: bool) -> Any:
+    def size(self, key: str, kind: str) -> int | None:
+        """The item's blob size in bytes, None if absent; changes neither recency nor
+        statistics."""
+        with self._lock:
+            return self._recency.get((key, kind))
+
+    def _get(self, key: str, kind: str, *, buffer: bool, into: np.ndarray | None = None) -> Any:
         item = (key, kind)
         events: list[tuple[str, str, str, int]] = []
         try:
@@ -295,7 +302,10 @@ class BlockStore:
                     self._misses += 1
                     return None
                 try:
-                    data = self._blobs.read_buffer(item) if buffer else self._blobs.read(item)
+                    if buffer:
+                        data = self._blobs.read_buffer(item, into)
+                    else:
+                        data = self._blobs.read(item)
                 except (CorruptBlobError, OSError):
                     self._remove(item, events)
                     self._misses += 1
