@@ -30,10 +30,11 @@ llama.cpp, from ``create_completion`` to its first streamed token. Every call ge
 one token (greedy). Figures are the median and the spread (min-max) over the calls.
 
 *Floor* of an edited re-run: the prefill of its changed tokens alone against a cache
-that holds the rest (two model calls, as the engine makes them: the changed tokens but
-the last, then the last one; the fastest of three, on the thread count the engine
-prefers for such steps), plus the bytes our token engine restored for it over the read
-bandwidth of the cache directory (`bench_engine.read_bandwidth`).
+that holds the rest (the fastest of three ways and three tries each: two model calls,
+the changed tokens but the last, then the last one; one call; one call with the output
+head on the last row only, as the engine makes it for a request alone; on the thread
+count the engine prefers for such steps), plus the bytes our token engine restored for
+it over the read bandwidth of the cache directory (`bench_engine.read_bandwidth`).
 
 Targets (Gemma 3 270M, CPU): the edited re-run of a 2,048-token prompt whose last 20
 tokens changed at most 0.35x of ``restore="block"`` and within 1.25x of the floor; on
@@ -213,11 +214,15 @@ def run_calls(peers: dict, calls: list[tuple[str, list[int]]]) -> dict[str, dict
 
 
 def tail_floor_s(lm, edit: list[int], question_tokens: int, *, repeats: int = 3) -> float:
-    """Prefill of the changed tokens alone against a cache holding the rest, the faster of
-    two ways: two calls (the tokens but the last, then the last with its logits, as the
-    engine makes them when others decode) and one call (the engine's way for a request
-    alone with a short final step); the fastest of `repeats` each, on the thread count our
-    engine prefers for such short steps (set, not tuned: a tuning probe would time it)."""
+    """Prefill of the changed tokens alone against a cache holding the rest, the fastest of
+    three ways: two calls (the tokens but the last, then the last with its logits, as the
+    engine makes them when others decode), one call, and one call with the output head on
+    its last row only (`models.head`: the engine's way for a request alone with a short
+    final step); the fastest of `repeats` each, on the thread count our engine prefers for
+    such short steps (set, not tuned: a tuning probe would time it)."""
+    from mlx_nbengine.models.head import split_head
+
+    split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
     keep = len(edit) - question_tokens
     cache = lm.make_cache()
     for s in range(0, keep, 1024):  # not timed: the cached context
@@ -243,6 +248,16 @@ def tail_floor_s(lm, edit: list[int], question_tokens: int, *, repeats: int = 3)
         t = time.perf_counter()
         blas_threads_for(question_tokens)
         logits = lm.model(mx.array(edit[keep:])[None], cache=trial)
+        mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
+        times.append(time.perf_counter() - t)
+        del trial
+        if split is None:
+            continue
+        trial = copy.deepcopy(cache)
+        mx.eval([c.state for c in trial])
+        t = time.perf_counter()
+        blas_threads_for(question_tokens)
+        logits = split.last_logits(mx.array(edit[keep:])[None], trial)
         mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
         times.append(time.perf_counter() - t)
         del trial
