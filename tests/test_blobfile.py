@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import mmap
 import os
 import signal
 import sys
@@ -273,3 +274,52 @@ def test_without_xxhash_crc32_guards_the_blobs(bf, monkeypatch):
     os.pwrite(bf.fileno(), b"\x00\x01", bf.entry("a").offset)
     with pytest.raises(CorruptBlobError):
         bf.read("a")
+
+
+def _owner(array):
+    """What finally holds an array's memory (a numpy array's own buffer, or an mmap)."""
+    while True:
+        if isinstance(array, memoryview):
+            array = array.obj
+        elif getattr(array, "base", None) is not None:
+            array = array.base
+        else:
+            return array
+
+
+def test_a_mapped_read_is_a_checked_view_of_the_files_own_pages(bf):
+    """No copy: the view shares the file's pages (a write there shows through it), and its
+    checksum is verified like a read's."""
+    for i, n in enumerate([1, 4095, 4096, 70_000]):
+        bf.write(i, blob(n, seed=i))
+    for i, n in enumerate([1, 4095, 4096, 70_000]):
+        view = bf.read_mapped(i)
+        assert bytes(view) == blob(n, seed=i) and not view.flags.writeable
+        assert isinstance(_owner(view), mmap.mmap)
+    view = bf.read_mapped(3)
+    os.pwrite(bf.fileno(), b"\xff", bf.entry(3).offset + 10)
+    assert view[10] == 0xFF  # the file's page itself
+    with pytest.raises(CorruptBlobError, match="checksum"):
+        bf.read_mapped(3)
+    with pytest.raises(KeyError):
+        bf.read_mapped("absent")
+
+
+def test_a_mapped_read_of_a_blob_cut_short_is_an_error_not_a_fault(bf):
+    bf.write("a", blob(50_000))
+    os.ftruncate(bf.fileno(), 20_000)
+    with pytest.raises(CorruptBlobError, match="short"):
+        bf.read_mapped("a")
+
+
+def test_a_named_file_is_read_not_mapped(tmp_path):
+    """A file that outlives the process (the persistent store's) may be changed by others
+    under a mapping: it is read into memory instead."""
+    named = BlobFile(path=tmp_path / "data")
+    try:
+        named.write("a", blob(9000))
+        assert not named.mappable
+        view = named.read_mapped("a")
+        assert bytes(view) == blob(9000) and not isinstance(_owner(view), mmap.mmap)
+    finally:
+        named.close()

@@ -581,10 +581,13 @@ def test_a_restore_first_stores_the_queued_saves_of_its_chain(engine_factory):
     io.call(gate.wait)  # holds the I/O thread while the saves and the restore queue up
     for b in range(3):
         io.save(keys[b], records[b])
-    restore = io.restore(tokens, better_than=0)  # outranks the saves in the queue
-    gate.set()
-    plan, loaded, _ = restore.result(timeout=60)
-    assert plan.n_blocks == 3 and sorted(loaded) == [0, 1, 2]
+    try:  # outranks the saves in the queue
+        restore = io.restore(tokens, better_than=0, make_cache=lm.make_cache)
+    finally:
+        gate.set()
+    plan, restored, _ = restore.result(timeout=60)
+    assert plan.n_blocks == 3 and sorted(restored.kinds) == [0, 1, 2]
+    assert restored.cache[0].offset == 96
 
 
 def test_a_member_finishing_mid_pipeline_leaves_a_hot_cache_that_continues_right(

@@ -483,20 +483,30 @@ class PrefixCache:
         whole: bool = True,
         first_read: dict[RecordKind, Signature] | None = None,
         arena: _Arena | None = None,
+        mapped: bool = False,
     ) -> Record:
         """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit. Its
-        arrays are views of the bytes read (into `arena` when it has room)."""
+        arrays are views of the bytes read (into `arena` when it has room), or of the
+        store's file with `mapped` (see `load`)."""
         size = self.store.size(key, kind) if arena is not None else None
         into = arena.take(size) if arena is not None and size else None
-        data = self.store.get_buffer(key, kind, into)
+        data = self.store.get_buffer(key, kind, into, mapped=mapped)
         if data is None:
             raise RecordError("record is gone")
         rec = record_from_buffer(data)
         self._check(rec, block, kind, whole=whole, first_read=first_read)
         return rec
 
-    def load(self, plan: RestorePlan) -> tuple[RestorePlan, dict[int, dict[RecordKind, Record]]]:
-        """Read and decode the plan's records (arrays evaluated).
+    def load(
+        self, plan: RestorePlan, *, mapped: bool = False
+    ) -> tuple[RestorePlan, dict[int, dict[RecordKind, Record]]]:
+        """Read and decode the plan's records (their arrays: `HostArray` views of the bytes
+        read, see `records`).
+
+        With `mapped` the views are of the scratch file's own pages where the store maps
+        them (`BlockStore.get_buffer`): no copy at all, but they are valid only until the
+        store's next change, so the caller must assemble before anything else uses the
+        store (the engine's cache-I/O thread does it in the same job).
 
         A record that is gone or does not decode is deleted from the store and
         the plan falls back to the longest shorter chain still complete (or to
@@ -508,15 +518,19 @@ class PrefixCache:
         cut, n_wanted = plan.cut, plan.n_blocks
         loaded: dict[tuple[str, RecordKind], Record] = {}
         first_read: dict[RecordKind, Signature] = {}
-        items = [*plan.needed, *(cut.needed if cut is not None else ())]
-        arena = _Arena(sum(self.store.size(key, kind) or 0 for key, kind in items))
+        arena = None
+        if not (mapped and self.store.mappable):
+            items = [*plan.needed, *(cut.needed if cut is not None else ())]
+            arena = _Arena(sum(self.store.size(key, kind) or 0 for key, kind in items))
         while plan.n_blocks > 0:
             bad = None
             for block, (key, kind) in self._blocks_of(plan):
                 if (key, kind) in loaded:
                     continue
                 try:
-                    rec = self._read(key, block, kind, first_read=first_read, arena=arena)
+                    rec = self._read(
+                        key, block, kind, first_read=first_read, arena=arena, mapped=mapped
+                    )
                 except RecordError:
                     bad = (key, kind)
                     break
@@ -531,7 +545,7 @@ class PrefixCache:
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
         if cut is not None and plan.n_blocks == n_wanted:
-            records = self._load_cut(cut, first_read, arena)
+            records = self._load_cut(cut, first_read, arena, mapped)
             if records is None:
                 plan = replace(plan, cut=None, kept_boundary="evicted")
             else:
@@ -544,13 +558,20 @@ class PrefixCache:
         cut: Cut,
         first_read: dict[RecordKind, Signature] | None = None,
         arena: _Arena | None = None,
+        mapped: bool = False,
     ) -> dict[RecordKind, Record] | None:
         """The cut's records, or None (a bad one deleted) when one is gone or damaged."""
         out: dict[RecordKind, Record] = {}
         for key, kind in cut.needed:
             try:
                 rec = self._read(
-                    key, cut.block, kind, whole=False, first_read=first_read, arena=arena
+                    key,
+                    cut.block,
+                    kind,
+                    whole=False,
+                    first_read=first_read,
+                    arena=arena,
+                    mapped=mapped,
                 )
                 p = cut.block * self.block_size + cut.tokens
                 if kind == "state":

@@ -278,13 +278,23 @@ class BlockStore:
 
     def get(self, key: str, kind: str) -> bytes | None:
         """The blob, or None on a miss; a damaged blob is evicted and reported as a miss."""
-        return self._get(key, kind, buffer=False)
+        return self._get(key, kind, buffer=None)
 
-    def get_buffer(self, key: str, kind: str, into: np.ndarray | None = None) -> np.ndarray | None:
+    def get_buffer(
+        self, key: str, kind: str, into: np.ndarray | None = None, *, mapped: bool = False
+    ) -> np.ndarray | None:
         """`get` as a uint8 array, read straight into it (the restore path's one copy of
         the blob): a slice of `into` when it is large enough (`BlobFile.read_buffer`).
-        Treat it as read-only."""
-        return self._get(key, kind, buffer=True, into=into)
+        With `mapped`, a view of the scratch file's pages where it can be mapped
+        (`BlobFile.read_mapped`: no copy, valid only until the store's next change, for
+        the store's owner thread). Treat it as read-only."""
+        return self._get(key, kind, buffer="mapped" if mapped else "read", into=into)
+
+    @property
+    def mappable(self) -> bool:
+        """Whether `get_buffer(..., mapped=True)` maps blobs (a scratch file) rather than
+        reading them."""
+        return isinstance(self._blobs, BlobFile) and self._blobs.mappable
 
     def size(self, key: str, kind: str) -> int | None:
         """The item's blob size in bytes, None if absent; changes neither recency nor
@@ -292,7 +302,9 @@ class BlockStore:
         with self._lock:
             return self._recency.get((key, kind))
 
-    def _get(self, key: str, kind: str, *, buffer: bool, into: np.ndarray | None = None) -> Any:
+    def _get(
+        self, key: str, kind: str, *, buffer: str | None, into: np.ndarray | None = None
+    ) -> Any:
         item = (key, kind)
         events: list[tuple[str, str, str, int]] = []
         try:
@@ -302,7 +314,9 @@ class BlockStore:
                     self._misses += 1
                     return None
                 try:
-                    if buffer:
+                    if buffer == "mapped" and isinstance(self._blobs, BlobFile):
+                        data = self._blobs.read_mapped(item)
+                    elif buffer is not None:
                         data = self._blobs.read_buffer(item, into)
                     else:
                         data = self._blobs.read(item)

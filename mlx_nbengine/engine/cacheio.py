@@ -9,9 +9,11 @@ the order they were given.
 
 Threading rules kept here: the `PrefixCache` (and its `BlockStore`) is created, used
 and closed on this thread only; records handed to `save` were evaluated on the
-generation thread before crossing; records returned by `restore` are evaluated here
-before crossing back. A failed save is counted and dropped (a missing record is a
-cache miss, never a wrong answer); a failed restore fails that future.
+generation thread before crossing; `restore` rebuilds the cache here, from records it
+reads as views of the scratch file's pages (no copy), in the same job (no save can
+change the file under them), and evaluates it before it crosses back. A failed save is
+counted and dropped (a missing record is a cache miss, never a wrong answer); a failed
+restore fails that future.
 
 Restores jump the queue, yet must not miss blocks whose saves are still queued (a
 prompt run twice in a row): a restore first stores the queued records of its own
@@ -33,6 +35,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -41,6 +44,44 @@ from mlx_nbengine.cache.followers import ROOT
 from mlx_nbengine.engine.memory import give_back_memory
 
 CONTROL, RESTORE, SAVE = 0, 1, 2
+
+
+@dataclass
+class Restored:
+    """A cache rebuilt from a plan's records on the cache-I/O thread (evaluated), the bytes
+    of the records read for it, and the record kinds read for each whole block."""
+
+    cache: list
+    nbytes: int
+    kinds: dict[int, tuple[str, ...]]
+
+
+def _rebuild(prefix: Any, plan: Any, records: dict, make_cache: Callable[[], list]) -> Any:
+    """`Restored` from `records`, or None (a miss, never a failed request) when they do
+    not fit the model after all."""
+    from mlx_nbengine.cache import RecordError
+    from mlx_nbengine.engine.events import RECORD_ORDER
+
+    try:
+        cache = prefix.assemble(
+            records,
+            n_blocks=plan.n_blocks,
+            template_cache=make_cache(),
+            cut_tokens=plan.cut.tokens if plan.cut is not None else 0,
+        )
+        mx.eval([c.state for c in cache])
+    except (RecordError, ValueError):
+        return None
+    return Restored(
+        cache,
+        # Whole blobs are read, also the cut's (of which only its first tokens are used).
+        nbytes=sum(r.nbytes for recs in records.values() for r in recs.values()),
+        kinds={
+            block: tuple(k for k in RECORD_ORDER if k in recs)
+            for block, recs in records.items()
+            if block < plan.n_blocks
+        },
+    )
 
 
 class CacheIO:
@@ -80,19 +121,25 @@ class CacheIO:
         tokens: list[int],
         *,
         better_than: int,
+        make_cache: Callable[[], list],
         to_token: bool = False,
         images: tuple = (),
         bidirectional_images: bool = False,
     ) -> Future:
-        """Plan the longest restorable prefix of `tokens`; load it if it beats `better_than`.
+        """Plan the longest restorable prefix of `tokens`; if it beats `better_than`, load
+        its records and rebuild the cache from them here, in `make_cache()` (a fresh cache
+        list: Python objects only, so any thread may make it).
 
         With `to_token` the plan may end inside a block (a cut, see `planner`). The
-        future's result is ``(plan, records_by_block, facts)``: `records_by_block` is
-        None when the plan restores no more than `better_than` tokens (the caller has a
-        better source), else it also holds the cut's records under block
-        ``plan.n_blocks``; `facts` maps each block from the plan's last whole block to the
-        prompt's last to its `BlockFacts`. `images` are the prompt's `ImageSpan`s (in the
-        keys); with `bidirectional_images` no restore ends inside one.
+        future's result is ``(plan, restored, facts)``: `restored` is a `Restored` (the
+        cache, evaluated, and what was read), None when the plan restores no more than
+        `better_than` tokens (the caller has a better source) or its records do not fit
+        the model after all (a miss); `facts` maps each block from the plan's last whole
+        block to the prompt's last to its `BlockFacts`. `images` are the prompt's
+        `ImageSpan`s (in the keys); with `bidirectional_images` no restore ends inside one.
+
+        The records are views of the scratch file's pages (`PrefixCache.load` with
+        `mapped`): they are used up in this job, before any save can change the file.
         """
 
         def job():
@@ -113,26 +160,15 @@ class CacheIO:
             plan = prefix.plan(
                 tokens, images, bidirectional_images=bidirectional_images, to_token=to_token
             )
-            records = None
+            restored = None
             if plan.tokens > better_than:
-                plan, records = prefix.load(plan)
-                if plan.tokens <= better_than:
-                    records = None
-                else:
-                    # Arrays the load made in MLX (not views of the blobs read): evaluated
-                    # here, before they cross to the generation thread.
-                    mx.eval(
-                        [
-                            a
-                            for block in records.values()
-                            for r in block.values()
-                            for a in r.arrays.values()
-                            if isinstance(a, mx.array)
-                        ]
-                    )
+                plan, records = prefix.load(plan, mapped=True)
+                if plan.tokens > better_than:
+                    restored = _rebuild(prefix, plan, records, make_cache)
+                del records  # views of the file: none may outlive this job
             # After the load: a record found damaged there is gone now.
             facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
-            return plan, records, {f.index: f for f in facts}
+            return plan, restored, {f.index: f for f in facts}
 
         return self.call(job, priority=RESTORE)
 

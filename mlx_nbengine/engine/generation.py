@@ -95,7 +95,6 @@ import mlx.core as mx
 from mlx_nbengine._blas import PARALLEL_MIN_TOKENS, blas_step, blas_threads_for
 from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.cacheio import CacheIO
-from mlx_nbengine.engine.events import RECORD_ORDER
 from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.reasons import computed_reasons
 from mlx_nbengine.engine.request import EngineClosedError
@@ -505,6 +504,7 @@ class GenerationThread:
         fut = self._io.restore(
             seq.prompt,
             better_than=better_than,
+            make_cache=self.lm.make_cache,
             to_token=self.to_token,
             images=seq.images,
             bidirectional_images=self._bidirectional,
@@ -537,24 +537,15 @@ class GenerationThread:
         )
 
     def _start_prefill(self, seq: Sequence, restored: Any, seconds: float) -> None:
-        plan, records, facts = restored if restored is not None else (None, None, None)
+        plan, rebuilt, facts = restored if restored is not None else (None, None, None)
         hot_n = self._hot_usable(seq)
         kinds_read = None
-        assembled = None
-        if records is not None and plan.tokens > hot_n:
-            t = time.perf_counter()
-            assembled = self._assemble(plan, records)
-            seconds += time.perf_counter() - t
-        if assembled is not None:
-            cache = assembled
+        if rebuilt is not None and plan.tokens > hot_n:
+            # Rebuilt on the cache-I/O thread, in the restore's own job (see `cacheio`).
+            cache = rebuilt.cache
             start, source = plan.tokens, "disk"
-            # Whole blobs are read, also the cut's (of which only its first tokens are used).
-            seq.restored_bytes = sum(r.nbytes for recs in records.values() for r in recs.values())
-            kinds_read = {
-                block: tuple(k for k in RECORD_ORDER if k in recs)
-                for block, recs in records.items()
-                if block < plan.n_blocks
-            }
+            seq.restored_bytes = rebuilt.nbytes
+            kinds_read = rebuilt.kinds
             seq.kept_boundary = plan.kept_boundary
         elif hot_n > 0:
             t = time.perf_counter()
@@ -583,33 +574,12 @@ class GenerationThread:
         seq.phase = "prefilling"
         seq.ready_at = time.perf_counter()
 
-    def _assemble(self, plan: Any, records: dict) -> list[Any] | None:
-        """The cache rebuilt from the plan's records, or None (a miss, never a failed
-        request) when they do not fit the model after all."""
-        from mlx_nbengine.cache import RecordError
-
-        try:
-            cache = self._io_prefix().assemble(
-                records,
-                n_blocks=plan.n_blocks,
-                template_cache=self.lm.make_cache(),
-                cut_tokens=plan.cut.tokens if plan.cut is not None else 0,
-            )
-            mx.eval([c.state for c in cache])
-        except (RecordError, ValueError):
-            return None
-        return cache
-
     def _keys(self, tokens: list[int], images: tuple[Any, ...] = ()) -> list[str]:
         from mlx_nbengine.cache import block_keys
 
         return block_keys(
             tokens, fingerprint=self.lm.fingerprint, block_size=self.block_size, images=images
         )
-
-    def _io_prefix(self) -> Any:
-        # Assembly only builds caches from evaluated records; it reads no store state.
-        return self._io.prefix
 
     # --- prefill ----------------------------------------------------------------------------
 
