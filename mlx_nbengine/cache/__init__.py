@@ -18,12 +18,14 @@ from mlx_nbengine.cache.planner import (
     prefill_steps,
 )
 from mlx_nbengine.cache.records import (
+    HostArray,
     Record,
     RecordError,
     RecordKind,
     extract_block_records,
     layer_kinds,
     layer_windows,
+    record_from_buffer,
     record_from_bytes,
     record_to_bytes,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "BlockFacts",
     "Cut",
     "FollowerIndex",
+    "HostArray",
     "ImageSpan",
     "PrefixCache",
     "Record",
@@ -46,6 +49,7 @@ __all__ = [
     "layer_windows",
     "partial_key",
     "prefill_steps",
+    "record_from_buffer",
     "record_from_bytes",
     "record_to_bytes",
 ]

@@ -52,7 +52,7 @@ An index or data file that is not a store's (bad magic, damaged header, another 
 data file, a symlink, absurd sizes) or was written for another identity or format is
 *set aside* and an empty store started; `PersistentBlobs.note` says what happened in one
 line. Nothing in these files is unpickled or executed: entries are fixed binary layouts,
-the header is JSON, records are safetensors blobs (`records.record_from_bytes`).
+the header is JSON, records are safetensors blobs (`records.record_from_buffer`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ ended at ``start + m``.
 A *record* bundles all layers of one kind for one block: arrays named
 ``L<layer>.<name>`` plus string metadata (kind, block, block size, and per
 layer the class name, token range and scalars as JSON). Records travel as
-safetensors blobs (`record_to_bytes` / `record_from_bytes`).
+safetensors blobs (`record_to_bytes`; `record_from_buffer` reads one back without copying
+its arrays: `HostArray` views of the blob, which assembly copies once into the cache it
+rebuilds; `record_from_bytes` copies them into MLX arrays).
 
 Before a record read back from the store reaches a model it is checked
 (`check_record`): its metadata fits the block and the model's layer layout (layer
