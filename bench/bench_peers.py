@@ -30,11 +30,13 @@ llama.cpp, from ``create_completion`` to its first streamed token. Every call ge
 one token (greedy). Figures are the median and the spread (min-max) over the calls.
 
 *Floor* of an edited re-run: the prefill of its changed tokens alone against a cache
-that holds the rest (the fastest of three ways and three tries each: two model calls,
-the changed tokens but the last, then the last one; one call; one call with the output
-head on the last row only, as the engine makes it for a request alone; on the thread
-count the engine prefers for such steps), plus the bytes our token engine restored for
-it over the read bandwidth of the cache directory (`bench_engine.read_bandwidth`).
+that holds the rest (the fastest of three ways: two model calls, the changed tokens but
+the last, then the last one; one call; one call with the output head on the last row
+only, as the engine makes it for a request alone; on the thread count the engine prefers
+for such steps), measured in the interleaving right before each edited call (so it meets
+the machine as the peers do; the fastest of three tries before any peer ran is reported
+as *quiet*), plus the bytes our token engine restored for that call over the read
+bandwidth of the cache directory (`bench_engine.read_bandwidth`).
 
 Targets (Gemma 3 270M, CPU): the edited re-run of a 2,048-token prompt whose last 20
 tokens changed at most 0.35x of ``restore="block"`` and within 1.25x of the floor; on
@@ -202,10 +204,17 @@ def workload(lm, *, n_docs: int, prompt_tokens: int, question_tokens: int, seed:
     return firsts, edits
 
 
-def run_calls(peers: dict, calls: list[tuple[str, list[int]]]) -> dict[str, dict[str, list]]:
-    """Every call on every peer, interleaved; TTFT by peer and by phase."""
+def run_calls(
+    peers: dict, calls: list[tuple[str, list[int]]], floor: TailFloor | None = None
+) -> dict[str, dict[str, list]]:
+    """Every call on every peer, interleaved; TTFT by peer and by phase. Before each edited
+    call the floor's tail prefill is measured too (under ``"floor"``)."""
     out: dict[str, dict[str, list]] = {name: {} for name in peers}
     for i, (phase, tokens) in enumerate(calls):
+        if floor is not None and phase == "edited":
+            tail = floor.measure()
+            out.setdefault("floor", {}).setdefault(phase, []).append(tail)
+            print(f"  call {i + 1}/{len(calls)} {phase:>6} {'floor tail':<10} {tail:7.3f} s")
         for name, peer in peers.items():
             ttft = peer.ttft(tokens)
             out[name].setdefault(phase, []).append(ttft)
@@ -213,55 +222,64 @@ def run_calls(peers: dict, calls: list[tuple[str, list[int]]]) -> dict[str, dict
     return out
 
 
-def tail_floor_s(lm, edit: list[int], question_tokens: int, *, repeats: int = 3) -> float:
-    """Prefill of the changed tokens alone against a cache holding the rest, the fastest of
-    three ways: two calls (the tokens but the last, then the last with its logits, as the
-    engine makes them when others decode), one call, and one call with the output head on
-    its last row only (`models.head`: the engine's way for a request alone with a short
-    final step); the fastest of `repeats` each, on the thread count our engine prefers for
-    such short steps (set, not tuned: a tuning probe would time it)."""
-    from mlx_nbengine.models.head import split_head
+class TailFloor:
+    """The floor's prefill part: the changed tokens alone against a cache holding the rest
+    (built once, untimed, from the first edit: every edit has the same shape), the fastest
+    of three ways: two calls (the tokens but the last, then the last with its logits, as
+    the engine makes them when others decode), one call, and one call with the output head
+    on its last row only (`models.head`: the engine's way for a request alone with a short
+    final step); on the thread count our engine prefers for such short steps (set, not
+    tuned: a tuning probe would time it).
 
-    split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
-    keep = len(edit) - question_tokens
-    cache = lm.make_cache()
-    for s in range(0, keep, 1024):  # not timed: the cached context
-        with blas_step(min(keep, s + 1024) - s):
-            lm.model(mx.array(edit[s : min(keep, s + 1024)])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-    times = []
-    for _ in range(repeats):
-        trial = copy.deepcopy(cache)
+    `measure()` runs at every edited call, in the interleaving with the peers, so the
+    floor sees the machine as the peers' edited calls do; `quiet_s` is the fastest of
+    three tries of each way before any peer runs."""
+
+    def __init__(self, lm, edit: list[int], question_tokens: int) -> None:
+        from mlx_nbengine.models.head import split_head
+
+        self.lm, self.edit, self.n = lm, edit, question_tokens
+        self.split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
+        self.keep = len(edit) - question_tokens
+        self.cache = lm.make_cache()
+        for s in range(0, self.keep, 1024):  # not timed: the cached context
+            with blas_step(min(self.keep, s + 1024) - s):
+                lm.model(mx.array(edit[s : min(self.keep, s + 1024)])[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+        self.quiet_s = min(self.measure() for _ in range(3))
+
+    def _timed(self, run) -> float:
+        trial = copy.deepcopy(self.cache)
         mx.eval([c.state for c in trial])
         t = time.perf_counter()
-        # As the engine: the prefill step evaluates the cache only (no logits), the last
-        # token's step its greedy token.
-        blas_threads_for(question_tokens - 1)
-        lm.model(mx.array(edit[keep:-1])[None], cache=trial)
-        mx.eval([c.state for c in trial])
-        blas_threads_for(1)
-        mx.eval(mx.argmax(lm.model(mx.array(edit[-1:])[None], cache=trial)[0, -1]))
-        times.append(time.perf_counter() - t)
-        del trial
-        trial = copy.deepcopy(cache)
-        mx.eval([c.state for c in trial])
-        t = time.perf_counter()
-        blas_threads_for(question_tokens)
-        logits = lm.model(mx.array(edit[keep:])[None], cache=trial)
-        mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
-        times.append(time.perf_counter() - t)
-        del trial
-        if split is None:
-            continue
-        trial = copy.deepcopy(cache)
-        mx.eval([c.state for c in trial])
-        t = time.perf_counter()
-        blas_threads_for(question_tokens)
-        logits = split.last_logits(mx.array(edit[keep:])[None], trial)
-        mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
-        times.append(time.perf_counter() - t)
-        del trial
-    return min(times)
+        run(trial)
+        return time.perf_counter() - t
+
+    def measure(self) -> float:
+        """The fastest of the three ways, once each, now."""
+        model, edit, keep, n = self.lm.model, self.edit, self.keep, self.n
+
+        def two_calls(trial):
+            # As the engine: the prefill step evaluates the cache only (no logits), the
+            # last token's step its greedy token.
+            blas_threads_for(n - 1)
+            model(mx.array(edit[keep:-1])[None], cache=trial)
+            mx.eval([c.state for c in trial])
+            blas_threads_for(1)
+            mx.eval(mx.argmax(model(mx.array(edit[-1:])[None], cache=trial)[0, -1]))
+
+        def one_call(trial):
+            blas_threads_for(n)
+            logits = model(mx.array(edit[keep:])[None], cache=trial)
+            mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
+
+        def last_row(trial):
+            blas_threads_for(n)
+            logits = self.split.last_logits(mx.array(edit[keep:])[None], trial)
+            mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
+
+        ways = [two_calls, one_call] + ([last_row] if self.split is not None else [])
+        return min(self._timed(way) for way in ways)
 
 
 def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
@@ -283,6 +301,7 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
         seed=50,
     )
     skipped = {}
+    floor = TailFloor(lm, edits[0], args.question_tokens)  # before any peer: quiet_s
     with tempfile.TemporaryDirectory() as scratch:
         peers: dict = {
             "ours token": Ours(model, restore="token", block_size=block_size, scratch=scratch),
@@ -303,13 +322,13 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             run_calls(peers, [("warmup", warm)])
             print("four documents", flush=True)
             four_calls = [("first", p) for p in firsts] + [("edited", e) for e in edits]
-            four = run_calls(peers, four_calls)
+            four = run_calls(peers, four_calls, floor)
             n_four = {name: len(p.reports) for name, p in peers.items() if isinstance(p, Ours)}
             print("single document", flush=True)
             single_calls = []
             for p, e in zip(singles, single_edits, strict=True):
                 single_calls += [("first", p), ("edited", e)]
-            single = run_calls(peers, single_calls)
+            single = run_calls(peers, single_calls, floor)
             ours = peers["ours token"]
             edited_reports = ours.reports[1 + 4 : 1 + 8]
             single_reports = ours.reports[n_four["ours token"] + 1 :: 2]
@@ -319,14 +338,16 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             for peer in peers.values():
                 peer.close()
         bandwidth = read_bandwidth(scratch, max(r.restored_bytes for r in edited_reports))
-    floors_prefill = [tail_floor_s(lm, e, args.question_tokens) for e in edits[:1]]
-    prefill_s = floors_prefill[0]  # every edit has the same shape: one measurement
-    del lm
+    tails_four, tails_single = four.pop("floor")["edited"], single.pop("floor")["edited"]
+    quiet_s = floor.quiet_s
+    del lm, floor
     gc.collect()
     mx.clear_cache()
 
-    def floors(reports):
-        return [prefill_s + r.restored_bytes / bandwidth for r in reports]
+    def floors(tails, reports):
+        # Each edited call's floor: the tail prefill measured just before it, plus the
+        # bytes our token engine restored for it over the read bandwidth.
+        return [t + r.restored_bytes / bandwidth for t, r in zip(tails, reports, strict=True)]
 
     result = {
         "prompt_tokens": args.prompt_tokens,
@@ -337,10 +358,13 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             n: {ph: spread(v) for ph, v in d.items() if ph != "warmup"} for n, d in four.items()
         },
         "single": {n: {ph: spread(v) for ph, v in d.items()} for n, d in single.items()},
-        "floor_prefill_s": prefill_s,
+        "floor_prefill_s": statistics.median(tails_four),
+        "floor_prefill_quiet_s": quiet_s,
+        "floor_tails_four": tails_four,
+        "floor_tails_single": tails_single,
         "read_bandwidth_Bps": bandwidth,
-        "floor_four": spread(floors(edited_reports)),
-        "floor_single": spread(floors(single_reports)),
+        "floor_four": spread(floors(tails_four, edited_reports)),
+        "floor_single": spread(floors(tails_single, single_reports)),
         "ours_token_edited": [summary(r) for r in edited_reports],
         "ours_block_edited": [summary(r) for r in block_reports],
         "mlx_lm_reused_tokens": reused,
@@ -422,7 +446,8 @@ def table(r: dict, *, title: str) -> str:
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in t["met"].items())
     lines.append(f"targets: {met}")
     lines.append(
-        f"floor: tail prefill {r['floor_prefill_s']:.3f} s + restored bytes at "
+        f"floor: tail prefill {r['floor_prefill_s']:.3f} s (median; quiet "
+        f"{r['floor_prefill_quiet_s']:.3f} s) + restored bytes at "
         f"{r['read_bandwidth_Bps'] / 1e9:.1f} GB/s; mlx-lm reused tokens per call: "
         f"{r['mlx_lm_reused_tokens']}"
     )

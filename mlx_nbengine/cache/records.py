@@ -309,17 +309,13 @@ _DTYPES: dict[str, tuple[mx.Dtype, Any]] = {
     "F16": (mx.float16, np.float16),
     "BF16": (mx.bfloat16, np.uint16),
     "F64": (mx.float64, np.float64),
-    "I8": (mx.int8, np.int8),
-    "I16": (mx.int16, np.int16),
-    "I32": (mx.int32, np.int32),
-    "I64": (mx.int64, np.int64),
-    "U8": (mx.uint8, np.uint8),
-    "U16": (mx.uint16, np.uint16),
-    "U32": (mx.uint32, np.uint32),
-    "U64": (mx.uint64, np.uint64),
     "BOOL": (mx.bool_, np.bool_),
+    **{  # I8 ... U64
+        f"{tag}{bits}": (getattr(mx, f"{name}{bits}"), getattr(np, f"{name}{bits}"))
+        for tag, name in (("I", "int"), ("U", "uint"))
+        for bits in (8, 16, 32, 64)
+    },
 }
-_HOST = {mx_dtype: np_dtype for mx_dtype, np_dtype in _DTYPES.values()}
 _MAX_HEADER = 16 << 20  # a record's header is a few KiB; more is not a record
 
 
