@@ -475,9 +475,18 @@ def engine_steps(start: int, end: int, *, block_size: int, max_step: int) -> lis
 
 
 def parity_case(lm, *, block_size: int, n_tokens: int, edits: list[int], seed: int) -> dict:
-    """Max |logit difference| of the last prompt token, cut restore vs cold run, per edit."""
+    """Max |logit difference| of the last prompt token, cut restore vs cold run, per edit.
+
+    Both runs take the engine's steps for a request alone: the last prompt token in a
+    step of its own, except where the final step is at most `ALONE_FINAL_STEP` tokens (an
+    edit's tail): then the logits come from that step, its output head on the last row
+    only (`models.head`)."""
     from mlx_nbengine.cache import PrefixCache, extract_block_records
     from mlx_nbengine.cache.store import BlockStore
+    from mlx_nbengine.engine.generation import ALONE_FINAL_STEP
+    from mlx_nbengine.models.head import split_head
+
+    split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
 
     B = block_size
     rng = random.Random(seed)
@@ -492,16 +501,26 @@ def parity_case(lm, *, block_size: int, n_tokens: int, edits: list[int], seed: i
         def run(cache, toks, start, *, save=False):
             keys = pc.keys(toks)
             logits = None
-            for s, e in [*engine_steps(start, len(toks) - 1, block_size=B, max_step=max_step)]:
+            steps = engine_steps(start, len(toks) - 1, block_size=B, max_step=max_step)
+            final = None
+            short = steps and len(toks) - steps[-1][0] <= ALONE_FINAL_STEP
+            if split is not None and short and not save:
+                final = steps.pop()[0]  # sampled from that step (the engine's way alone)
+            for s, e in steps:
                 with blas_step(e - s):
                     mx.eval(lm.model(mx.array(toks[s:e])[None], cache=cache))
                 for b in range(s // B, e // B) if save else ():
                     recs = extract_block_records(cache, block=b, block_size=B)
                     parent = keys[b - 1] if b else "root"
                     pc.save(keys[b], recs, parent=parent, tokens=toks[b * B : (b + 1) * B])
-            with blas_step(1):
-                logits = lm.model(mx.array(toks[-1:])[None], cache=cache)[0, -1]
+            if final is not None:
+                blas_threads_for(len(toks) - final)
+                logits = split.last_logits(mx.array(toks[final:])[None], cache)[0, -1]
                 mx.eval(logits)
+            else:
+                with blas_step(1):
+                    logits = lm.model(mx.array(toks[-1:])[None], cache=cache)[0, -1]
+                    mx.eval(logits)
             if save and len(toks) % B == 0:  # the engine's checkpoint after the last token
                 b = len(toks) // B - 1
                 recs = extract_block_records(cache, block=b, block_size=B)
