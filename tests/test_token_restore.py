@@ -389,10 +389,13 @@ def test_a_cut_cache_holds_exactly_what_a_cold_prefill_computes(stored, edit_at)
             assert a.shape == b.shape and mx.array_equal(a, b).item()
 
     # The rest is computed in a step of another shape than a cold run's: its logits may
-    # differ in the last bits (see `generation`), never in the greedy token.
+    # differ in the last bits (see `generation`), never in the greedy token. Measured
+    # 2026-12-01 on an AMD EPYC (2 cores): at most 1.24e-5 over these 12 cuts
+    # (largest logit 8.9); the bound is 10x that.
     warm = lm.model(mx.array(edit[p:])[None], cache=cache)[0, -1]
     cold_logits = lm.model(mx.array(edit[FIRST_STEP:])[None], cache=cold)[0, -1]
-    assert mx.abs(warm - cold_logits).max().item() < 1e-3
+    diff = mx.abs(warm - cold_logits).max().item()
+    assert diff < 1.25e-4, diff
     assert mx.argmax(warm).item() == mx.argmax(cold_logits).item()
 
 
