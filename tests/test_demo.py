@@ -3,13 +3,15 @@
 The notebook run executes `notebooks/quickstart.ipynb` (its `%load_model default` swapped
 for a tiny random-weight llama) in a kernel of this interpreter; the tests check the
 progress lines, the files it writes and the closing table: the edited re-run restored
-the document's blocks and got a speed-up over its first run.
+the document's blocks and computed only the rest (the speed-up is asserted only on the
+default model, by the slow test).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,14 +57,25 @@ def test_the_demo_writes_the_executed_notebook_with_widget_state_and_its_html(de
     assert str(folder.name) in out.stdout
 
 
-def test_the_demo_ends_with_the_table_and_the_edited_rerun_is_faster(demo_run):
+def test_the_demo_ends_with_the_table_of_what_the_edited_rerun_restored_and_computed(demo_run):
+    # What was restored and computed, not how fast: millisecond timings of a tiny model
+    # are noise. The speed-up is asserted on the default model (the slow test below).
     out, _ = demo_run
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("answer  prompt"))
-    rows = {line.split()[0]: line.split() for line in lines[header + 2 :] if line.strip()}
-    assert {"first", "second"} <= set(rows)
-    assert rows["first"][-1] == "-"
-    assert rows["second"][-1].endswith("x") and float(rows["second"][-1][:-1]) > 1
+    rows = {}
+    for line in lines[header + 2 :]:
+        if line.strip():
+            label, prompt, restored, computed, _first_token, speedup = re.split(r"\s{2,}", line)
+            memory, disk = (int(n.replace(",", "")) for n in restored.split(" / "))
+            prompt, computed = (int(n.replace(",", "")) for n in (prompt, computed))
+            rows[label] = (prompt, memory + disk, computed, speedup)
+    prompt, restored, computed, speedup = rows["first"]
+    assert restored == 0 and computed == prompt and speedup == "-"
+    prompt, restored, computed, speedup = rows["second"]
+    # The edit is in the prompt's last line: all but a block or two come back.
+    assert restored + computed == prompt and 0 < computed < prompt // 4
+    assert re.fullmatch(r"\d+\.\dx", speedup), speedup
 
 
 def test_speedups_compare_each_rerun_with_its_documents_cold_run():
