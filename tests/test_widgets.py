@@ -1036,20 +1036,13 @@ def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
 
     rows = select(parse(block_map.html()), "mnb-block")
     assert len(rows) == n_blocks
-    if getattr(report.blocks[0], "reason", None) is not None:
-        assert getattr(report, "edit_at", None) == position
-        assert block_map.blocks[edited_block]["reason"] == "edited"
-        assert {b["reason"] for b in block_map.blocks[edited_block + 1 : -1]} <= {"after_miss"}
-        assert rows[edited_block].attrs["data-reason"] == "edited"
+    assert report.edit_at == position
+    assert block_map.blocks[edited_block]["reason"] == "edited"
+    assert {b["reason"] for b in block_map.blocks[edited_block + 1 : -1]} <= {"after_miss"}
+    assert rows[edited_block].attrs["data-reason"] == "edited"
 
 
 def test_a_real_rerun_edited_inside_a_block_draws_it_partly_restored(engine):
-    from dataclasses import fields
-
-    from mlx_nbengine.engine import BlockReport
-
-    if "restored" not in {f.name for f in fields(BlockReport)}:
-        pytest.skip("this engine restores whole blocks only")
     _run(engine, SENTENCE * 4 + "Summarize this text in one line.")
     strip, completion, _ = _run(engine, SENTENCE * 4 + "Summarize this text in two lines.")
     report = completion.report
@@ -1070,8 +1063,6 @@ def test_a_real_rerun_edited_inside_a_block_draws_it_partly_restored(engine):
 
 
 def test_a_real_store_view_draws_the_engines_cache_view(engine):
-    if not hasattr(engine, "cache_view"):
-        pytest.skip("this engine has no cache_view yet")
     _run(engine, SENTENCE * 4)
     view = engine.cache_view()
     elements = parse(StoreView(view=view).html())
