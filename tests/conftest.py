@@ -24,6 +24,15 @@ from mlx_nbengine._blas import ensure_fast_blas
 ensure_fast_blas()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Under CI=true the browser and ES-module tests may not skip: a missing Chromium, node
+    # or Playwright stops the run here, with one line (outside CI they skip; see needs.py).
+    from needs import IN_CI, missing_in_ci
+
+    if IN_CI and (absent := missing_in_ci()):
+        pytest.exit("CI=true, but " + "; ".join(absent), returncode=1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_hub(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("hf-home")

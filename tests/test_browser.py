@@ -15,8 +15,9 @@ token at which the edited prompt's chat-templated ids differ from the first prom
 Screenshots of the notebook in the light and the dark theme land in the module's output
 directory (``browser0/screenshots`` under pytest's temporary directory), and are copied
 to ``$MLX_NBENGINE_SCREENSHOTS`` when that is set. Without Chromium (Debian's
-``chromium`` package) or Playwright the module is skipped with the reason; Playwright's
-own browser download is never used.
+``chromium`` package) or Playwright the module is skipped with the reason (under
+``CI=true`` the run fails instead; see ``needs.py``); Playwright's own browser download
+is never used.
 """
 
 from __future__ import annotations
@@ -30,15 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from needs import PLAYWRIGHT_MISSING, chromium, module  # tests/ is on sys.path
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is missing")
+sync_api = module("playwright.sync_api", PLAYWRIGHT_MISSING)
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None:
-    pytest.skip(
-        "no system Chromium (Debian package `chromium`); .ci/run installs it",
-        allow_module_level=True,
-    )
+CHROMIUM = chromium()
 
 from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
 from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402

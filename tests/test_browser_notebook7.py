@@ -11,8 +11,9 @@ UI, through the menu Run > Run All Cells. The tests read the DOM of the live wid
 the static text/html fallback, and the browser console.
 
 A screenshot of the notebook lands in the module's temporary directory. Without Chromium
-(Debian's ``chromium`` package) or Playwright the module is skipped with the reason;
-Playwright's own browser download is never used.
+(Debian's ``chromium`` package) or Playwright the module is skipped with the reason
+(under ``CI=true`` the run fails instead; see ``needs.py``); Playwright's own browser
+download is never used.
 """
 
 from __future__ import annotations
@@ -25,16 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from needs import PLAYWRIGHT_MISSING, chromium, module  # tests/ is on sys.path
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is missing")
-pytest.importorskip("notebook", reason="Jupyter Notebook 7 (`notebook`) is missing")
+sync_api = module("playwright.sync_api", PLAYWRIGHT_MISSING)
+module("notebook", "Jupyter Notebook 7 (`notebook`) is missing")
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None:
-    pytest.skip(
-        "no system Chromium (Debian package `chromium`); .ci/run installs it",
-        allow_module_level=True,
-    )
+CHROMIUM = chromium()
 
 from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
 from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
 
+import needs  # tests/ is on sys.path
 import pytest
 
 from mlx_nbengine.notebook import widgets
@@ -814,12 +814,12 @@ def test_front_end_uses_the_same_words_as_the_static_html():
     assert f"const TALL_ROWS = {widgets.TALL_ROWS};" in js
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to parse the ES module")
 def test_front_end_module_parses():
     # --check parses without running it, as an ES module (read from stdin).
+    node = needs.node()  # skips without node (fails under CI=true)
     src = REPO / "widgets" / "blocks.js"
     out = subprocess.run(
-        ["node", "--input-type=module", "--check"],
+        [node, "--input-type=module", "--check"],
         input=src.read_text(encoding="utf-8"),
         capture_output=True,
         text=True,
@@ -1111,10 +1111,9 @@ READ_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("needs a system Chromium")
+    # Without Playwright or a system Chromium: skipped, failed under CI=true.
+    sync_api = needs.module("playwright.sync_api", needs.PLAYWRIGHT_MISSING)
+    chromium = needs.chromium()
     import base64
 
     esm = base64.b64encode((REPO / "widgets" / "blocks.js").read_bytes()).decode()
