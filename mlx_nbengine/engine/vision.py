@@ -66,7 +66,12 @@ class Embedded:
 
 
 class FeatureMemo:
-    """Image features by digest, at most `budget_bytes`, least recently used dropped."""
+    """Image features by digest, at most `budget_bytes`, least recently used dropped.
+
+    A `get` that finds a digest and a `put` of a digest already held make it the most
+    recently used (a held digest keeps its rows: the same image gives the same features).
+    Rows larger than the whole budget are not kept, and evict nothing.
+    """
 
     def __init__(self, budget_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         self.budget_bytes = budget_bytes
@@ -85,7 +90,10 @@ class FeatureMemo:
         return rows
 
     def put(self, digest: str, rows: mx.array) -> None:
-        if digest in self._rows or rows.nbytes > self.budget_bytes:
+        if digest in self._rows:
+            self._rows.move_to_end(digest)
+            return
+        if rows.nbytes > self.budget_bytes:
             return
         self._rows[digest] = rows
         self.nbytes += rows.nbytes
