@@ -5,8 +5,10 @@ Three ratios per model, each measured within one run:
 - **(a) batching**: four short chats submitted together to an engine with ``parallel=4``
   vs the same four one after another on the same engine. *speedup* = sequential
   wall time / parallel wall time (target on Gemma 3 270M: >= 3.5x). *mlx-lm batch* is
-  the same ratio for mlx-lm's `generate_step` one by one vs its `batch_generate`, with
-  the BLAS thread count the engine's decode settled on (see `mlx_nbengine._blas`).
+  the same ratio for mlx-lm's `generate_step` one by one vs its `batch_generate`, each
+  run under one BLAS thread and under every usable CPU (`bench.common.blas_thread_counts`;
+  our engine picks its count per step, see `mlx_nbengine._blas`) and taken at its best
+  count (named in the table and the JSON).
 - **(b) RAM**: four long prompts submitted together (``parallel=4``), in a fresh
   subprocess per mode. *extra RAM* = RSS once the engine is idle again minus RSS after
   load and a warm-up with one prompt of the same length. Modes: the disk store (records
@@ -15,14 +17,19 @@ Three ratios per model, each measured within one run:
   *saving* = 1 - extra(disk) / extra(memory) (target >= 85%); a negative extra (the
   allocator gave memory back) counts as 0.
 - **(c) TTFT after an edit**: a prompt of ``--ttft-tokens`` tokens is run once, then
-  again with its last 100 tokens changed. *warm* = TTFT of the edited prompt on that
-  engine; *cold* = TTFT of a never-seen prompt of the same length on the same engine
-  (warm and cold alternate, best of ``--repeats`` each); *mlx-lm LRU* = TTFT of
-  the edited prompt with mlx-lm's own `LRUPromptCache` holding the original prompt's
-  cache (prefill with `generate_step`, as mlx-lm's server does). *floor* = the prefill
-  time of the tokens that cannot be restored (the computed blocks of the warm report)
-  + restored bytes / the read bandwidth measured on the cache directory. Targets:
-  cold/warm >= 7x and warm/floor <= 1.25x.
+  again with its last 100 tokens changed. Each of ``--repeats`` rounds starts from an
+  emptied store (`Engine.clear_cache`): the original prompt is run (untimed), then a
+  never-seen prompt of the same length (*cold*), then the edited prompt (*warm*), so every
+  warm run meets a store that holds the original (and the unrelated cold prompt), never
+  the edit itself, and the hot cache holds the cold prompt. Figures are the median
+  (min-max) of the rounds. *mlx-lm LRU* = TTFT of the edited prompt with mlx-lm's own
+  `LRUPromptCache` holding the original prompt's cache (prefill with `generate_step`, as
+  mlx-lm's server does; the cache is copied out of the LRU for every run, so every run
+  is a first edit), ``--repeats`` runs under each BLAS thread count, the median of the
+  best count. *floor* = the prefill time of the tokens that cannot be restored (the
+  computed blocks of each warm report) + restored bytes / the read bandwidth measured
+  on the cache directory (median of the rounds). Targets: cold/warm >= 7x and
+  warm/floor <= 1.25x.
 
 Models: the default model (Gemma 3 270M via ``load("default")``, float32; skipped with
 ``--skip-default``) and tiny random models from `mlx_nbengine.testing` (block size 32
@@ -31,7 +38,10 @@ and ``bench/results/engine.txt``; the table is printed too.
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_engine [--skip-default]``;
 ``--only a`` runs only part (a), ``--models gemma,llama`` only the models whose names
-contain one of these words (a partial run prints its table and writes no results).
+contain one of these words (a partial run prints its table and writes no results);
+``--model M`` measures M in place of the default model. ``--quick`` (a smoke test, seconds)
+runs all three parts with small sizes on one tiny model (``--model DIR``, else a tiny
+gemma3_text), writing only ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +65,7 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.common import write_results  # noqa: E402
+from bench.common import blas_thread_counts, set_blas_threads, write_results  # noqa: E402
 from mlx_nbengine import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,22 +123,45 @@ def bench_batching(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
     }
 
 
-def mlx_lm_batching(lm, prompts: list[list[int]], *, max_tokens: int) -> dict:
-    """The same chats through mlx-lm: `generate_step` one by one vs `batch_generate`."""
+def mlx_lm_batching(lm, prompts: list[list[int]], *, max_tokens: int, repeats: int) -> dict:
+    """The same chats through mlx-lm: `generate_step` one by one vs `batch_generate`, under
+    each BLAS thread count (alternated, best of `repeats` each); the ratio at the best
+    count of each."""
     from mlx_lm.generate import batch_generate, generate_step
 
-    from mlx_nbengine._blas import blas_threads_for
+    def sequential() -> float:
+        t = time.perf_counter()
+        for p in prompts:
+            for _ in generate_step(mx.array(p), lm.model, max_tokens=max_tokens):
+                pass
+        return time.perf_counter() - t
 
-    blas_threads_for(1)  # the engine's decode preference, so the comparison is like for like
-    t = time.perf_counter()
-    for p in prompts:
-        for _ in generate_step(mx.array(p), lm.model, max_tokens=max_tokens):
-            pass
-    t_seq = time.perf_counter() - t
-    t = time.perf_counter()
-    batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=max_tokens)
-    t_batch = time.perf_counter() - t
-    return {"sequential_s": t_seq, "batch_s": t_batch, "speedup": t_seq / t_batch}
+    def batched() -> float:
+        t = time.perf_counter()
+        batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=max_tokens)
+        return time.perf_counter() - t
+
+    counts = blas_thread_counts() or [None]
+    for _ in generate_step(mx.array(prompts[0]), lm.model, max_tokens=4):
+        pass  # warm-up: first-call allocations
+    seq: dict = {n: [] for n in counts}
+    bat: dict = {n: [] for n in counts}
+    for _ in range(repeats):
+        for n in counts:
+            if n is not None:
+                set_blas_threads(n)
+            seq[n].append(sequential())
+            bat[n].append(batched())
+    best_seq = min(counts, key=lambda n: min(seq[n]))
+    best_bat = min(counts, key=lambda n: min(bat[n]))
+    return {
+        "sequential_s": min(seq[best_seq]),
+        "batch_s": min(bat[best_bat]),
+        "speedup": min(seq[best_seq]) / min(bat[best_bat]),
+        "sequential_threads": best_seq,
+        "batch_threads": best_bat,
+        "by_threads": {str(n): {"sequential_s": seq[n], "batch_s": bat[n]} for n in counts},
+    }
 
 
 # --- (b) RAM ---------------------------------------------------------------------------------
@@ -181,7 +215,9 @@ def bench_ram(model: str, *, n_tokens: int, block_size: int) -> dict:
     for mode in ("disk", "memory"):
         cmd = [sys.executable, "-m", "bench.bench_engine", "--rss-child", mode, model]
         cmd += ["--rss-tokens", str(n_tokens), "--block-size", str(block_size)]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, check=False, timeout=1800
+        )
         if done.returncode != 0:
             raise RuntimeError(f"RAM child ({mode}) failed:\n{done.stderr[-2000:]}")
         out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -209,8 +245,11 @@ def read_bandwidth(directory: str, nbytes: int) -> float:
         return nbytes // chunk * chunk / (time.perf_counter() - t)
 
 
-def mlx_lm_lru_ttft(lm, original: list[int], edit: list[int]) -> dict:
-    """TTFT of `edit` with mlx-lm's LRUPromptCache holding `original`'s cache."""
+def mlx_lm_lru_ttft(lm, original: list[int], edit: list[int], *, repeats: int) -> dict:
+    """TTFT of `edit` with mlx-lm's LRUPromptCache holding `original`'s cache, `repeats`
+    runs under each BLAS thread count (alternated); the median of the best count.
+
+    `fetch_nearest_cache` hands out a copy, so the LRU holds `original` alone at every run."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
@@ -219,54 +258,86 @@ def mlx_lm_lru_ttft(lm, original: list[int], edit: list[int]) -> dict:
     for _ in generate_step(mx.array(original), lm.model, prompt_cache=cache, max_tokens=1):
         break
     lru.insert_cache("m", original, cache)
-    t = time.perf_counter()
-    cache, rest = lru.fetch_nearest_cache("m", edit)
-    if cache is None:
-        cache, rest = make_prompt_cache(lm.model), edit
-    for token, _ in generate_step(mx.array(rest), lm.model, prompt_cache=cache, max_tokens=1):
-        int(token)
-        break
-    ttft = time.perf_counter() - t
-    del cache, lru
+    del cache
+
+    def once() -> tuple[float, int]:
+        t = time.perf_counter()
+        cache, rest = lru.fetch_nearest_cache("m", edit)
+        if cache is None:
+            cache, rest = make_prompt_cache(lm.model), edit
+        for token, _ in generate_step(mx.array(rest), lm.model, prompt_cache=cache, max_tokens=1):
+            int(token)
+            break
+        return time.perf_counter() - t, len(edit) - len(rest)
+
+    counts = blas_thread_counts() or [None]
+    runs: dict = {n: [] for n in counts}
+    reused = 0
+    for _ in range(repeats):
+        for n in counts:
+            if n is not None:
+                set_blas_threads(n)
+            seconds, reused = once()
+            runs[n].append(seconds)
+    best = min(counts, key=lambda n: statistics.median(runs[n]))
     gc.collect()
     mx.clear_cache()
-    return {"ttft_s": ttft, "reused_tokens": len(edit) - len(rest)}
+    return {
+        "ttft_s": statistics.median(runs[best]),
+        "threads": best,
+        "reused_tokens": reused,
+        "by_threads": {str(n): runs[n] for n in counts},
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def bench_ttft(engine: Engine, *, n_tokens: int, repeats: int, scratch: str) -> dict:
-    """Warm and cold TTFT of an edited prompt (module docstring), alternated, best of each.
-
-    Cold runs use fresh prompts of the same length on the same engine: nothing of them
-    is cached, and machine load changes hit warm and cold alike.
-    """
+    """Warm and cold TTFT of an edited prompt (module docstring): `repeats` rounds, each
+    from an emptied store holding the original only; medians (min-max)."""
     lm = engine.model
     original = text_prompt(lm, n_tokens, seed=1)
     edit = edited(lm, original, 100, seed=2)
-    engine.submit(original, max_tokens=1).result()
+    # Warm-up of the same shape (untimed): first-call allocations, the BLAS tuner's tries.
+    engine.submit(text_prompt(lm, n_tokens, seed=9), max_tokens=1).result()
+    engine._io.drain()
+    engine._gen.call(engine._gen.drop_hot_cache)  # the warm-up's edit comes from the store
+    engine.submit(edited(lm, text_prompt(lm, n_tokens, seed=9), 100, seed=3), max_tokens=1)
     engine._io.drain()
     warm_runs, cold_runs = [], []
     for i in range(repeats):
+        engine.clear_cache()  # the store and the hot cache emptied: no earlier edit is held
+        engine.submit(original, max_tokens=1).result()
+        engine._io.drain()
         cold_runs.append(engine.submit(text_prompt(lm, n_tokens, seed=10 + i), max_tokens=1))
         cold_runs[-1] = cold_runs[-1].result().report
         engine._io.drain()
         warm_runs.append(engine.submit(edit, max_tokens=1).result().report)
-    warm = min(warm_runs, key=lambda r: r.ttft_s)
-    cold = min(cold_runs, key=lambda r: r.ttft_s)
-    tail_s = sum(b.seconds for b in warm.blocks if b.source == "computed")
-    bandwidth = read_bandwidth(scratch, warm.restored_bytes)
-    floor = tail_s + warm.restored_bytes / bandwidth
+        engine._io.drain()
+    tails = [sum(b.seconds for b in r.blocks if b.source == "computed") for r in warm_runs]
+    bandwidth = read_bandwidth(scratch, max(r.restored_bytes for r in warm_runs))
+    floors = [t + r.restored_bytes / bandwidth for t, r in zip(tails, warm_runs, strict=True)]
+    warm = spread([r.ttft_s for r in warm_runs])
+    cold = spread([r.ttft_s for r in cold_runs])
+    floor = spread(floors)
     return {
         "prompt_tokens": len(edit),
-        "warm_ttft_s": warm.ttft_s,
-        "warm_source": warm.restore_source,
-        "restored_tokens": warm.restored_tokens,
-        "restored_bytes": warm.restored_bytes,
-        "cold_ttft_s": cold.ttft_s,
-        "tail_prefill_s": tail_s,
+        "rounds": repeats,
+        "warm_ttft_s": warm["median"],
+        "warm_ttft": warm,
+        "warm_sources": [r.restore_source for r in warm_runs],
+        "restored_tokens": [r.restored_tokens for r in warm_runs],
+        "restored_bytes": [r.restored_bytes for r in warm_runs],
+        "cold_ttft_s": cold["median"],
+        "cold_ttft": cold,
+        "tail_prefill_s": tails,
         "read_bandwidth_Bps": bandwidth,
-        "floor_s": floor,
-        "cold_over_warm": cold.ttft_s / warm.ttft_s,
-        "warm_over_floor": warm.ttft_s / floor,
+        "floor_s": floor["median"],
+        "floor": floor,
+        "cold_over_warm": cold["median"] / warm["median"],
+        "warm_over_floor": warm["median"] / floor["median"],
         "original": original,
         "edit": edit,
     }
@@ -275,12 +346,16 @@ def bench_ttft(engine: Engine, *, n_tokens: int, repeats: int, scratch: str) -> 
 # --- table -----------------------------------------------------------------------------------
 
 
+def _threads(n) -> str:
+    return "-" if n is None else f"{n}t"
+
+
 def table(rows: list[dict]) -> str:
     lines = []
-    head = ["model", "(a) seq s", "par s", "speedup", "mlx-lm batch"]
+    head = ["model", "(a) seq s", "par s", "speedup", "mlx-lm batch (threads seq/batch)"]
     head += ["(b) extra MB disk", "memory", "saving"]
-    head += ["(c) cold s", "warm s", "cold/warm", "floor s", "warm/floor", "mlx-lm LRU s"]
-    head += ["LRU reused"]
+    head += ["(c) cold s", "warm s (min-max)", "cold/warm", "floor s", "warm/floor"]
+    head += ["mlx-lm LRU s (threads)", "LRU reused", "LRU/warm"]
     lines.append(" | ".join(head))
     lines.append(" | ".join("---" for _ in head))
     for r in rows:
@@ -289,7 +364,12 @@ def table(rows: list[dict]) -> str:
         ref = r.get("mlx_lm_batching")
         if a:
             cells += [f"{a['sequential_s']:.2f}", f"{a['parallel_s']:.2f}", f"{a['speedup']:.2f}x"]
-            cells.append(f"{ref['speedup']:.2f}x" if ref else "-")
+            cells.append(
+                f"{ref['speedup']:.2f}x ({_threads(ref['sequential_threads'])}/"
+                f"{_threads(ref['batch_threads'])})"
+                if ref
+                else "-"
+            )
         else:
             cells += ["-"] * 4
         if b:
@@ -301,17 +381,19 @@ def table(rows: list[dict]) -> str:
         else:
             cells += ["-"] * 3
         if c:
+            w = c["warm_ttft"]
             cells += [
                 f"{c['cold_ttft_s']:.2f}",
-                f"{c['warm_ttft_s']:.2f}",
+                f"{w['median']:.2f} ({w['min']:.2f}-{w['max']:.2f})",
                 f"{c['cold_over_warm']:.1f}x",
                 f"{c['floor_s']:.2f}",
                 f"{c['warm_over_floor']:.2f}x",
-                f"{c['lru_ttft_s']:.2f}",
+                f"{c['lru_ttft_s']:.2f} ({_threads(c['lru_threads'])})",
                 f"{c['lru_reused_tokens']}",
+                f"{c['lru_over_warm']:.1f}x",
             ]
         else:
-            cells += ["-"] * 7
+            cells += ["-"] * 8
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -342,13 +424,15 @@ def bench_model(name: str, model: str, args, *, block_size: int, scale: int) -> 
     lm = load(model, dtype="float32")  # on this thread, for mlx-lm's own loops
     if "a" in args.only:
         row["mlx_lm_batching"] = mlx_lm_batching(
-            lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens
+            lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens, repeats=args.repeats
         )
     if "c" in args.only:
         ttft = row["ttft"]
-        lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"))
+        lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"), repeats=args.repeats)
         ttft.update(
             lru_ttft_s=lru["ttft_s"],
+            lru_threads=lru["threads"],
+            lru_by_threads=lru["by_threads"],
             lru_reused_tokens=lru["reused_tokens"],
             lru_over_warm=lru["ttft_s"] / ttft["warm_ttft_s"],
         )
@@ -359,19 +443,24 @@ def bench_model(name: str, model: str, args, *, block_size: int, scale: int) -> 
         return row
     print(f"[{name}] (b) RAM", flush=True)
     # Tiny models keep ~1 KB per token: their RAM test needs long prompts to rise above noise.
-    rss_tokens = args.rss_tokens if scale == 1 else 4096
+    rss_tokens = args.rss_tokens if scale == 1 or args.quick else 4096
     row["ram"] = bench_ram(model, n_tokens=rss_tokens, block_size=block_size)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.common import add_run_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap)
     ap.add_argument("--skip-default", action="store_true", help="only the tiny models")
     ap.add_argument("--skip-tiny", action="store_true", help="only the default model")
-    ap.add_argument("--chat-tokens", type=int, default=64, help="(a) max tokens per chat")
-    ap.add_argument("--rss-tokens", type=int, default=1024, help="(b) tokens per long prompt")
-    ap.add_argument("--ttft-tokens", type=int, default=2048, help="(c) prompt tokens")
-    ap.add_argument("--repeats", type=int, default=3, help="(a), (c): best of this many")
+    ap.add_argument("--chat-tokens", type=int, default=None, help="(a) max tokens per chat (64)")
+    ap.add_argument(
+        "--rss-tokens", type=int, default=None, help="(b) tokens per long prompt (1024)"
+    )
+    ap.add_argument("--ttft-tokens", type=int, default=None, help="(c) prompt tokens (2048)")
+    ap.add_argument("--repeats", type=int, default=None, help="(a) best of, (c) rounds (3)")
     ap.add_argument(
         "--only", default="abc", help="the parts to run, e.g. `a` or `ac` (default: abc)"
     )
@@ -383,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    quick = {"chat_tokens": 8, "rss_tokens": 512, "ttft_tokens": 256, "repeats": 2}
+    full = {"chat_tokens": 64, "rss_tokens": 1024, "ttft_tokens": 2048, "repeats": 3}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.rss_child:
         mode, model = args.rss_child
         print(json.dumps(rss_child(model, mode, args.rss_tokens, args.block_size)))
@@ -394,8 +488,34 @@ def main(argv: list[str] | None = None) -> int:
         return wanted is None or any(w in name.lower() for w in wanted)
 
     rows = []
-    if not args.skip_default and chosen("Gemma 3 270M"):
-        rows.append(bench_model("Gemma 3 270M", "default", args, block_size=256, scale=1))
+    settings = {
+        "chat_tokens": args.chat_tokens,
+        "rss_tokens": args.rss_tokens,
+        "ttft_tokens": args.ttft_tokens,
+        "repeats": args.repeats,
+        "only": args.only,
+        "blas_thread_counts": blas_thread_counts(),
+        "quick": args.quick,
+    }
+    if args.quick:
+        # One tiny model, every part, small sizes: a smoke test of the whole benchmark.
+        with tempfile.TemporaryDirectory() as models:
+            if args.model:
+                path, name = args.model, f"quick: {Path(args.model).name}"
+            else:
+                from mlx_nbengine.testing import make_tiny_model
+
+                path = str(make_tiny_model("gemma3_text", Path(models) / "g", sliding_window=64))
+                name = "quick: tiny gemma3_text w64"
+            rows.append(bench_model(name, path, args, block_size=32, scale=1))
+        write_results(
+            "engine", {**settings, "rows": rows}, table(rows), json_path=args.json, quick=True
+        )
+        return 0
+    if not args.skip_default:
+        name = Path(args.model).name if args.model else "Gemma 3 270M"
+        if chosen(name):
+            rows.append(bench_model(name, args.model or "default", args, block_size=256, scale=1))
     if not args.skip_tiny:
         from mlx_nbengine.testing import make_tiny_model
 
@@ -406,19 +526,12 @@ def main(argv: list[str] | None = None) -> int:
                 path = str(make_tiny_model(family, Path(models) / family, **kw))
                 # Block 32 and prompts / 8: the tiny models' prompts span blocks as Gemma's do.
                 rows.append(bench_model(name, path, args, block_size=32, scale=8))
-    settings = {
-        "chat_tokens": args.chat_tokens,
-        "rss_tokens": args.rss_tokens,
-        "ttft_tokens": args.ttft_tokens,
-        "repeats": args.repeats,
-        "only": args.only,
-    }
     if args.only != "abc" or wanted is not None:
         # A partial run must not overwrite the full table the README quotes.
         print(table(rows))
         print(json.dumps(rows, indent=1))
         return 0
-    write_results("engine", {**settings, "rows": rows}, table(rows))
+    write_results("engine", {**settings, "rows": rows}, table(rows), json_path=args.json)
     return 0
 
 

@@ -1,37 +1,46 @@
 """Restore vs prefill, per 256-token block: is restoring a block much cheaper than computing it?
 
 For each model, a prompt of ``--blocks`` whole blocks plus a short tail is
-prefilled block by block (one model call per block, float32), and every
-completed block's records are extracted and stored in a `BlockStore` backed by
-a scratch file. Then the prompt is restored from the store and the time splits
-into its shares:
+prefilled block by block (one model call per block), and every completed
+block's records are extracted and stored in a `BlockStore` backed by a scratch
+file. Then the prompt is restored from the store and the time splits into its
+shares:
 
 - *get*: reading the blobs out of the scratch file (`BlockStore.get`),
 - *decode*: safetensors bytes -> evaluated MLX arrays (`record_from_bytes`),
 - *assemble*: building the live cache (`PrefixCache.assemble`, evaluated).
 
 *restore/block* is their sum over the restored blocks divided by the number of
-blocks; *prefill/block* is the mean model-call time of the prefill steps;
-*ratio* is restore/prefill (target on Gemma 3 270M: at most 5 %). *bytes/block*
-is what the store holds per block, all record kinds together. *get MB/s* is
-blob bytes read per second of get time. The check column says whether the
-restored cache's next logits equal a fresh prefill's bit for bit.
+blocks (best of ``--repeats``). *prefill/block* is what the engine itself takes to
+compute a block: `Engine.load(model).submit(prompt, max_tokens=1)` on never-seen
+prompts of the same shape, each whole block's `BlockReport.seconds` (the engine's
+own steps, up to 1,024 tokens a call, one block on models with recurrent layers; its
+BLAS thread choice per step, `mlx_nbengine._blas`), after ``--warmup`` untimed
+prompts (first-call allocations, the thread tuner's first tries), median of
+``--repeats`` prompts. *ratio* is restore/prefill (target on Gemma 3 270M: at most
+5 %). *engine restore/block* is the engine's own disk restore of such a prompt (its
+report's restored blocks, the hot cache dropped first: plan, read, assembly on the
+cache-I/O thread), median of ``--repeats``. *bytes/block* is what the store holds per
+block, all record kinds together. *get MB/s* is blob bytes read per second of get
+time. The check column says whether the restored cache's next logits equal a fresh
+prefill's bit for bit.
 
-Models: the default model (Gemma 3 270M, ``load("default")``; skipped with a
-message when it cannot be loaded) and the tiny random families of
-`mlx_nbengine.testing`. Results: ``bench/results/restore.json`` and
+Models: the default model (Gemma 3 270M, ``load("default")``, float32; skipped with a
+message when it cannot be loaded; ``--model M`` measures M in its place) and the tiny
+random families of `mlx_nbengine.testing`. Results: ``bench/results/restore.json`` and
 ``bench/results/restore.txt``; the table is printed too.
 
 Run from the repository root:
-``.venv/bin/python -m bench.bench_restore [--blocks 4] [--repeats 3] [--skip-default]``
+``.venv/bin/python -m bench.bench_restore [--blocks 4] [--repeats 3] [--skip-default]``;
+``--quick`` (a smoke test, seconds): one tiny model (``--model DIR``, else a tiny llama),
+two blocks, writing only ``--json PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -39,10 +48,12 @@ from pathlib import Path
 
 from mlx_nbengine._blas import ensure_fast_blas
 
-ensure_fast_blas()  # before MLX is imported: the prefill baseline should use a fast BLAS
+ensure_fast_blas()  # before MLX is imported, as the engine does
 
 import mlx.core as mx  # noqa: E402
 
+from bench.common import add_run_args, write_results  # noqa: E402
+from mlx_nbengine import Engine  # noqa: E402
 from mlx_nbengine.cache import (  # noqa: E402
     PrefixCache,
     extract_block_records,
@@ -52,7 +63,6 @@ from mlx_nbengine.cache import (  # noqa: E402
 from mlx_nbengine.cache.store import BlockStore  # noqa: E402
 
 B = 256
-RESULTS = Path(__file__).resolve().parent / "results"
 TINY = {
     "tiny llama": ("llama", {}),
     "tiny gemma3_text w64": ("gemma3_text", {"sliding_window": 64}),
@@ -62,36 +72,91 @@ TINY = {
 
 
 def prefill(model, cache, tokens, start, *, on_step=None):
-    """Block-aligned prefill; returns the last logits. `on_step(start, end, seconds)`.
-
-    Like mlx-lm's own prefill, a step evaluates only the cache, so the lazy graph
-    skips the vocabulary projection of positions whose logits nobody reads.
-    """
+    """Block-aligned prefill, one block a call (so every block's records can be taken
+    right after its step); returns the last logits. `on_step(start, end)`. It fills the
+    store and gives the check its reference, untimed: the timed prefill is the engine's."""
     logits = None
     for s, e in prefill_steps(start, len(tokens), block_size=B, max_step=B):
-        t = time.perf_counter()
         logits = model(mx.array(tokens[s:e])[None], cache=cache)
         mx.eval([c.state for c in cache])
         if on_step is not None:
-            on_step(s, e, time.perf_counter() - t)
+            on_step(s, e)
     mx.eval(logits)
     return logits
 
 
-def bench_model(name: str, lm, *, blocks: int, repeats: int, scratch: Path) -> dict:
-    rng = random.Random(0)
+def random_prompt(vocab: int, n_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, min(vocab, 32000)) for _ in range(n_tokens)]
+
+
+def engine_prefill(
+    model: str,
+    *,
+    dtype: str | None,
+    vocab: int,
+    blocks: int,
+    warmup: int,
+    repeats: int,
+    scratch: Path,
+) -> dict:
+    """Per-block prefill and disk-restore seconds of the engine itself (module docstring)."""
+    n_tokens = blocks * B + 17
+    engine = Engine.load(model, block_size=B, dtype=dtype, cache_dir=scratch)
+    with engine:
+        for i in range(warmup):
+            engine.submit(random_prompt(vocab, n_tokens, 100 + i), max_tokens=1).result()
+            engine._io.drain()
+        prefill, reports = [], []
+        for i in range(repeats):
+            report = engine.submit(random_prompt(vocab, n_tokens, 200 + i), max_tokens=1)
+            report = report.result().report
+            engine._io.drain()
+            whole = [b for b in report.blocks if b.end - b.start == B]
+            assert all(b.source == "computed" for b in whole), "a never-seen prompt restored"
+            prefill.append(sum(b.seconds for b in whole) / len(whole))
+            reports.append(report)
+        restore = []
+        for i in range(repeats):
+            engine._gen.call(engine._gen.drop_hot_cache)  # from the store, not memory
+            report = engine.submit(random_prompt(vocab, n_tokens, 200 + i), max_tokens=1)
+            report = report.result().report
+            engine._io.drain()
+            disk = [b for b in report.blocks if b.source == "disk" and b.end - b.start == B]
+            restore.append(sum(b.seconds for b in disk) / len(disk) if disk else float("nan"))
+    return {
+        "prefill_s_per_block": statistics.median(prefill),
+        "prefill_s_per_block_each": prefill,
+        "restore_s_per_block": statistics.median(restore),
+        "restore_s_per_block_each": restore,
+        "ttft_s_each": [r.ttft_s for r in reports],
+    }
+
+
+def bench_model(
+    name: str,
+    model: str,
+    *,
+    dtype: str | None,
+    blocks: int,
+    warmup: int,
+    repeats: int,
+    scratch: Path,
+) -> dict:
+    from mlx_nbengine.models import load
+
+    lm = load(model, dtype=dtype)  # on this thread, for the cache layer's own timings
     vocab = int(lm.config.get("vocab_size") or lm.config.get("text_config", {})["vocab_size"])
-    tokens = [rng.randrange(10, min(vocab, 32000)) for _ in range(blocks * B + 17)]
+    tokens = random_prompt(vocab, blocks * B + 17, 0)
     with BlockStore(budget_bytes=1 << 34, directory=scratch) as store:
         cache = lm.make_cache()
         pc = PrefixCache.for_cache(cache, fingerprint=lm.fingerprint, store=store, block_size=B)
         keys = pc.keys(tokens)
-        prefill_times, save_times = [], []
+        save_times = []
 
-        def on_step(s, e, seconds):
+        def on_step(s, e):
             if e % B:
                 return
-            prefill_times.append(seconds)
             t = time.perf_counter()
             block = e // B - 1
             pc.save(keys[block], extract_block_records(cache, block=block, block_size=B))
@@ -144,21 +209,37 @@ def bench_model(name: str, lm, *, blocks: int, repeats: int, scratch: Path) -> d
         identical = bool(mx.array_equal(tail_restored, tail_fresh).item())
 
     n = best["n_blocks"]
-    prefill_per_block = sum(prefill_times) / len(prefill_times)
+    layer_kinds = {k: pc.layer_kinds.count(k) for k in pc.kinds}
+    model_type = lm.model_type
+    lm = cache = pc = None  # the engine loads its own copy
+    engine = engine_prefill(
+        model,
+        dtype=dtype,
+        vocab=vocab,
+        blocks=blocks,
+        warmup=warmup,
+        repeats=repeats,
+        scratch=scratch,
+    )
+    prefill_per_block = engine["prefill_s_per_block"]
     restore_per_block = best["total_s"] / n
     return {
         "model": name,
-        "model_type": lm.model_type,
-        "layer_kinds": {k: pc.layer_kinds.count(k) for k in pc.kinds},
+        "model_type": model_type,
+        "layer_kinds": layer_kinds,
         "blocks": n,
         "prefill_s_per_block": prefill_per_block,
-        "prefill_s_per_block_each": prefill_times,
+        "prefill_s_per_block_each": engine["prefill_s_per_block_each"],
+        "prefill_ttft_s_each": engine["ttft_s_each"],
         "save_s_per_block": sum(save_times) / len(save_times),
         "restore_s_per_block": restore_per_block,
         "get_s_per_block": best["get_s"] / n,
         "decode_s_per_block": best["decode_s"] / n,
         "assemble_s_per_block": best["assemble_s"] / n,
         "ratio": restore_per_block / prefill_per_block,
+        "engine_restore_s_per_block": engine["restore_s_per_block"],
+        "engine_restore_s_per_block_each": engine["restore_s_per_block_each"],
+        "engine_ratio": engine["restore_s_per_block"] / prefill_per_block,
         "bytes_per_block": bytes_held / len(keys),
         "bytes_per_block_by_kind": {k: v / len(keys) for k, v in kinds_bytes.items()},
         "bytes_read_per_restore": best["bytes_read"],
@@ -174,7 +255,8 @@ def _ms(seconds: float) -> str:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'model':<24} {'prefill/blk':>11} {'restore/blk':>11} {'get':>8} {'decode':>8} "
-        f"{'assemble':>8} {'ratio':>7} {'bytes/blk':>10} {'get MB/s':>9} {'check':>9}"
+        f"{'assemble':>8} {'ratio':>7} {'engine restore/blk':>18} {'ratio':>7} "
+        f"{'bytes/blk':>10} {'get MB/s':>9} {'check':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -182,7 +264,8 @@ def table(rows: list[dict]) -> str:
             f"{r['model']:<24} {_ms(r['prefill_s_per_block']):>11} "
             f"{_ms(r['restore_s_per_block']):>11} {_ms(r['get_s_per_block']):>8} "
             f"{_ms(r['decode_s_per_block']):>8} {_ms(r['assemble_s_per_block']):>8} "
-            f"{r['ratio'] * 100:>6.2f}% {r['bytes_per_block'] / 1024:>8.0f}KiB "
+            f"{r['ratio'] * 100:>6.2f}% {_ms(r['engine_restore_s_per_block']):>18} "
+            f"{r['engine_ratio'] * 100:>6.2f}% {r['bytes_per_block'] / 1024:>8.0f}KiB "
             f"{(r['get_mb_per_s'] or 0):>9.0f} {'identical' if r['identical'] else 'DIFFERS':>9}"
         )
     return "\n".join(lines)
@@ -190,58 +273,69 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--blocks", type=int, default=4, help="whole blocks in the prompt")
-    parser.add_argument("--repeats", type=int, default=3, help="restores timed; the best counts")
+    add_run_args(parser)
+    parser.add_argument("--blocks", type=int, default=None, help="whole blocks in the prompt (4)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="restores timed (the best counts), engine "
+        "prefills and restores timed (the median counts) (3)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed engine prompts (3)")
     parser.add_argument("--skip-default", action="store_true", help="only the tiny models")
     parser.add_argument("--scratch", default=None, help="folder for the scratch file")
     args = parser.parse_args(argv)
+    sizes = {"blocks": 2, "repeats": 1, "warmup": 1} if args.quick else {}
+    for key, value in ({"blocks": 4, "repeats": 3, "warmup": 3} | sizes).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
-    from mlx_nbengine.models import load
     from mlx_nbengine.testing import make_tiny_model
 
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
-        if not args.skip_default:
-            try:
-                lm = load("default", dtype="float32")
-            except Exception as e:  # any failure: the bench still runs the tiny models
-                notes.append(f"default model skipped: could not load it ({e})")
+        run = dict(blocks=args.blocks, warmup=args.warmup, repeats=args.repeats, scratch=scratch)
+        if args.quick:
+            if args.model:
+                model, name = args.model, f"quick: {Path(args.model).name}"
             else:
-                rows.append(
-                    bench_model(
-                        "Gemma 3 270M (default)",
-                        lm,
-                        blocks=args.blocks,
-                        repeats=args.repeats,
-                        scratch=scratch,
-                    )
+                model, name = (
+                    str(make_tiny_model("llama", Path(tmp) / "llama")),
+                    "quick: tiny llama",
                 )
-                del lm
-        for name, (family, kwargs) in TINY.items():
-            lm = load(make_tiny_model(family, Path(tmp) / name.replace(" ", "-"), **kwargs))
-            rows.append(
-                bench_model(name, lm, blocks=args.blocks, repeats=args.repeats, scratch=scratch)
-            )
+            rows.append(bench_model(name, model, dtype=None, **run))
+        elif not args.skip_default:
+            name = Path(args.model).name if args.model else "Gemma 3 270M (default)"
+            try:
+                rows.append(bench_model(name, args.model or "default", dtype="float32", **run))
+            except Exception as e:  # any failure: the bench still runs the tiny models
+                notes.append(f"{name} skipped: could not load it ({e})")
+        if not args.quick:
+            for name, (family, kwargs) in TINY.items():
+                model = str(make_tiny_model(family, Path(tmp) / name.replace(" ", "-"), **kwargs))
+                rows.append(bench_model(name, model, dtype=None, **run))
 
-    text = table(rows)
+    text = "\n".join(
+        [
+            *notes,
+            table(rows),
+            f"block {B} tokens, {mx.default_device()}; prefill: the engine's "
+            f"own steps, median of {args.repeats} after {args.warmup} warm-up prompts",
+        ]
+    )
     meta = {
         "block_size": B,
-        "dtype": "float32",
+        "default_dtype": "float32",
         "blocks": args.blocks,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
         "device": str(mx.default_device()),
-        "machine": platform.platform(),
         "notes": notes,
+        "quick": args.quick,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "restore.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    (RESULTS / "restore.txt").write_text(
-        "\n".join([*notes, text, f"block {B} tokens, float32, {meta['device']}"]) + "\n"
-    )
-    for note in notes:
-        print(note)
-    print(text)
-    print(f"\nwritten: {RESULTS / 'restore.json'} and restore.txt")
+    write_results("restore", {**meta, "rows": rows}, text, json_path=args.json, quick=args.quick)
     return 0
 
 

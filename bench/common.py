@@ -1,8 +1,23 @@
-"""What every benchmark records: ``bench/results/<name>.json`` (the machine, the run's
-settings, its data) and ``<name>.txt`` (the readable table, also printed)."""
+"""What every benchmark shares.
+
+- Results: ``bench/results/<name>.json`` (the machine, the run's settings, its data) and
+  ``<name>.txt`` (the readable table, also printed); ``--json PATH`` writes them to PATH and
+  PATH with ``.txt`` instead, and a ``--quick`` run without ``--json`` writes nothing (its
+  figures are a smoke test's, not the ones the README quotes).
+- Arguments every benchmark takes (`add_run_args`): ``--quick`` (tiny sizes, a tiny model
+  where one is used: seconds, a smoke test), ``--model`` (the model to measure) and
+  ``--json``.
+- BLAS threads for peers (`blas_thread_counts`, `set_blas_threads`): our engine picks its
+  OpenBLAS thread count per step (`mlx_nbengine._blas`); a peer such as mlx-lm runs under
+  each count in turn, one thread and every CPU this process may use, and is compared at
+  its best.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import functools
 import json
 import os
 import platform
@@ -11,22 +26,107 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def machine() -> dict:
     """Where the figures come from (call after MLX is imported the benchmark's way)."""
     import mlx.core as mx
 
     return {
         "machine": platform.platform(),
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
         "load_avg": os.getloadavg(),
         "mlx": mx.__version__,
     }
 
 
-def write_results(name: str, data: dict, text: str) -> None:
-    """Write ``<name>.json`` (`machine()` + `data`) and ``<name>.txt`` (`text`); print it."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({**machine(), **data}, indent=2))
-    (RESULTS / f"{name}.txt").write_text(text + "\n")
+def add_run_args(ap: argparse.ArgumentParser, *, model: str | None = "the default model") -> None:
+    """``--quick``, ``--json`` and (unless `model` is None) ``--model``, default `model`."""
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes (and a tiny random model): seconds, a smoke test; writes only --json",
+    )
+    if model is not None:
+        ap.add_argument(
+            "--model",
+            default=None,
+            help=f"the model to measure: a directory, .gguf file or name (default: {model}; "
+            "with --quick a tiny random model)",
+        )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the JSON to PATH and the table to PATH with .txt (not bench/results/)",
+    )
+
+
+def write_results(
+    name: str, data: dict, text: str, *, json_path: Path | None = None, quick: bool = False
+) -> None:
+    """Write ``<name>.json`` (`machine()` + `data`) and ``<name>.txt`` (`text`); print it.
+
+    `json_path` replaces ``bench/results/<name>.json`` (the table goes beside it, ``.txt``);
+    a `quick` run without `json_path` only prints."""
     print(text)
-    print(f"\nwritten: {RESULTS / name}.json and {name}.txt")
+    if json_path is None and quick:
+        print("\n(--quick: no results written; --json PATH writes them)")
+        return
+    if json_path is None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        json_path = RESULTS / f"{name}.json"
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({**machine(), **data}, indent=2) + "\n")
+    json_path.with_suffix(".txt").write_text(text + "\n")
+    print(f"\nwritten: {json_path} and {json_path.with_suffix('.txt').name}")
+
+
+# --- BLAS threads for peers --------------------------------------------------------------------
+
+
+@functools.cache
+def _openblas() -> ctypes.CDLL | None:
+    from mlx_nbengine._blas import blas_status
+
+    status = blas_status()
+    if status is None or not status.active or not status.library:
+        return None
+    lib = ctypes.CDLL(status.library)  # the copy already loaded (the same handle)
+    return lib if hasattr(lib, "openblas_set_num_threads") else None
+
+
+def blas_thread_counts() -> list[int]:
+    """The OpenBLAS thread counts a peer is run under: one, and every usable CPU (one
+    count on a single CPU); empty where OpenBLAS does not serve MLX (nothing to set)."""
+    if _openblas() is None:
+        return []
+    return sorted({1, usable_cpus()})
+
+
+def set_blas_threads(n: int) -> None:
+    """Set OpenBLAS's thread count for the steps that follow (a no-op without OpenBLAS)."""
+    lib = _openblas()
+    if lib is not None:
+        lib.openblas_set_num_threads(int(n))
