@@ -354,20 +354,26 @@ def make_tiny_gguf(
     """
     import tempfile
 
-    import gguf
-    import mlx.core as mx
-    import numpy as np
-    from gguf.quants import quantize
-
     path = Path(path)
     if family not in ("llama", "gemma3_text", "qwen2", "qwen3"):
         raise ValueError(
             f"make_tiny_gguf supports llama, gemma3_text, qwen2 and qwen3, not {family!r}"
         )
     if source is None:
+        # A fresh source model, in a folder removed once the GGUF file is written.
         kw = {"num_layers": 6} if family == "gemma3_text" else {}
-        source = make_tiny_model(family, tempfile.mkdtemp(prefix="tiny-gguf-src-"), seed=seed, **kw)
-    source = Path(source)
+        with tempfile.TemporaryDirectory(prefix="tiny-gguf-src-") as scratch:
+            made = make_tiny_model(family, scratch, seed=seed, **kw)
+            return _write_tiny_gguf(family, path, made, quant)
+    return _write_tiny_gguf(family, path, Path(source), quant)
+
+
+def _write_tiny_gguf(family: str, path: Path, source: Path, quant: str) -> Path:
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+    from gguf.quants import quantize
+
     config = json.loads((source / "config.json").read_text())
     if family == "gemma3_text":
         # GGUF has no field for these; llama.cpp assumes Gemma 3's values, so the source must too.
