@@ -9,7 +9,11 @@ Terms:
 - *notebook run* (the default): the story executed headless with nbclient in a kernel of
   this interpreter, a progress line per cell; the executed notebook (outputs and widget
   state), its HTML export (`mlx_nbengine.notebook.export`: the block pictures need no
-  kernel and no network) and the kernel's log are written into the output folder.
+  kernel and no network) and the kernel's log are written into the output folder. A kernel
+  that dies (a native library's SIGILL) ends the run within about a second: one line naming
+  the signal and the cell, then the lines of the kernel's log that tell why (the Python stack
+  at the fatal signal); Ctrl-C ends it with one line and exit code 130. Either way the kernel
+  is shut down and its connection file (in a temporary folder) removed.
 - *quick run* (``--quick``): the story's `%%llm` cells sent straight to an `Engine` (no
   kernel, no notebook), with each answer's blocks drawn as one line of letters.
 - *row*: one `%%llm` answer of the story: prompt tokens, tokens restored (from memory /
@@ -27,10 +31,13 @@ story starts, so its progress bar shows in the terminal.
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +46,11 @@ from typing import Any
 from mlx_nbengine.notebook.render import ANSWER_METADATA_KEY, answer_facts
 
 __all__ = [
+    "CellFailed",
+    "DemoInterrupted",
+    "KernelDied",
     "Row",
+    "exit_description",
     "quickstart_path",
     "rows_from_notebook",
     "run_notebook",
@@ -152,23 +163,97 @@ def rows_from_notebook(nb: Any) -> list[Row]:
 # -- the notebook run --------------------------------------------------------------------------
 
 
+class KernelDied(Exception):
+    """The notebook run's kernel died: `line` says how and in which cell, `log_tail` holds
+    the lines of its log (`log_path`) that tell why."""
+
+    def __init__(self, line: str, log_tail: list[str], log_path: Path) -> None:
+        super().__init__(line)
+        self.line, self.log_tail, self.log_path = line, log_tail, log_path
+
+
+class CellFailed(Exception):
+    """A cell of the notebook run raised an error in the kernel (the message names it)."""
+
+
+class DemoInterrupted(Exception):
+    """Ctrl-C (or SIGTERM) stopped the notebook run; `exit_code` is 128 + the signal."""
+
+    def __init__(self, line: str, exit_code: int) -> None:
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
+def exit_description(returncode: int | None) -> str:
+    """How a process ended, from its return code: "signal 4: SIGILL", "exit code 1"."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+        return f"signal {-returncode}: {name}"
+    return f"exit code {returncode}"
+
+
+def log_tail(path: Path, n: int = 10) -> list[str]:
+    """The kernel log's lines that tell why it died: from its last ``Fatal Python error``
+    (the signal and the innermost frames of the stack), else its last lines; `n` non-empty
+    lines at most, none when the file cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    lines = [line for line in text.splitlines() if line.strip()]
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    return lines[fatal[-1] :][:n] if fatal else lines[-n:]
+
+
+def prepare_out(out_dir: Path) -> None:
+    """Create the output folder (and check it is writable) or say why not: `OSError`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied", str(out_dir))
+
+
+# A fatal signal in the kernel (SIGILL, SIGSEGV in a native library) writes the Python
+# stacks into the kernel's log (its stderr before ipykernel captured it), which the demo
+# shows when the kernel dies. Run at the kernel's start, leaving no names behind.
+_FAULT_STACKS = (
+    "__import__('faulthandler').enable(open(getattr(__import__('sys').stderr,"
+    " '_original_stdstream_copy', 2), 'w', closefd=False), all_threads=False)"
+)
+
+
 def _kernel_manager(workdir: Path, model: str) -> Any:
     # A kernel of this very interpreter, whatever kernelspecs the machine has installed.
-    from jupyter_client import KernelManager
+    # The asynchronous manager: nbclient then checks every second that the kernel lives (a
+    # blocking client would wait out the cell timeout for a kernel that died). Its
+    # connection file lives in `workdir`, removed with it whatever happens.
+    from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpecManager
 
     spec_dir = workdir / "kernels" / "mlx-nbengine-demo"
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [
+            sys.executable,
+            "-m",
+            "ipykernel_launcher",
+            "-f",
+            "{connection_file}",
+            f"--IPKernelApp.exec_lines={_FAULT_STACKS}",
+        ],
         "display_name": "mlx_nbengine demo",
         "language": "python",
         "env": {"MLX_NBENGINE_DEMO_MODEL": model, "TRANSFORMERS_VERBOSITY": "error"},
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    return KernelManager(
+    return AsyncKernelManager(
         kernel_name="mlx-nbengine-demo",
         kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(workdir / "kernels")]),
+        connection_file=str(workdir / "kernel-connection.json"),
     )
 
 
@@ -186,10 +271,96 @@ def _first_line(source: str, width: int = 48) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
+@dataclass
+class _Run:
+    """Where the notebook run is: the cell running now, the kernel's process, a signal."""
+
+    where: str = "while starting the kernel"
+    process: Any = None
+    mid_line: bool = False  # a progress line waits for its time
+    stopped_by: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run
+
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+
+def _stop_signals() -> list[int]:
+    # Ctrl-C and SIGTERM stop the run (and shut the kernel down) where Python's defaults are
+    # in place; a signal the caller ignores (a background job's SIGINT) stays ignored.
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    wanted = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    return [s for s, default in wanted.items() if signal.getsignal(s) is default]
+
+
+async def _execute(
+    client: Any, km: Any, nb: Any, run: _Run, *, log: Any, cwd: Path, stop: list[int], echo
+) -> None:
+    """Start the kernel, execute the code cells one by one, shut the kernel down."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if run.stopped_by is None and task is not None:
+            run.stopped_by = signum
+            task.cancel()
+
+    for signum in stop:
+        loop.add_signal_handler(signum, on_signal, signum)
+    code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    try:
+        await km.start_kernel(stdout=log, stderr=log, cwd=str(cwd))
+        run.process = km.provisioner.process
+        await client.async_start_new_kernel_client()
+        started = time.monotonic()
+        for n, index in enumerate(code_cells, 1):
+            cell = nb.cells[index]
+            run.where = f"at cell {n}: {_first_line(cell.source, 72)}"
+            echo(f"[{n:>2}/{len(code_cells)}] {_first_line(cell.source)}", end="", flush=True)
+            run.mid_line = True
+            t = time.monotonic()
+            try:
+                await client.async_execute_cell(cell, index, store_history=True)
+            except CellExecutionError as e:
+                raise CellFailed(f"cell {n} raised {e.ename}: {e.evalue}") from None
+            except CellTimeoutError:
+                raise CellFailed(f"cell {n} ran past {CELL_TIMEOUT_S} s") from None
+            echo(f"  {time.monotonic() - t:.1f} s", flush=True)
+            run.mid_line = False
+        client.set_widgets_metadata()
+        echo(f"ran {len(code_cells)} cells in {time.monotonic() - started:.0f} s")
+    finally:
+        try:
+            await _shut_down(client, km)
+        finally:
+            for signum in stop:
+                loop.remove_signal_handler(signum)
+
+
+async def _shut_down(client: Any, km: Any) -> None:
+    # Gracefully (an interrupt, a shutdown request, then SIGTERM and SIGKILL after
+    # `shutdown_wait_time`), then the connection file and sockets go.
+    try:
+        if km.has_kernel and await km.is_alive():
+            await km.shutdown_kernel(now=False)
+    finally:
+        if client.kc is not None:
+            client.kc.stop_channels()
+            client.kc = None
+        await km.cleanup_resources()
+
+
 def run_notebook(
     out_dir: Path, *, model: str = "default", notebook: Path | None = None, echo=print
 ) -> list[Row]:
-    """Execute the story notebook into `out_dir` (notebook + HTML); return its rows."""
+    """Execute the story notebook into `out_dir` (notebook + HTML); return its rows.
+
+    Raises `KernelDied` within about a second of the kernel's death, `CellFailed` for a
+    cell's error and `DemoInterrupted` for Ctrl-C (SIGINT) or SIGTERM; the kernel is shut
+    down and its connection file removed in every case.
+    """
     import nbformat
     from nbclient import NotebookClient
 
@@ -198,28 +369,40 @@ def run_notebook(
     source = notebook or quickstart_path()
     nb = nbformat.read(source, as_version=4)
     _with_model(nb, model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    prepare_out(out_dir)
+    log_path = out_dir / "kernel.log"
+    run = _Run()
+    stop = _stop_signals()
     with tempfile.TemporaryDirectory(prefix="mlx-nbengine-demo-") as tmp:
+        km = _kernel_manager(Path(tmp), model)
+        km.shutdown_wait_time = 4.0
         client = NotebookClient(
             nb,
-            km=_kernel_manager(Path(tmp), model),
+            km=km,
             timeout=CELL_TIMEOUT_S,
             store_widget_state=True,
             resources={"metadata": {"path": str(out_dir)}},
         )
-        started = time.monotonic()
         # The kernel's own log lines (transport warnings...) go to a file, not the terminal.
-        log = open(out_dir / "kernel.log", "w", encoding="utf-8")
-        with log, client.setup_kernel(stdout=log, stderr=log):
-            for n, index in enumerate(code_cells, 1):
-                cell = nb.cells[index]
-                echo(f"[{n:>2}/{len(code_cells)}] {_first_line(cell.source)}", end="", flush=True)
-                t = time.monotonic()
-                client.execute_cell(cell, index, store_history=True)
-                echo(f"  {time.monotonic() - t:.1f} s")
-            client.set_widgets_metadata()
-        echo(f"ran {len(code_cells)} cells in {time.monotonic() - started:.0f} s")
+        with open(log_path, "w", encoding="utf-8") as log:
+            coroutine = _execute(client, km, nb, run, log=log, cwd=out_dir, stop=stop, echo=echo)
+            try:
+                asyncio.run(coroutine)
+            except BaseException as e:
+                if run.mid_line:  # the lines that follow say why it has no time
+                    echo("", flush=True)
+                if isinstance(e, CellFailed):
+                    raise
+                if run.stopped_by is not None:
+                    name = "interrupted" if run.stopped_by == signal.SIGINT else "terminated"
+                    line = f"{name}: the demo stopped {run.where}"
+                    raise DemoInterrupted(line, 128 + run.stopped_by) from None
+                code = run.returncode()
+                if code is None or isinstance(e, KeyboardInterrupt):
+                    raise
+                where = run.where.replace("at cell", "while running cell", 1)
+                line = f"the kernel died ({exit_description(code)}) {where}"
+                raise KernelDied(line, log_tail(log_path), log_path) from None
     executed = out_dir / source.name
     nbformat.write(nb, executed)
     html = notebook_to_html(nb, path=executed)
@@ -305,19 +488,55 @@ def run_quick(*, model: str = "default", notebook: Path | None = None, echo=prin
 
 
 def main(args: Any) -> int:
-    """`python -m mlx_nbengine demo [--quick] [--out DIR] [--model M]`."""
+    """`python -m mlx_nbengine demo [--quick] [--out DIR] [--model M] [--notebook NB]`.
+
+    Every way the run can end early is one line on stderr and a non-zero exit: a folder
+    that cannot be created (before any model is resolved), a kernel that died (with the
+    lines of its log that tell why), a cell's error, Ctrl-C (130), SIGTERM (143).
+    """
     from mlx_nbengine.models.loader import resolve
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     echo = print
+    notebook = Path(args.notebook) if getattr(args, "notebook", None) else None
+    if notebook is not None and not notebook.is_file():
+        print(f"error: no notebook at {notebook}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    if not args.quick:
+        try:
+            prepare_out(out)
+        except OSError as e:
+            print(
+                f"error: cannot create the output folder {out}: {e.strerror or e}", file=sys.stderr
+            )
+            return 1
     # Converting first, here, shows the conversion's progress bar in this terminal.
     resolve(args.model)
     if args.quick:
-        rows = run_quick(model=args.model, echo=echo)
+        rows = run_quick(model=args.model, notebook=notebook, echo=echo)
     else:
-        out = Path(args.out)
-        rows = run_notebook(out, model=args.model, echo=echo)
-        echo(f"wrote {out / 'quickstart.ipynb'} and {out / 'quickstart.html'}")
-    echo("")
-    echo(table(rows))
+        try:
+            rows = run_notebook(out, model=args.model, notebook=notebook, echo=echo)
+        except KernelDied as e:
+            sys.stdout.flush()
+            print(e.line, file=sys.stderr)
+            if e.log_tail:
+                print(f"from its log ({e.log_path}):", file=sys.stderr)
+                for line in e.log_tail:
+                    print(f"  {line}", file=sys.stderr)
+            return 1
+        except CellFailed as e:
+            sys.stdout.flush()
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except DemoInterrupted as e:
+            sys.stdout.flush()
+            print(e, file=sys.stderr)
+            return e.exit_code
+        name = (notebook or quickstart_path()).stem
+        echo(f"wrote {out / (name + '.ipynb')} and {out / (name + '.html')}")
+    if rows:
+        echo("")
+        echo(table(rows))
     return 0
