@@ -4,7 +4,8 @@
   headless on the default model (Gemma 3 270M; converted from its GGUF on first use,
   with a progress bar), a line per cell, then a table of each answer's restored and
   computed tokens, time to first token and each edited re-run's speed-up;
-  ``--quick`` sends the same story straight to the engine.
+  ``--quick`` sends the same story straight to the engine; ``--notebook NB`` executes
+  another notebook the same way.
 - ``convert FILE.gguf``: convert a GGUF file into the conversion cache and print
   the MLX model directory.
 - ``html NOTEBOOK``: export an executed notebook to HTML whose block pictures need no
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -46,11 +48,24 @@ def _html(args: argparse.Namespace) -> int:
 
 
 def _blas(args: argparse.Namespace) -> int:
-    status = ensure_fast_blas()
-    print(f"optimized BLAS active: {status.active} ({status.reason})")
-    if status.library:
-        print(status.library)
+    print("\n".join(ensure_fast_blas().lines()))
     return 0
+
+
+def _plain(text: str) -> str:
+    """reST markup out of `text` (``code`` and `role` become their words), for --help."""
+    return " ".join(re.sub(r"`{1,2}([^`]*)`{1,2}", r"\1", text).split())
+
+
+def _descriptions(doc: str) -> dict[str, str]:
+    """Each subcommand's bullet in the module docstring, as plain text: {"demo": "..."}."""
+    found: dict[str, str] = {}
+    for bullet in re.split(r"\n- ", doc)[1:]:
+        name, _, text = bullet.partition(":")
+        words = _plain(name).split()
+        if words:
+            found[words[0]] = _plain(text.split("\n\n")[0])
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     ensure_fast_blas()
     from mlx_nbengine.errors import EngineError
 
+    doc = __doc__ or ""
+    about = _descriptions(doc)
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_nbengine", description=__doc__.split("\n")[0]
+        prog="python -m mlx_nbengine", description=_plain(doc.split("\n")[0])
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="run the quickstart notebook headless: a long prompt, an edit, the re-run"
+        "demo",
+        help="run the quickstart notebook headless: a long prompt, an edit, the re-run",
+        description=about.get("demo"),
     )
     demo.add_argument("--model", default="default", help="'default', a model directory or a .gguf")
     demo.add_argument(
@@ -75,18 +94,33 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--quick", action="store_true", help="skip the notebook: the same story through the engine"
     )
+    demo.add_argument(
+        "--notebook",
+        default=None,
+        metavar="NB",
+        help="execute this notebook instead of the quickstart (its %%load_model default "
+        "gets --model)",
+    )
     demo.set_defaults(run=_demo)
-    conv = sub.add_parser("convert", help="convert a GGUF file into an MLX model directory")
+    conv = sub.add_parser(
+        "convert",
+        help="convert a GGUF file into an MLX model directory",
+        description=about.get("convert"),
+    )
     conv.add_argument("file", help="path of the .gguf file")
     conv.add_argument("--cache-dir", default=None, help="where conversions are kept")
     conv.set_defaults(run=_convert)
     html = sub.add_parser(
-        "html", help="export an executed notebook to HTML with its block pictures (no kernel)"
+        "html",
+        help="export an executed notebook to HTML with its block pictures (no kernel)",
+        description=about.get("html"),
     )
     html.add_argument("notebook", help="path of the .ipynb file")
     html.add_argument("-o", "--out", default=None, help="the HTML file (default: beside it)")
     html.set_defaults(run=_html)
-    blas = sub.add_parser("blas", help="report whether the optimized BLAS is in use")
+    blas = sub.add_parser(
+        "blas", help="report whether the optimized BLAS is in use", description=about.get("blas")
+    )
     blas.set_defaults(run=_blas)
 
     args = parser.parse_args(argv)
@@ -95,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: python -m mlx_nbengine {args.command} stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
