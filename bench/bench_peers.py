@@ -16,11 +16,16 @@ Peers:
   before token-exact restore).
 - *mlx-lm*: its ``LRUPromptCache`` and ``stream_generate`` as ``mlx_lm.server`` uses
   them: ``fetch_nearest_cache`` for the prompt, ``stream_generate`` over the rest,
-  ``insert_cache`` under the prompt plus the generated tokens.
+  ``insert_cache`` under the prompt plus the generated tokens. One such peer per BLAS
+  thread count (*mlx-lm 1t*: one thread; *mlx-lm Nt*: every usable CPU, see
+  `bench.common.blas_thread_counts`), each with its own LRU, in the same interleaving;
+  the ratios take the one whose median edited re-run (four documents) is faster, and
+  the table names it.
 - *llama.cpp*: ``llama_cpp.Llama`` (llama-cpp-python, the optional ``peers`` extra) on the
   default model's GGUF, assembled from its package, with as many threads as our prefill
   uses; it keeps the one prompt it last ran and reuses its longest common prefix.
-  Skipped, and said so, where ``llama_cpp`` is not installed.
+  Skipped, and said so (printed, and in the table and the JSON), where ``llama_cpp`` is
+  not installed or the model has no GGUF here.
 
 Calls are interleaved (call i of every peer, then call i + 1), so a change in the
 machine's load hits every peer alike, and each call starts with the engines idle (their
@@ -43,16 +48,20 @@ tokens changed at most 0.35x of ``restore="block"`` and within 1.25x of the floo
 the four-document workload, the median edited re-run at least 10x faster than mlx-lm's
 and llama.cpp's.
 
-*Parity* (``--parity``): the largest difference between the last-token logits of a
-token-exact restore continued by the engine's prefill steps and those of a cold run of
-the same prompt, per tiny family (blocks of 16; gemma3_text windows 24, 64 and 512) and
+*Parity* (``--parity``): the largest difference between the logits the engine samples
+the first token from, for an edited prompt restored from the store up to its first
+changed token (the store holding the original prompt, the hot cache dropped), and for
+the same prompt run cold (the store emptied): both runs are the engine's own
+(`Engine.submit`, its steps, its thread choices; the logits are read where the engine
+samples them). Per tiny family (blocks of 16; gemma3_text windows 24, 64 and 512) and
 the default model (blocks of 256, a 2,048-token prompt edited 20 tokens before its end),
 and whether the greedy token is the same.
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_peers`` (minutes);
-``--quick`` runs the workload on a tiny model in seconds (a smoke test, no results
-written); ``--parity`` runs only the parity measurement. Results:
-``bench/results/peers.json`` and ``peers.txt``.
+``--quick`` runs the workload on a tiny model (``--model DIR``, else a tiny
+gemma3_text) in seconds, a smoke test writing only ``--json PATH``; ``--parity`` runs
+only the parity measurement (with ``--quick``: the tiny families only). Results:
+``bench/results/peers.json`` and ``peers.txt`` (``peers_parity``).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import os
 import random
 import statistics
@@ -73,13 +83,25 @@ from mlx_nbengine._blas import ensure_fast_blas
 ensure_fast_blas()  # before MLX is imported
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.bench_engine import edited, read_bandwidth, text_prompt  # noqa: E402
-from bench.common import write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_run_args,
+    blas_thread_counts,
+    set_blas_threads,
+    write_results,
+)
 from mlx_nbengine import Engine  # noqa: E402
 from mlx_nbengine._blas import blas_step, blas_threads_for  # noqa: E402
 
-PEERS = ("ours token", "ours block", "mlx-lm", "llama.cpp")
+
+def mlx_lm_name(threads: int | None) -> str:
+    return "mlx-lm" if threads is None else f"mlx-lm {threads}t"
+
+
+MLX_LM = [mlx_lm_name(n) for n in blas_thread_counts() or [None]]
+PEERS = ("ours token", "ours block", *MLX_LM, "llama.cpp")
 
 # --- peers -----------------------------------------------------------------------------------
 
@@ -104,12 +126,14 @@ class Ours:
 
 
 class MlxLm:
-    """mlx-lm's prompt cache as its server uses it (see the module docstring)."""
+    """mlx-lm's prompt cache as its server uses it (see the module docstring), its steps on
+    `threads` BLAS threads (None: left as they are)."""
 
-    def __init__(self, lm) -> None:
+    def __init__(self, lm, *, threads: int | None) -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
         self.lm = lm
+        self.threads = threads
         self.lru = LRUPromptCache()
         self.reused: list[int] = []
 
@@ -117,7 +141,8 @@ class MlxLm:
         from mlx_lm.generate import stream_generate
         from mlx_lm.models.cache import make_prompt_cache
 
-        blas_threads_for(len(tokens))  # our prefill's thread count, for a like-for-like run
+        if self.threads is not None:
+            set_blas_threads(self.threads)
         t = time.perf_counter()
         cache, rest = self.lru.fetch_nearest_cache("model", list(tokens))
         if cache is None:
@@ -306,11 +331,15 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
         peers: dict = {
             "ours token": Ours(model, restore="token", block_size=block_size, scratch=scratch),
             "ours block": Ours(model, restore="block", block_size=block_size, scratch=scratch),
-            "mlx-lm": MlxLm(lm),
         }
-        missing = llama_cpp_missing()
+        for n in blas_thread_counts() or [None]:
+            peers[mlx_lm_name(n)] = MlxLm(lm, threads=n)
+        missing = llama_cpp_missing() or (
+            "no GGUF of this model here" if gguf_for is None else None
+        )
         if missing:
             skipped["llama.cpp"] = missing
+            print(f"llama.cpp skipped: {missing}", flush=True)
         else:
             threads = blas_threads_for(args.prompt_tokens)
             peers["llama.cpp"] = LlamaCpp(
@@ -333,7 +362,7 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             edited_reports = ours.reports[1 + 4 : 1 + 8]
             single_reports = ours.reports[n_four["ours token"] + 1 :: 2]
             block_reports = peers["ours block"].reports[1 + 4 : 1 + 8]
-            reused = peers["mlx-lm"].reused
+            reused = {name: peers[name].reused for name in MLX_LM}
         finally:
             for peer in peers.values():
                 peer.close()
@@ -369,6 +398,7 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
         "ours_block_edited": [summary(r) for r in block_reports],
         "mlx_lm_reused_tokens": reused,
     }
+    result["mlx_lm_best"] = min(MLX_LM, key=lambda n: result["four"][n]["edited"]["median"])
     result["targets"] = targets(result)
     return result
 
@@ -392,7 +422,8 @@ def targets(r: dict) -> dict:
     out = {
         "token_over_block": token / four["ours block"]["edited"]["median"],
         "token_over_floor": token / r["floor_four"]["median"],
-        "mlx_lm_over_token": four["mlx-lm"]["edited"]["median"] / token,
+        "mlx_lm_over_token": four[r["mlx_lm_best"]]["edited"]["median"] / token,
+        "mlx_lm_threads": r["mlx_lm_best"],
         "single_token_over_block": single["ours token"]["edited"]["median"]
         / single["ours block"]["edited"]["median"],
         "single_token_over_floor": single["ours token"]["edited"]["median"]
@@ -428,7 +459,8 @@ def table(r: dict, *, title: str) -> str:
         four, single = r["four"][name], r["single"][name]
         cells = [cell(four["first"]), cell(four["edited"])]
         cells += [cell(single["first"]), cell(single["edited"])]
-        lines.append(" | ".join([name, *cells]))
+        label = f"{name} (faster)" if name == r["mlx_lm_best"] and len(MLX_LM) > 1 else name
+        lines.append(" | ".join([label, *cells]))
     lines.append(f"floor | | {cell(r['floor_four'])} | | {cell(r['floor_single'])}")
     t = r["targets"]
     lines.append("")
@@ -436,7 +468,8 @@ def table(r: dict, *, title: str) -> str:
         f"edited re-run, token / block: {t['token_over_block']:.2f}x (4 docs), "
         f"{t['single_token_over_block']:.2f}x (1 doc); token / floor: "
         f"{t['token_over_floor']:.2f}x (4 docs), {t['single_token_over_floor']:.2f}x (1 doc); "
-        f"mlx-lm / token: {t['mlx_lm_over_token']:.1f}x (4 docs)"
+        f"mlx-lm / token: {t['mlx_lm_over_token']:.1f}x (4 docs, {t['mlx_lm_threads']}: "
+        "its faster thread count)"
     )
     if "llama_cpp_over_token" in t:
         lines.append(
@@ -457,101 +490,77 @@ def table(r: dict, *, title: str) -> str:
 # --- parity ----------------------------------------------------------------------------------
 
 
-def engine_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple]:
-    """The prefill steps the engine takes from `start` to `end` (see `generation`): to the
-    next boundary first when starting inside a block, then whole blocks (at most
-    `max_step` tokens) up to the last boundary, then the rest."""
-    steps, pos, last = [], start, end // block_size * block_size
-    while pos < end:
-        if pos % block_size:
-            nxt = min(end, (pos // block_size + 1) * block_size)
-        elif pos < last:
-            nxt = min(pos + max(block_size, max_step // block_size * block_size), last)
-        else:
-            nxt = end
-        steps.append((pos, nxt))
-        pos = nxt
-    return steps
+class LogitTap:
+    """Reads the logits the engine samples a request's first token from: the generation
+    thread's `_sample` is wrapped (the engine's own steps run unchanged; the logits are
+    evaluated and copied out there, so the step is not pipelined while the tap is armed)."""
+
+    def __init__(self, engine: Engine) -> None:
+        gen = engine._gen
+        sample = gen._sample
+        self.armed = False
+        self.logits: np.ndarray | None = None
+
+        def tapped(seqs, logits):
+            tokens = sample(seqs, logits)
+            if self.armed and self.logits is None:
+                rows = logits.reshape(-1, logits.shape[-1])
+                mx.eval(rows)
+                self.logits = np.array(rows[0].astype(mx.float32))
+            return tokens
+
+        gen._sample = tapped
+        self.engine = engine
+
+    def first(self, tokens: list[int]):
+        """Run `tokens` for one token; (the first token's logits, the report, the token)."""
+        self.logits, self.armed = None, True
+        try:
+            done = self.engine.submit(tokens, max_tokens=1).result(timeout=600)
+        finally:
+            self.armed = False
+        self.engine._io.drain(timeout=600)
+        return self.logits, done.report, done.tokens[0]
 
 
-def parity_case(lm, *, block_size: int, n_tokens: int, edits: list[int], seed: int) -> dict:
-    """Max |logit difference| of the last prompt token, cut restore vs cold run, per edit.
-
-    Both runs take the engine's steps for a request alone: the last prompt token in a
-    step of its own, except where the final step is at most `ALONE_FINAL_STEP` tokens (an
-    edit's tail): then the logits come from that step, its output head on the last row
-    only (`models.head`)."""
-    from mlx_nbengine.cache import PrefixCache, extract_block_records
-    from mlx_nbengine.cache.store import BlockStore
-    from mlx_nbengine.engine.generation import ALONE_FINAL_STEP
-    from mlx_nbengine.models.head import split_head
-
-    split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
-
+def parity_case(model: str, *, block_size: int, n_tokens: int, edits: list[int], seed: int) -> dict:
+    """Max |logit difference| of the first token, token-exact restore vs cold run, per edit,
+    both through the engine (module docstring)."""
     B = block_size
     rng = random.Random(seed)
-    vocab = lm.config.get("vocab_size", 512)
-    tokens = [2] + [rng.randrange(5, min(vocab, 20_000)) for _ in range(n_tokens - 1)]
     out = []
-    with tempfile.TemporaryDirectory() as scratch, BlockStore(directory=scratch) as store:
-        cache = lm.make_cache()
-        pc = PrefixCache.for_cache(cache, fingerprint=lm.fingerprint, store=store, block_size=B)
-        max_step = B if pc.cut_blocker == "state" else 1024
-
-        def run(cache, toks, start, *, save=False):
-            keys = pc.keys(toks)
-            logits = None
-            steps = engine_steps(start, len(toks) - 1, block_size=B, max_step=max_step)
-            final = None
-            short = steps and len(toks) - steps[-1][0] <= ALONE_FINAL_STEP
-            if split is not None and short and not save:
-                final = steps.pop()[0]  # sampled from that step (the engine's way alone)
-            for s, e in steps:
-                with blas_step(e - s):
-                    mx.eval(lm.model(mx.array(toks[s:e])[None], cache=cache))
-                for b in range(s // B, e // B) if save else ():
-                    recs = extract_block_records(cache, block=b, block_size=B)
-                    parent = keys[b - 1] if b else "root"
-                    pc.save(keys[b], recs, parent=parent, tokens=toks[b * B : (b + 1) * B])
-            if final is not None:
-                blas_threads_for(len(toks) - final)
-                logits = split.last_logits(mx.array(toks[final:])[None], cache)[0, -1]
-                mx.eval(logits)
-            else:
-                with blas_step(1):
-                    logits = lm.model(mx.array(toks[-1:])[None], cache=cache)[0, -1]
-                    mx.eval(logits)
-            if save and len(toks) % B == 0:  # the engine's checkpoint after the last token
-                b = len(toks) // B - 1
-                recs = extract_block_records(cache, block=b, block_size=B)
-                pc.save(keys[b], recs, parent=keys[b - 1] if b else "root", tokens=toks[b * B :])
-            return logits
-
-        run(cache, tokens, 0, save=True)
-        for at in edits:
-            edit = tokens[:at] + [(t * 7 + 3) % min(vocab, 20_000) + 5 for t in tokens[at:]]
-            plan, records = pc.load(pc.plan(edit, to_token=True))
-            cut = plan.cut.tokens if plan.cut is not None else 0
-            warm_cache = pc.assemble(
-                records, n_blocks=plan.n_blocks, template_cache=lm.make_cache(), cut_tokens=cut
-            )
-            warm = run(warm_cache, edit, plan.tokens)
-            cold = run(lm.make_cache(), edit, 0)
-            out.append(
-                {
-                    "edit_at": at,
-                    "restored": plan.tokens,
-                    "kept_boundary": plan.kept_boundary,
-                    "max_abs_diff": mx.abs(warm - cold).max().item(),
-                    "max_abs_logit": mx.abs(cold).max().item(),
-                    "same_greedy": mx.argmax(warm).item() == mx.argmax(cold).item(),
-                }
-            )
+    with tempfile.TemporaryDirectory() as scratch:
+        engine = Engine.load(model, block_size=B, cache_dir=scratch, restore="token")
+        with engine:
+            vocab = engine.model.config.get("vocab_size", 512)
+            tokens = [2] + [rng.randrange(5, min(vocab, 20_000)) for _ in range(n_tokens - 1)]
+            tap = LogitTap(engine)
+            for at in edits:
+                top = min(vocab, 20_000)
+                edit = tokens[:at] + [(t * 7 + 3) % (top - 5) + 5 for t in tokens[at:]]
+                engine.clear_cache()  # cold: nothing stored, no hot cache
+                cold, cold_report, cold_token = tap.first(edit)
+                engine.clear_cache()
+                engine.submit(tokens, max_tokens=1).result(timeout=600)
+                engine._io.drain(timeout=600)
+                engine._gen.call(engine._gen.drop_hot_cache)  # the restore comes from the store
+                warm, report, warm_token = tap.first(edit)
+                out.append(
+                    {
+                        "edit_at": at,
+                        "restored": report.restored_tokens,
+                        "source": report.restore_source,
+                        "kept_boundary": report.kept_boundary,
+                        "cold_restored": cold_report.restored_tokens,
+                        "max_abs_diff": float(np.abs(warm - cold).max()),
+                        "max_abs_logit": float(np.abs(cold).max()),
+                        "same_greedy": warm_token == cold_token,
+                    }
+                )
     return {"block_size": B, "prompt_tokens": n_tokens, "edits": out}
 
 
 def parity(args) -> dict:
-    from mlx_nbengine.models import load
     from mlx_nbengine.testing import make_tiny_model
 
     tiny = {
@@ -565,16 +574,20 @@ def parity(args) -> dict:
     with tempfile.TemporaryDirectory() as models:
         for name, (family, kw) in tiny.items():
             print(f"[parity] {name}", flush=True)
-            lm = load(make_tiny_model(family, Path(models) / name.replace(" ", "-"), **kw))
+            path = make_tiny_model(family, Path(models) / name.replace(" ", "-"), **kw)
             rows[name] = parity_case(
-                lm, block_size=16, n_tokens=300, edits=[37, 100, 161, 250, 290], seed=1
+                path, block_size=16, n_tokens=300, edits=[37, 100, 161, 250, 290], seed=1
             )
     if not args.quick:
-        print("[parity] Gemma 3 270M (default)", flush=True)
-        lm = load("default")
+        name = Path(args.model).name if args.model else "Gemma 3 270M"
+        print(f"[parity] {name}", flush=True)
         n = args.prompt_tokens
-        rows["Gemma 3 270M"] = parity_case(
-            lm, block_size=256, n_tokens=n, edits=[n - args.question_tokens], seed=1
+        rows[name] = parity_case(
+            args.model or "default",
+            block_size=256,
+            n_tokens=n,
+            edits=[n - args.question_tokens],
+            seed=1,
         )
     return rows
 
@@ -609,39 +622,66 @@ def parity_table(rows: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny model, in seconds (smoke test)")
+    add_run_args(ap)
     ap.add_argument("--parity", action="store_true", help="only the logit parity measurement")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="tokens per prompt")
     ap.add_argument("--question-tokens", type=int, default=None, help="tokens of its question")
-    ap.add_argument("--repeats", type=int, default=3, help="documents of the single-doc case")
+    ap.add_argument("--repeats", type=int, default=None, help="documents of the single-doc case")
     args = ap.parse_args(argv)
     args.prompt_tokens = args.prompt_tokens or (256 if args.quick else 2048)
     args.question_tokens = args.question_tokens or (8 if args.quick else 20)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    settings = {
+        "threads_note": f"{os.cpu_count()} CPUs",
+        "blas_thread_counts": blas_thread_counts(),
+        "repeats": args.repeats,
+        "quick": args.quick,
+    }
 
     if args.parity:
         rows = parity(args)
-        print(parity_table(rows))
-        if not args.quick:
-            write_results("peers_parity", {"rows": rows}, parity_table(rows))
+        write_results(
+            "peers_parity",
+            {**settings, "rows": rows},
+            parity_table(rows),
+            json_path=args.json,
+            quick=args.quick,
+        )
         return 0
 
     if args.quick:
         from mlx_nbengine.testing import make_tiny_gguf, make_tiny_model
 
         with tempfile.TemporaryDirectory() as models:
-            model = str(make_tiny_model("gemma3_text", Path(models) / "gemma", sliding_window=64))
+            if args.model:
+                model, title = args.model, f"quick: {Path(args.model).name}, blocks of 32"
+                family = json.loads((Path(model) / "config.json").read_text())["model_type"]
+            else:
+                model = str(make_tiny_model("gemma3_text", Path(models) / "g", sliding_window=64))
+                family, title = "gemma3_text", "quick: tiny gemma3_text (window 64), blocks of 32"
 
             def gguf_for(scratch: str) -> Path:
-                return make_tiny_gguf("gemma3_text", Path(scratch) / "tiny.gguf", source=model)
+                return make_tiny_gguf(family, Path(scratch) / "tiny.gguf", source=model)
 
-            result = bench(args, model, block_size=32, gguf_for=gguf_for)
-        print(table(result, title="quick: tiny gemma3_text (window 64), blocks of 32"))
+            known = family in ("llama", "gemma3_text", "qwen2", "qwen3")
+            result = bench(args, model, block_size=32, gguf_for=gguf_for if known else None)
+        write_results(
+            "peers",
+            {**settings, **result},
+            table(result, title=title),
+            json_path=args.json,
+            quick=True,
+        )
         return 0
 
-    result = bench(args, "default", block_size=256, gguf_for=default_gguf)
-    settings = {"threads_note": f"{os.cpu_count()} CPUs", "repeats": args.repeats}
-    text = table(result, title="Gemma 3 270M (default model, float32 on CPU), blocks of 256")
-    write_results("peers", {**settings, **result}, text)
+    if args.model:
+        model, title = args.model, f"{Path(args.model).name}, blocks of 256"
+        gguf = default_gguf if args.model == "default" else None
+    else:
+        model, gguf = "default", default_gguf
+        title = "Gemma 3 270M (default model, float32 on CPU), blocks of 256"
+    result = bench(args, model, block_size=256, gguf_for=gguf)
+    write_results("peers", {**settings, **result}, table(result, title=title), json_path=args.json)
     return 0
 
 
