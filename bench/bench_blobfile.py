@@ -15,20 +15,20 @@ Measures, in one directory (the system temp folder unless --dir is given):
 - *store put()*: write bandwidth of the same blobs.
 
 Target: get() bandwidth >= 0.5 x sequential read bandwidth. Results go to
-bench/results/bench_blobfile.{json,md}; the table is printed too.
+bench/results/bench_blobfile.{json,txt} (``--json PATH``: there); the table is printed too.
+``--quick``: small files and few blobs, a smoke test in seconds (writes only ``--json``).
 
-    .venv/bin/python bench/bench_blobfile.py [--dir D] [--file-mib 512] [--blob-mib 10]
+    .venv/bin/python -m bench.bench_blobfile [--dir D] [--file-mib 512] [--blob-mib 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 import zlib
@@ -36,11 +36,13 @@ from pathlib import Path
 
 import xxhash
 
-from mlx_nbengine.cache.blobfile import CHECKSUM
-from mlx_nbengine.cache.store import BlockStore
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file, too
+
+from bench.common import add_run_args, write_results  # noqa: E402
+from mlx_nbengine.cache.blobfile import CHECKSUM  # noqa: E402
+from mlx_nbengine.cache.store import BlockStore  # noqa: E402
 
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -182,15 +184,22 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(parser, model=None)
     parser.add_argument("--dir", default=None, help="directory to measure (default: temp folder)")
-    parser.add_argument("--file-mib", type=int, default=512, help="sequential test file size")
-    parser.add_argument("--chunk-mib", type=int, default=16, help="pread size, sequential test")
-    parser.add_argument("--blob-mib", type=float, default=10, help="blob size (one block)")
-    parser.add_argument("--blobs", type=int, default=48, help="blobs put into the store")
-    parser.add_argument("--repeats", type=int, default=5, help="passes per measurement")
-    args = parser.parse_args()
+    parser.add_argument("--file-mib", type=int, default=None, help="sequential test file size")
+    parser.add_argument("--chunk-mib", type=int, default=None, help="pread size, sequential test")
+    parser.add_argument("--blob-mib", type=float, default=None, help="blob size (one block)")
+    parser.add_argument("--blobs", type=int, default=None, help="blobs put into the store")
+    parser.add_argument("--repeats", type=int, default=None, help="passes per measurement")
+    args = parser.parse_args(argv)
+    sizes = {"file_mib": 512, "chunk_mib": 16, "blob_mib": 10, "blobs": 48, "repeats": 5}
+    if args.quick:
+        sizes = {"file_mib": 32, "chunk_mib": 4, "blob_mib": 1, "blobs": 8, "repeats": 2}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     measured, stats = measure(args.dir, args)
     checks = checksum_speeds(int(args.blob_mib * MiB), args.repeats)
@@ -202,8 +211,7 @@ def main() -> None:
     # Judged on medians: the interleaved rounds make them comparable, and they resist noise.
     ratio = measured["get_sequential"][1] / sequential[1]
     report = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        "quick": args.quick,
         "directory": "given" if args.dir else "system temp folder",
         "file_mib": args.file_mib,
         "chunk_mib": args.chunk_mib,
@@ -218,11 +226,7 @@ def main() -> None:
         "get_over_sequential": round(ratio, 3),
         "target_met": ratio >= 0.5,
     }
-    text = table(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_blobfile.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "bench_blobfile.md").write_text(text + "\n")
-    print(text)
+    write_results("bench_blobfile", report, table(report), json_path=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ counts. Also reported: the largest logit difference between the variants over th
 (relative to the largest logit) and whether their greedy continuations agree.
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_cpu_math``. Writes
-``bench/results/cpu_math.json`` and ``cpu_math.txt`` and prints the table.
+``bench/results/cpu_math.json`` and ``cpu_math.txt`` (``--json PATH``: there) and prints the
+table. ``--model M`` measures another float32 Gemma model; ``--quick`` (a smoke test,
+seconds): a tiny float32 gemma3_text (``--model DIR``, else one made), a 128-token prompt,
+one round, writing only ``--json``. The GELU alone is timed on the model's own shapes (its
+layers x 256 positions x its MLP width).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from mlx_nbengine._blas import blas_step, ensure_fast_blas
 
@@ -32,7 +38,7 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from bench.common import write_results  # noqa: E402
+from bench.common import add_run_args, write_results  # noqa: E402
 from mlx_nbengine.models import cpu_math, load  # noqa: E402
 
 TEXT = "The river stone sat under seven green lamps by the ocean window. "
@@ -44,9 +50,9 @@ def set_variant(mlps: list, fast_class: type, library_class: type, variant: str)
         mlp.__class__ = fast_class if variant == VARIANTS[1] else library_class
 
 
-def gelu_ms(variant: str) -> float:
+def gelu_ms(variant: str, *, layers: int, width: int) -> float:
     gelu = cpu_math.gelu_tanh if variant == VARIANTS[1] else nn.gelu_approx
-    xs = [mx.random.normal((1, 256, 2048)) for _ in range(18)]
+    xs = [mx.random.normal((1, 256, width)) for _ in range(layers)]
     mx.eval(xs)
     start = time.perf_counter()
     mx.eval([gelu(x) for x in xs])
@@ -68,11 +74,12 @@ def decode_ms(lm, set_to, steps: int) -> dict[tuple[str, int], float]:
     the machine's load changes hit them alike."""
     combos = [(v, rows) for v in VARIANTS for rows in (1, 4)]
     caches, tokens, times = {}, {}, {c: [] for c in combos}
+    ids = lm.encode(TEXT)  # a few prompt tokens, then one fed token, from the model's tokenizer
     for variant, rows in combos:
         set_to(variant)
         caches[variant, rows] = lm.make_cache()
-        mx.eval(lm.model(mx.array([[2, 651, 6288, 563]] * rows), cache=caches[variant, rows]))
-        tokens[variant, rows] = mx.array([[9866]] * rows)
+        mx.eval(lm.model(mx.array([ids[:4]] * rows), cache=caches[variant, rows]))
+        tokens[variant, rows] = mx.array([[ids[4]]] * rows)
     for i in range(steps + 1):
         for combo in combos[i % 4 :] + combos[: i % 4]:
             set_to(combo[0])
@@ -98,12 +105,28 @@ def greedy(lm, ids: list[int], n: int) -> tuple[mx.array, list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--decode-steps", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    add_run_args(ap)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prefill prompt (1024)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="decode steps timed (48)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (3)")
     args = ap.parse_args(argv)
+    sizes = {"prompt_tokens": 1024, "decode_steps": 48, "rounds": 3}
+    if args.quick:
+        sizes = {"prompt_tokens": 128, "decode_steps": 4, "rounds": 1}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    with tempfile.TemporaryDirectory() as models:
+        model = args.model or "default"
+        if args.quick and not args.model:
+            from mlx_nbengine.testing import make_tiny_model
 
-    lm = load("default", dtype="float32")
+            model = str(make_tiny_model("gemma3_text", Path(models) / "g", dtype="float32"))
+        return run(args, model)
+
+
+def run(args, model: str) -> int:
+    lm = load(model, dtype="float32")
     mlps = [layer.mlp for layer in lm.model.layers]
     fast_class = type(mlps[0])
     library_class = fast_class.__mro__[1]
@@ -111,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         print("the fused GELU is not in use here (not a CPU, or the MLP changed)")
         return 1
     ids = lm.encode(TEXT * (args.prompt_tokens // 8))[: args.prompt_tokens]
+    config = lm.config.get("text_config", lm.config)
+    width = int(config.get("intermediate_size") or 4 * config["hidden_size"])
 
     best: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             set_variant(mlps, fast_class, library_class, variant)
             got = {
-                "gelu_ms": gelu_ms(variant),
+                "gelu_ms": gelu_ms(variant, layers=len(mlps), width=width),
                 "prefill_tok_s": -len(ids) / prefill_s(lm, ids),  # negated: best = min
             }
             for k, v in got.items():
@@ -175,7 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = "\n".join(lines)
     settings = {"prompt_tokens": len(ids), "decode_steps": args.decode_steps, "rounds": args.rounds}
-    write_results("cpu_math", {**settings, "rows": rows, "agreement": agreement}, text)
+    settings |= {"model": model, "gelu_shape": [len(mlps), 256, width], "quick": args.quick}
+    write_results(
+        "cpu_math",
+        {**settings, "rows": rows, "agreement": agreement},
+        text,
+        json_path=args.json,
+        quick=args.quick,
+    )
     return 0
 
 

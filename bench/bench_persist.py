@@ -13,9 +13,11 @@ Measures, in one directory (a fresh folder in the system temp folder unless --di
   into the scratch-file store (write only), in alternating rounds (--rounds), so a busy
   machine slows both alike; the ratio is persistent / scratch.
 
-Results: bench/results/persist.{json,txt} (see bench/common.py); the table is printed too.
+Results: bench/results/persist.{json,txt} (see bench/common.py; ``--json PATH``: there);
+the table is printed too. ``--quick``: a 32 MiB store of 1 MB records, one restart, one
+round, a smoke test in seconds (writes only ``--json``).
 
-    .venv/bin/python bench/bench_persist.py [--size 1GiB] [--record-mb 10] [--dir D]
+    .venv/bin/python -m bench.bench_persist [--size 1GiB] [--record-mb 10] [--dir D]
 """
 
 from __future__ import annotations
@@ -33,11 +35,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))  # run as a file, too
 
-from common import write_results  # noqa: E402
-
+from bench.common import add_run_args, write_results  # noqa: E402
 from mlx_nbengine.cache import persist  # noqa: E402
 from mlx_nbengine.cache.store import BlockStore  # noqa: E402
 
@@ -95,15 +95,22 @@ def put_all(store: BlockStore, blobs) -> tuple[int, float]:
     return moved, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size", default="1GiB", help="bytes the restarted store holds (1GiB)")
-    ap.add_argument("--record-mb", type=float, default=10.0, help="MB per record (10)")
-    ap.add_argument("--put-records", type=int, default=20, help="records per put round (20)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating put rounds (3)")
-    ap.add_argument("--restarts", type=int, default=3, help="fresh processes timed (3)")
+    add_run_args(ap, model=None)
+    ap.add_argument("--size", default=None, help="bytes the restarted store holds (1GiB)")
+    ap.add_argument("--record-mb", type=float, default=None, help="MB per record (10)")
+    ap.add_argument("--put-records", type=int, default=None, help="records per put round (20)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating put rounds (3)")
+    ap.add_argument("--restarts", type=int, default=None, help="fresh processes timed (3)")
     ap.add_argument("--dir", default=None, help="where to work (default: the temp folder)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    sizes = {"size": "1GiB", "record_mb": 10.0, "put_records": 20, "rounds": 3, "restarts": 3}
+    if args.quick:
+        sizes = {"size": "32MiB", "record_mb": 1.0, "put_records": 4, "rounds": 1, "restarts": 1}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     size = parse_size(args.size)
     record = int(args.record_mb * MB)
@@ -172,6 +179,7 @@ def main() -> None:
             "rounds": args.rounds,
             "restarts": args.restarts,
             "dir": "temp folder" if args.dir is None else "given",
+            "quick": args.quick,
         },
         "store": {
             "fill_seconds": fill_s,
@@ -215,7 +223,7 @@ def main() -> None:
     text = "bench_persist: the persistent block store\n\n" + "\n".join(
         f"{k.ljust(width)}  {v}" for k, v in rows
     )
-    write_results("persist", data, text)
+    write_results("persist", data, text, json_path=args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@
   near 1 means sampling adds little to a batched step (about 160 ms here).
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_sampling``. Writes
-``bench/results/sampling.json`` and ``sampling.txt`` and prints the table.
+``bench/results/sampling.json`` and ``sampling.txt`` (``--json PATH``: there) and prints
+the table. ``--model M`` measures M instead of the default model; ``--quick`` (a smoke
+test, seconds): a tiny model (``--model DIR``, else a tiny gemma3_text), few repeats,
+writing only ``--json``. The samplers involve no matrix products, so no BLAS thread count
+is set for them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from mlx_nbengine._blas import ensure_fast_blas
 
@@ -34,7 +39,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from bench.common import write_results  # noqa: E402
+from bench.common import add_run_args, write_results  # noqa: E402
 from mlx_nbengine import Engine  # noqa: E402
 from mlx_nbengine.engine.sampling import RequestSampler  # noqa: E402
 from mlx_nbengine.models import load  # noqa: E402
@@ -124,18 +129,34 @@ def engine_runs(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=15, help="per-step timings: median of this")
-    ap.add_argument("--engine-repeats", type=int, default=2)
-    ap.add_argument("--chat-tokens", type=int, default=32)
+    add_run_args(ap)
+    ap.add_argument("--repeats", type=int, default=None, help="per-step timings: median (15)")
+    ap.add_argument("--engine-repeats", type=int, default=None, help="engine runs, best of (2)")
+    ap.add_argument("--chat-tokens", type=int, default=None, help="tokens per chat (32)")
     args = ap.parse_args(argv)
+    sizes = {"repeats": 15, "engine_repeats": 2, "chat_tokens": 32}
+    if args.quick:
+        sizes = {"repeats": 3, "engine_repeats": 1, "chat_tokens": 4}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    with tempfile.TemporaryDirectory() as models:
+        model = args.model or "default"
+        if args.quick and not args.model:
+            from mlx_nbengine.testing import make_tiny_model
 
-    lm = load("default", dtype="float32")  # on this thread, for the per-step timings
+            model = str(make_tiny_model("gemma3_text", Path(models) / "g", sliding_window=64))
+        return run(args, model)
+
+
+def run(args, model: str) -> int:
+    lm = load(model, dtype="float32")  # on this thread, for the per-step timings
     logits = mx.concatenate([lm.model(mx.array(lm.encode(c))[None])[:, -1, :] for c in CHATS])
     mx.eval(logits)
     del lm
     steps = per_step(logits, args.repeats)
     with tempfile.TemporaryDirectory() as scratch:
-        with Engine.load("default", parallel=4, dtype="float32", cache_dir=scratch) as engine:
+        with Engine.load(model, parallel=4, dtype="float32", cache_dir=scratch) as engine:
             runs = engine_runs(engine, max_tokens=args.chat_tokens, repeats=args.engine_repeats)
 
     lines = [
@@ -157,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         f" {runs['sampled_graph_tokens']} tokens)"
     )
     text = "\n".join(lines)
-    settings = {"temperature": TEMPERATURE, "repeats": args.repeats}
-    write_results("sampling", {**settings, "per_step": steps, "engine": runs}, text)
+    settings = {"temperature": TEMPERATURE, "repeats": args.repeats, "model": model}
+    settings["quick"] = args.quick
+    write_results(
+        "sampling",
+        {**settings, "per_step": steps, "engine": runs},
+        text,
+        json_path=args.json,
+        quick=args.quick,
+    )
     return 0
 
 

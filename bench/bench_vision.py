@@ -18,8 +18,12 @@ what the store holds per block that overlaps the image (all record kinds). The p
 limit, set for ``--image-tokens`` image tokens (qwen2_vl's ``max_pixels``, gemma4's
 ``max_soft_tokens``).
 
-Results: ``bench/results/vision.json`` and ``vision.txt``. Run from the repository root:
-``.venv/bin/python -m bench.bench_vision [--size 2048] [--repeats 3] [--image-tokens 1024]``
+Results: ``bench/results/vision.json`` and ``vision.txt`` (``--json PATH``: there). Run from
+the repository root:
+``.venv/bin/python -m bench.bench_vision [--size 2048] [--repeats 3] [--image-tokens 1024]``;
+``--model DIR`` measures that vision model (as it is) instead of the tiny families;
+``--quick`` (a smoke test, seconds): a 256-pixel picture, 64 image tokens, blocks of 32,
+one round, writing only ``--json``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +42,7 @@ ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from bench.common import write_results  # noqa: E402
+from bench.common import add_run_args, write_results  # noqa: E402
 from mlx_nbengine.engine import Engine  # noqa: E402
 from mlx_nbengine.testing import make_tiny_model  # noqa: E402
 
@@ -118,19 +123,30 @@ def one_round(path: Path, image: np.ndarray, block_size: int) -> dict:
         engine.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2048, help="picture side in pixels")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--image-tokens", type=int, default=1024)
+    add_run_args(parser, model="the tiny vision families")
+    parser.add_argument("--size", type=int, default=None, help="picture side in pixels (2048)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds, median of (3)")
+    parser.add_argument("--block-size", type=int, default=None, help="block size (256)")
+    parser.add_argument("--image-tokens", type=int, default=None, help="per picture (1024)")
     parser.add_argument("--families", default="qwen2_vl,gemma4")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    sizes = {"size": 2048, "repeats": 3, "block_size": 256, "image_tokens": 1024}
+    if args.quick:
+        sizes = {"size": 256, "repeats": 1, "block_size": 32, "image_tokens": 64}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     image = picture(args.size)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families.split(","):
-            path = model_dir(family, Path(tmp), args.image_tokens)
+        models = [Path(args.model).name] if args.model else args.families.split(",")
+        for family in models:
+            if args.model:
+                path = Path(args.model)
+            else:
+                path = model_dir(family, Path(tmp), args.image_tokens)
             one_round(path, image, args.block_size)  # warm-up: imports, first compilations
             rounds = [one_round(path, image, args.block_size) for _ in range(args.repeats)]
             med = {
@@ -161,8 +177,16 @@ def main() -> None:
         "",
         "Targets: repeat at least 5x, new question at least 3x faster than the first.",
     ]
-    write_results("vision", {"args": vars(args), "rows": rows}, "\n".join(lines))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_results(
+        "vision",
+        {"args": settings, "rows": rows},
+        "\n".join(lines),
+        json_path=args.json,
+        quick=args.quick,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

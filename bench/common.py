@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,17 +47,19 @@ def usable_cpus() -> int:
 
 
 def machine() -> dict:
-    """Where the figures come from (call after MLX is imported the benchmark's way)."""
-    import mlx.core as mx
-
-    return {
+    """Where the figures come from (MLX's version where the benchmark imported MLX)."""
+    out = {
         "machine": platform.platform(),
         "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
         "load_avg": os.getloadavg(),
-        "mlx": mx.__version__,
+        "python": platform.python_version(),
     }
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        out["mlx"] = mx.__version__
+    return out
 
 
 def add_run_args(ap: argparse.ArgumentParser, *, model: str | None = "the default model") -> None:
