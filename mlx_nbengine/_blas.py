@@ -1,18 +1,25 @@
-"""Give MLX on Linux CPU an optimized BLAS, without the user knowing.
+"""Give MLX on Linux CPU an optimized BLAS, without the user knowing, and never a crash.
 
 The ``mlx[cpu]`` wheel links its matmuls (``cblas_sgemm``...) against a bundled
-reference BLAS that runs at a few GFLOP/s. OpenBLAS, from the ``cmeel-openblas``
-wheel we depend on, runs them 30-100x faster. The dynamic linker resolves an
-undefined symbol in the *global scope* before a library's own dependencies, so
-loading OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported makes
-MLX's BLAS calls land in OpenBLAS. After MLX is imported it is too late: its
-symbols are already bound.
+reference BLAS that runs at a few GFLOP/s. OpenBLAS runs them 30-100x faster. The
+dynamic linker resolves an undefined symbol in the *global scope* before a library's own
+dependencies, so loading a library that exports ``cblas_sgemm`` with ``RTLD_GLOBAL``
+before ``mlx.core`` is first imported makes MLX's BLAS calls land in it. After MLX is
+imported it is too late: its symbols are already bound.
 
-The cmeel wheel's ``libopenblas.so.0`` needs ``libgfortran.so.5``, which many
-machines lack. The mlx-cpu wheel ships a libgfortran under a mangled name; when
-the system has none, we write a copy whose SONAME reads ``libgfortran.so.5``
-into ``$MLX_NBENGINE_HOME/blas`` (default ``~/.cache/mlx_nbengine/blas``) and
-load it first, so OpenBLAS's dependency is already satisfied.
+The library is scipy-openblas32's OpenBLAS (``DYNAMIC_ARCH``: its kernels are chosen at
+run time for the CPU that runs them), given the plain CBLAS names by a compiled forwarding
+shim or, without a C compiler, by a renamed copy (`_blaslib`). Before it is bound, a
+child process checks that it loads and computes several sgemm shapes right on this CPU
+(`_blaslib.vet`, cached per library build and CPU). Where it cannot be built, loaded or
+trusted, MLX keeps the reference BLAS and one line on stderr says why and what it costs.
+Its thread count is the number of cores this process may use (``os.sched_getaffinity``),
+unless ``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS`` says otherwise.
+
+``MLX_NBENGINE_BLAS`` chooses: unset or ``auto`` (the shim where there is a compiler, else
+the renamed copy), ``shim``, ``renamed``, a path to a CBLAS library of your own (vetted
+the same way), or ``reference`` (the bundled reference BLAS: the benchmark's baseline).
+macOS (Accelerate) and non-Linux systems are left alone.
 
 *Threads*: a multi-threaded matmul pays a wake-up and a barrier per call. A
 prefill step (hundreds of tokens) amortizes that and runs up to N times faster;
@@ -58,23 +65,22 @@ preference until both counts have been timed on prefill.
 `blas_threads_for(n_tokens)` only sets the count (no timing) for callers that
 cannot wrap their steps.
 
-Set ``MLX_NBENGINE_BLAS=reference`` to keep the bundled reference BLAS (the
-benchmark's baseline). macOS (Accelerate) and non-Linux systems are left alone.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from mlx_nbengine import _blaslib
+from mlx_nbengine._blaslib import BlasBuildError
 
 __all__ = ["BlasStatus", "blas_status", "blas_step", "blas_threads_for", "ensure_fast_blas"]
 
@@ -83,11 +89,41 @@ _ENV = "MLX_NBENGINE_BLAS"
 
 @dataclass(frozen=True)
 class BlasStatus:
-    """What `ensure_fast_blas` did: ``active`` is True when OpenBLAS serves MLX."""
+    """What `ensure_fast_blas` did: ``active`` is True when the optimized BLAS serves MLX.
+
+    ``library`` is the file bound (the shim, the renamed copy or the user's library),
+    ``source`` the library behind it, ``config`` and ``core`` OpenBLAS's own words (build
+    options with ``DYNAMIC_ARCH`` and ``MAX_THREADS``; the kernels chosen for this CPU),
+    ``threads`` the thread count set, ``verdict`` the guard's.
+    """
 
     active: bool
     reason: str
     library: str | None = None
+    source: str | None = None
+    config: str | None = None
+    core: str | None = None
+    threads: int | None = None
+    verdict: str | None = None
+
+    def lines(self) -> list[str]:
+        """What ``python -m mlx_nbengine blas`` prints."""
+        out = [f"optimized BLAS active: {self.active} ({self.reason})"]
+        for label, value in (
+            ("library", self.library),
+            ("serving", self.source),
+            ("config", self.config),
+            ("core", self.core),
+            ("threads", self.threads),
+            ("verdict", self.verdict),
+        ):
+            if value is not None:
+                out.append(f"{label}: {value}")
+        return out
+
+
+# What the reference BLAS costs, measured (bench/bench_blas.py: 1024x1024 sgemm, 2 threads).
+REFERENCE_COST = "MLX's matmuls run on the reference BLAS, about 40x slower"
 
 
 _status: BlasStatus | None = None
@@ -184,69 +220,6 @@ def _decode_tuner() -> _DecodeTuner:
     return _decode
 
 
-def _site_dirs() -> list[Path]:
-    return [Path(p) for p in sys.path if p and Path(p).is_dir()]
-
-
-def _find_in_site(relative: str) -> Path | None:
-    for d in _site_dirs():
-        candidate = d / relative
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _find_mlx_gfortran() -> Path | None:
-    for d in _site_dirs():
-        libs = d / "mlx_cpu.libs"
-        if libs.is_dir():
-            found = sorted(libs.glob("libgfortran-*.so*"))
-            if found:
-                return found[0]
-    return None
-
-
-def _home() -> Path:
-    return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
-
-
-def _soname(data: bytes, name: bytes) -> int:
-    # The mangled SONAME appears once, in .dynstr; renaming it in place keeps every offset valid.
-    return data.find(name + b"\0")
-
-
-def _gfortran_shim(source: Path) -> Path:
-    """A copy of mlx-cpu's libgfortran whose SONAME is ``libgfortran.so.5`` (cached)."""
-    data = source.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    directory = _home() / "blas" / digest
-    target = directory / "libgfortran.so.5"
-    if target.exists():
-        return target
-    old = source.name.encode()
-    at = _soname(data, old)
-    new = b"libgfortran.so.5"
-    if at < 0 or len(new) > len(old):
-        raise OSError(f"cannot rename SONAME of {source}")
-    patched = bytearray(data)
-    patched[at : at + len(old)] = new.ljust(len(old), b"\0")
-    directory.mkdir(parents=True, exist_ok=True)
-    # Its own dependency (libquadmath, mangled) is found through RPATH $ORIGIN: link it beside.
-    for dep in source.parent.glob("libquadmath-*"):
-        link = directory / dep.name
-        if not link.exists():
-            try:
-                link.symlink_to(dep)
-            except FileExistsError:
-                pass
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".libgfortran-")
-    os.fchmod(fd, 0o755)
-    with os.fdopen(fd, "wb") as f:
-        f.write(patched)
-    os.replace(tmp, target)  # atomic: concurrent processes never see a half-written library
-    return target
-
-
 def _load_global(path: Path | str) -> ctypes.CDLL:
     handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     _handles.append(handle)
@@ -254,22 +227,34 @@ def _load_global(path: Path | str) -> ctypes.CDLL:
 
 
 def ensure_fast_blas() -> BlasStatus:
-    """Load OpenBLAS globally so MLX uses it; call before the first ``import mlx``.
+    """Bind the optimized BLAS globally so MLX uses it; call before the first ``import mlx``.
 
     Safe to call many times and on any platform; never raises. Returns (and
-    remembers) what happened.
+    remembers) what happened; a refusal is also said once on stderr.
     """
     global _status, _openblas, _max_threads
     if _status is not None:
         return _status
-    _status = _ensure()
+    try:
+        _status = _ensure()
+    except Exception as e:  # noqa: BLE001 - a BLAS problem must never stop an import
+        _status = BlasStatus(False, f"the optimized BLAS could not be set up: {e}")
     if _status.active:
-        _openblas = _handles[-1]
-        try:
-            _max_threads = max(1, int(_openblas.openblas_get_num_threads()))
-        except AttributeError:
-            _openblas = None
+        handle = _handles[-1]
+        if hasattr(handle, "openblas_set_num_threads"):
+            _openblas = handle
+            _max_threads = max(1, int(handle.openblas_get_num_threads()))
+    elif _status.verdict is not None:  # prepared but refused, or failed: say it once
+        print(f"mlx_nbengine: {_status.reason}; {REFERENCE_COST}", file=sys.stderr)
     return _status
+
+
+def affinity_threads() -> int:
+    """The cores this process may run on (its affinity mask), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _short_step_choice() -> int:
@@ -340,32 +325,80 @@ def blas_threads_for(n_tokens: int) -> int:
     return threads
 
 
+_REFERENCE_WORDS = {"reference", "off", "0", "none"}
+_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+
+
+def _prepare(choice: str) -> tuple[Path, str, Path | None]:
+    """The library to vet and bind for `choice`: (path, how it was made, what it serves)."""
+    if choice not in {"", "auto", "shim", "renamed"}:
+        path = Path(choice).expanduser()
+        if not path.is_file():
+            raise BlasBuildError(
+                f"{_ENV}={choice!r} is neither auto, shim, renamed, reference nor a library file"
+            )
+        return path, "the library given by " + _ENV, None
+    source = _blaslib.scipy_openblas()
+    if source is None:
+        raise BlasBuildError("scipy-openblas32 is not installed")
+    compiler = _blaslib.find_compiler() if choice != "renamed" else None
+    if choice == "shim" and compiler is None:
+        raise BlasBuildError("no C compiler to build the BLAS shim with")
+    if compiler is not None:
+        try:
+            return _blaslib.build_shim(source, compiler), "scipy-openblas32 through a shim", source
+        except BlasBuildError:
+            if choice == "shim":
+                raise
+    how = "scipy-openblas32, renamed" + ("" if choice == "renamed" else " (no C compiler)")
+    return _blaslib.build_renamed(source), how, source
+
+
 def _ensure() -> BlasStatus:
     if not sys.platform.startswith("linux"):
         return BlasStatus(False, "not Linux: MLX uses the platform BLAS")
-    if os.environ.get(_ENV, "").lower() in {"reference", "off", "0", "none"}:
+    choice = os.environ.get(_ENV, "").strip()
+    if choice.lower() in _REFERENCE_WORDS:
         return BlasStatus(False, f"{_ENV} asks for the reference BLAS")
     if "mlx.core" in sys.modules:
         return BlasStatus(False, "mlx.core was imported first; its BLAS is already bound")
-    openblas = _find_in_site("cmeel.prefix/lib/libopenblas.so.0")
-    if openblas is None:
-        return BlasStatus(False, "cmeel-openblas is not installed")
     try:
-        _load_global(openblas)
-        return BlasStatus(True, "OpenBLAS loaded", str(openblas))
-    except OSError as first:
-        if "gfortran" not in str(first):
-            return BlasStatus(False, f"OpenBLAS did not load: {first}")
+        library, how, source = _prepare(
+            choice.lower() if choice.lower() in {"auto", "shim", "renamed"} else choice
+        )
+    except (BlasBuildError, OSError) as e:
+        return BlasStatus(False, f"no optimized BLAS: {e}", verdict="not built")
+    verdict, cached = _blaslib.vet(library)
+    said = verdict.reason + (" (cached verdict)" if cached else "")
+    if not verdict.ok:
+        return BlasStatus(
+            False,
+            f"the BLAS {library.name} was refused: {verdict.reason}",
+            library=str(library),
+            source=str(source) if source else None,
+            config=verdict.config,
+            core=verdict.core,
+            verdict=said,
+        )
     try:
-        # The first try failed, so the system has no libgfortran.so.5: bring our own.
-        source = _find_mlx_gfortran()
-        if source is None:
-            return BlasStatus(False, "no libgfortran.so.5 for OpenBLAS")
-        _load_global(_gfortran_shim(source))
-        _load_global(openblas)
+        handle = _load_global(library)
     except OSError as e:
-        return BlasStatus(False, f"OpenBLAS did not load: {e}")
-    return BlasStatus(True, "OpenBLAS loaded with a libgfortran shim", str(openblas))
+        return BlasStatus(False, f"the BLAS {library.name} did not load: {e}", verdict="load")
+    threads = None
+    if hasattr(handle, "openblas_set_num_threads"):
+        if not any(os.environ.get(name) for name in _THREAD_ENV):
+            handle.openblas_set_num_threads(affinity_threads())
+        threads = int(handle.openblas_get_num_threads())
+    return BlasStatus(
+        True,
+        how,
+        library=str(library),
+        source=str(source) if source else None,
+        config=verdict.config,
+        core=verdict.core,
+        threads=threads,
+        verdict=said,
+    )
 
 
 def blas_status() -> BlasStatus | None:

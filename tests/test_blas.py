@@ -1,5 +1,7 @@
-"""`mlx_nbengine._blas`: on Linux CPU, MLX's matmuls land in OpenBLAS when mlx_nbengine is
-imported first; the reference BLAS stays when asked or when MLX came first."""
+"""`mlx_nbengine._blas`: on Linux CPU, MLX's matmuls land in scipy-openblas32 (through the
+compiled shim, or the renamed copy without a compiler) when mlx_nbengine is imported first;
+the reference BLAS stays when asked or when MLX came first. The guard's refusals are in
+tests/test_blas_guard.py."""
 
 from __future__ import annotations
 
@@ -10,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from mlx_nbengine import _blas
+from mlx_nbengine import _blas, _blaslib
 
 ROOT = Path(__file__).resolve().parent.parent
 linux_with_openblas = pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or _blas._find_in_site("cmeel.prefix/lib/libopenblas.so.0") is None,
-    reason="the OpenBLAS binding is for Linux with cmeel-openblas installed",
+    not sys.platform.startswith("linux") or _blaslib.scipy_openblas() is None,
+    reason="the OpenBLAS binding is for Linux with scipy-openblas32 installed",
 )
 
 MATMUL = "import mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+STATUS = "import mlx_nbengine.models; from mlx_nbengine._blas import blas_status\n"
 
 
 def run_python(code: str, tmp_path: Path, **env: str) -> tuple[str, str]:
@@ -33,36 +35,81 @@ def run_python(code: str, tmp_path: Path, **env: str) -> tuple[str, str]:
         "LD_DEBUG_OUTPUT": str(trace),
         **env,
     }
-    full_env.pop("LD_PRELOAD", None)
+    for name in ("LD_PRELOAD", "MLX_NBENGINE_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if name not in env:
+            full_env.pop(name, None)
     out = subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, check=True
     )
     traced = "".join(p.read_text(errors="replace") for p in tmp_path.glob("ld.*"))
+    for p in tmp_path.glob("ld.*"):
+        p.unlink()
     return out.stdout, traced
 
 
 def sgemm_binding(trace: str) -> str:
     lines = [line for line in trace.splitlines() if "libmlx.so" in line and "`cblas_sgemm'" in line]
     assert lines, "libmlx.so never bound cblas_sgemm"
-    return lines[0]
+    return lines[0].split(" to ")[1]
 
 
 @linux_with_openblas
-def test_importing_mlx_nbengine_first_binds_mlx_sgemm_to_openblas(tmp_path):
-    code = "import mlx_nbengine.models as m; from mlx_nbengine._blas import blas_status\n"
-    code += MATMUL + "\nprint(blas_status().active)"
+def test_importing_mlx_nbengine_first_binds_mlx_sgemm_to_the_shim(tmp_path):
+    code = STATUS + MATMUL + "\ns = blas_status(); print(s.active, s.reason, s.threads)"
     stdout, trace = run_python(code, tmp_path)
-    assert stdout.strip() == "True"
-    assert "libopenblas.so.0" in sgemm_binding(trace).split(" to ")[1]
+    assert stdout.split()[:2] == ["True", "scipy-openblas32"] and "shim" in stdout
+    assert _blaslib.SHIM_NAME in sgemm_binding(trace)
+    # The thread count is the cores this process may use, not OpenBLAS's build cap (64).
+    assert int(stdout.split()[-1]) == len(os.sched_getaffinity(0))
+
+
+@linux_with_openblas
+def test_without_a_compiler_the_renamed_copy_serves_mlx(tmp_path):
+    """The compiler hidden from PATH (and no $CC): the pure-Python renamed copy is bound."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    code = STATUS + MATMUL + "\ns = blas_status(); print(s.active, '|', s.reason)"
+    stdout, trace = run_python(code, tmp_path, PATH=str(empty))
+    assert stdout.strip() == "True | scipy-openblas32, renamed (no C compiler)"
+    assert _blaslib.RENAMED_NAME in sgemm_binding(trace)
+    assert not list((tmp_path / "home" / "blas").glob(f"*/{_blaslib.SHIM_NAME}"))
+
+
+@linux_with_openblas
+def test_threads_follow_the_affinity_mask(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to restrict the process to one")
+    code = STATUS + "s = blas_status(); print(s.threads)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_NBENGINE_HOME": str(tmp_path)}
+    for name in ("MLX_NBENGINE_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    one = min(os.sched_getaffinity(0))
+    pinned = f"import os; os.sched_setaffinity(0, {{{one}}})\n" + code
+    out = subprocess.run(
+        [sys.executable, "-c", pinned], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "1"
+
+
+@linux_with_openblas
+def test_openblas_coretype_forces_the_portable_haswell_kernels(tmp_path):
+    """What a CPU without AVX-512 gets, on any x86 machine: OPENBLAS_CORETYPE=Haswell."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("Haswell kernels are x86-64 kernels")
+    code = STATUS + MATMUL + "\ns = blas_status(); print(s.active, s.core, '|', s.config)"
+    stdout, trace = run_python(code, tmp_path, OPENBLAS_CORETYPE="Haswell")
+    active, core, _, config = stdout.split(maxsplit=3)
+    assert (active, core) == ("True", "Haswell")
+    assert "DYNAMIC_ARCH" in config and "Haswell" in config
+    assert _blaslib.SHIM_NAME in sgemm_binding(trace)
 
 
 @linux_with_openblas
 def test_reference_setting_keeps_the_bundled_blas(tmp_path):
-    code = "import mlx_nbengine.models; from mlx_nbengine._blas import blas_status\n"
-    code += MATMUL + "\nprint(blas_status().reason)"
+    code = STATUS + MATMUL + "\nprint(blas_status().reason)"
     stdout, trace = run_python(code, tmp_path, MLX_NBENGINE_BLAS="reference")
     assert "asks for the reference BLAS" in stdout
-    assert "libblas-" in sgemm_binding(trace).split(" to ")[1]
+    assert "libblas-" in sgemm_binding(trace)
 
 
 @linux_with_openblas
@@ -71,19 +118,6 @@ def test_after_mlx_is_imported_it_is_too_late_and_says_so(tmp_path):
     code += "print(ensure_fast_blas().reason)"
     stdout, _ = run_python(code, tmp_path)
     assert "mlx.core was imported first" in stdout
-
-
-@linux_with_openblas
-def test_gfortran_shim_is_cached_and_renamed(tmp_path, monkeypatch):
-    source = _blas._find_mlx_gfortran()
-    if source is None:
-        pytest.skip("mlx-cpu's libgfortran not found")
-    monkeypatch.setenv("MLX_NBENGINE_HOME", str(tmp_path))
-    first = _blas._gfortran_shim(source)
-    assert first == _blas._gfortran_shim(source)
-    assert first.name == "libgfortran.so.5"
-    assert b"libgfortran.so.5\0" in first.read_bytes()
-    assert [p.name for p in first.parent.iterdir() if p.name.startswith(".")] == []
 
 
 def test_other_platforms_are_left_alone(monkeypatch):
@@ -249,3 +283,29 @@ def test_short_prefill_steps_take_the_count_prefill_runs_faster_on(monkeypatch):
     assert _blas.blas_threads_for(1) == 1  # decode keeps its own preference
     monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.002, many: 0.003})
     assert _blas.blas_threads_for(_blas.PARALLEL_MIN_TOKENS - 1) == 1  # a busy machine
+
+
+@pytest.mark.slow
+@linux_with_openblas
+def test_on_the_portable_haswell_kernels_the_default_model_answers(tmp_path):
+    """A CPU without AVX-512 (forced with OPENBLAS_CORETYPE=Haswell on any x86 machine): the
+    binding reports that core and the default model answers its first prompt."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("Haswell kernels are x86-64 kernels")
+    code = (
+        "from mlx_nbengine.engine import Engine\n"
+        "from mlx_nbengine._blas import blas_status\n"
+        "print(blas_status().core)\n"
+        "with Engine.load('default') as engine:\n"
+        "    done = engine.submit('The Eiffel Tower is located in the city of', max_tokens=8)\n"
+        "    print(done.result().text)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_CORETYPE": "Haswell"}
+    env.pop("MLX_NBENGINE_BLAS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    core, answer = out.stdout.split("\n", 1)
+    assert core == "Haswell"
+    assert "Paris" in answer

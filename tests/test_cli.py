@@ -53,9 +53,24 @@ def test_errors_are_one_line_with_a_nonzero_exit(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("error: No model at")
 
 
-def test_blas_reports_its_state(tmp_path):
+def test_blas_reports_what_this_machine_should_have(tmp_path):
+    """Linux with scipy-openblas32 (the package's dependency): the runtime-dispatched
+    OpenBLAS is active, with its config, chosen core, thread count and verdict."""
+    from mlx_nbengine import _blaslib
+
     out = cli("blas", home=tmp_path)
-    assert out.returncode == 0 and out.stdout.startswith("optimized BLAS active:")
+    assert out.returncode == 0, out.stderr
+    if not sys.platform.startswith("linux") or os.environ.get("MLX_NBENGINE_BLAS"):
+        assert out.stdout.startswith("optimized BLAS active:")
+        return
+    assert _blaslib.scipy_openblas() is not None, "scipy-openblas32 is a dependency on Linux"
+    lines = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["optimized BLAS active"].startswith("True (scipy-openblas32")
+    assert "DYNAMIC_ARCH" in lines["config"] and "MAX_THREADS=" in lines["config"]
+    assert lines["core"] and lines["core"] in lines["config"]
+    assert int(lines["threads"]) == len(os.sched_getaffinity(0))
+    assert lines["verdict"] == "passed its check"  # a fresh cache home: the check ran
+    assert Path(lines["serving"]) == _blaslib.scipy_openblas()
 
 
 def test_html_exports_the_static_block_pictures_even_with_widget_state(tmp_path):
