@@ -7,8 +7,8 @@ Three ratios per model, each measured within one run:
   wall time / parallel wall time (target on Gemma 3 270M: >= 3.5x). *mlx-lm batch* is
   the same ratio for mlx-lm's `generate_step` one by one vs its `batch_generate`, each
   run under one BLAS thread and under every usable CPU (`bench.common.blas_thread_counts`;
-  our engine picks its count per step, see `mlx_nbengine._blas`) and taken at its best
-  count (named in the table and the JSON).
+  our engine picks its count per step, see `mlx_nbengine._blas`), ``--mlx-lm-repeats``
+  runs each (alternated), and taken at its best count (named in the table and the JSON).
 - **(b) RAM**: four long prompts submitted together (``parallel=4``), in a fresh
   subprocess per mode. *extra RAM* = RSS once the engine is idle again minus RSS after
   load and a warm-up with one prompt of the same length. Modes: the disk store (records
@@ -25,10 +25,10 @@ Three ratios per model, each measured within one run:
   (min-max) of the rounds. *mlx-lm LRU* = TTFT of the edited prompt with mlx-lm's own
   `LRUPromptCache` holding the original prompt's cache (prefill with `generate_step`, as
   mlx-lm's server does; the cache is copied out of the LRU for every run, so every run
-  is a first edit), ``--repeats`` runs under each BLAS thread count, the median of the
-  best count. *floor* = the prefill time of the tokens that cannot be restored (the
-  computed blocks of each warm report) + restored bytes / the read bandwidth measured
-  on the cache directory (median of the rounds). Targets: cold/warm >= 7x and
+  is a first edit), ``--mlx-lm-repeats`` runs under each BLAS thread count (alternated),
+  the median of the best count. *floor* = the prefill time of the tokens that cannot be
+  restored (the computed blocks of each warm report) + restored bytes / the read
+  bandwidth measured on the cache directory (median of the rounds). Targets: cold/warm >= 7x and
   warm/floor <= 1.25x.
 
 Models: the default model (Gemma 3 270M via ``load("default")``, float32; skipped with
@@ -424,11 +424,16 @@ def bench_model(name: str, model: str, args, *, block_size: int, scale: int) -> 
     lm = load(model, dtype="float32")  # on this thread, for mlx-lm's own loops
     if "a" in args.only:
         row["mlx_lm_batching"] = mlx_lm_batching(
-            lm, row["batching"].pop("prompts"), max_tokens=args.chat_tokens, repeats=args.repeats
+            lm,
+            row["batching"].pop("prompts"),
+            max_tokens=args.chat_tokens,
+            repeats=args.mlx_lm_repeats,
         )
     if "c" in args.only:
         ttft = row["ttft"]
-        lru = mlx_lm_lru_ttft(lm, ttft.pop("original"), ttft.pop("edit"), repeats=args.repeats)
+        lru = mlx_lm_lru_ttft(
+            lm, ttft.pop("original"), ttft.pop("edit"), repeats=args.mlx_lm_repeats
+        )
         ttft.update(
             lru_ttft_s=lru["ttft_s"],
             lru_threads=lru["threads"],
@@ -462,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-tokens", type=int, default=None, help="(c) prompt tokens (2048)")
     ap.add_argument("--repeats", type=int, default=None, help="(a) best of, (c) rounds (3)")
     ap.add_argument(
+        "--mlx-lm-repeats",
+        type=int,
+        default=None,
+        help="mlx-lm's runs per BLAS thread count in (a) and (c) (1)",
+    )
+    ap.add_argument(
         "--only", default="abc", help="the parts to run, e.g. `a` or `ac` (default: abc)"
     )
     ap.add_argument(
@@ -474,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     quick = {"chat_tokens": 8, "rss_tokens": 512, "ttft_tokens": 256, "repeats": 2}
     full = {"chat_tokens": 64, "rss_tokens": 1024, "ttft_tokens": 2048, "repeats": 3}
+    quick["mlx_lm_repeats"] = full["mlx_lm_repeats"] = 1
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -493,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_tokens": args.rss_tokens,
         "ttft_tokens": args.ttft_tokens,
         "repeats": args.repeats,
+        "mlx_lm_repeats": args.mlx_lm_repeats,
         "only": args.only,
         "blas_thread_counts": blas_thread_counts(),
         "quick": args.quick,
