@@ -263,7 +263,8 @@ def test_llama3_rope_freqs_become_the_rope_scaling_they_came_from(tmp_path):
     (plain / "config.json").write_text(json.dumps(config))
     expected = source.model(ids)
     assert not mx.allclose(load(plain).model(ids), expected, atol=1e-3)
-    assert mx.allclose(result.model(ids), expected, atol=1e-4)
+    # Measured 2026-12-01 on an AMD EPYC (2 cores): at most 3.8e-6 (largest logit 4.6).
+    assert mx.abs(result.model(ids) - expected).max().item() < 4e-5
 
 
 def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):

@@ -27,7 +27,10 @@ def test_the_split_gives_the_models_last_row_logits(tiny):
     last = split.last_logits(tokens, tiny.make_cache())
     assert last.shape == whole.shape
     # Another matmul shape for the head: equal up to the last bits, same greedy token.
-    assert mx.allclose(last, whole, atol=1e-4, rtol=1e-4).item()
+    # Measured 2026-12-01 on an AMD EPYC (2 cores): at most 1.4e-6 over the three
+    # families (largest logit 5.9); the bound is 10x that.
+    diff = mx.abs(last - whole).max().item()
+    assert diff < 1.5e-5, diff
     assert mx.argmax(last).item() == mx.argmax(whole).item()
 
 
