@@ -59,6 +59,15 @@ def machine() -> dict:
     mx = sys.modules.get("mlx.core")
     if mx is not None:
         out["mlx"] = mx.__version__
+    blas = sys.modules.get("mlx_nbengine._blas")
+    status = blas.blas_status() if blas is not None else None
+    if status is not None:
+        out["blas"] = {
+            "active": status.active,
+            "reason": status.reason,
+            "core": getattr(status, "core", None),
+            "threads": getattr(status, "threads", None),
+        }
     return out
 
 
