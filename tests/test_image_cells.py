@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("jupyter_client")
 
-from test_kernel import (  # noqa: E402  (tests/ is on sys.path)
+from kernelwatch import kernel_manager  # noqa: E402  (tests/ is on sys.path)
+from test_kernel import (  # noqa: E402
     REPO,
     WIDGET_VIEW,
     Kernel,
-    kernel_manager,
     the_strip,
     widget_state,
 )

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +30,8 @@ import pytest
 jupyter_client = pytest.importorskip("jupyter_client")
 
 from jupyter_client import KernelManager  # noqa: E402
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from kernelwatch import REPO, check_alive, kernel_manager, shut_down  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 BLOCK = 16
 # About 130 tokens of the tiny tokenizer: 8 whole 16-token blocks and a tail.
 LONG_PROMPT = "\n".join(
@@ -50,24 +48,6 @@ LONG_PROMPT = "\n".join(
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 INTERRUPTED_LINE = "interrupted: generation cancelled; the partial answer is kept above"
-
-
-def kernel_manager(tmp: Path, *, env: dict[str, str] | None = None) -> KernelManager:
-    """A KernelManager for this interpreter's ipykernel, whatever kernelspecs are installed."""
-    spec_dir = tmp / "kernels" / "mlx-nbengine-test"
-    spec_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "mlx_nbengine test",
-        "language": "python",
-        "env": {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        | (env or {}),
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    return KernelManager(
-        kernel_name="mlx-nbengine-test",
-        kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp / "kernels")]),
-    )
 
 
 @dataclass
@@ -114,14 +94,29 @@ class Cell:
 
 
 class Kernel:
-    """A started kernel and its client; `log` keeps every IOPub message in arrival order."""
+    """A started kernel and its client; `log` keeps every IOPub message in arrival order.
+
+    Every wait checks about once a second that the kernel lives, and fails at once with
+    `KernelDied` ("the kernel died (signal 4: SIGILL)") when it does not.
+    """
 
     def __init__(self, km: KernelManager) -> None:
         self.km = km
         self.kc = km.client()
         self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
+        try:
+            self.kc.wait_for_ready(timeout=120)
+        except RuntimeError:
+            check_alive(km)
+            raise
         self.log: list[dict] = []
+        self._checked = time.monotonic()
+
+    def check_alive(self) -> None:
+        """Raise `KernelDied` if the kernel's process has ended (at most once a second)."""
+        if time.monotonic() - self._checked >= 1:
+            self._checked = time.monotonic()
+            check_alive(self.km)
 
     def send(self, code: str, *, cell_id: str | None = None) -> str:
         content = {
@@ -148,6 +143,7 @@ class Kernel:
     def wait_reply(self, msg_id: str, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.check_alive()
             self.pump(0.01)
             try:
                 reply = self.kc.get_shell_msg(timeout=0.05)
@@ -162,6 +158,7 @@ class Kernel:
         while time.monotonic() < deadline:
             if any(self._is_idle(m, msg_id) for m in self.log):
                 return
+            self.check_alive()
             self.pump(0.05)
         raise TimeoutError(f"kernel not idle after {msg_id} in {timeout} s")
 
@@ -196,8 +193,11 @@ class Kernel:
         return self.ok(f"print({expression})").stdout.strip()
 
     def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        """Stop the kernel (if it still runs) and remove its connection file."""
+        try:
+            self.kc.stop_channels()
+        finally:
+            shut_down(self.km)
 
 
 def parent_of(m: dict) -> str | None:

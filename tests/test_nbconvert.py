@@ -32,7 +32,8 @@ nbclient = pytest.importorskip("nbclient")
 nbconvert = pytest.importorskip("nbconvert")
 bs4 = pytest.importorskip("bs4")
 
-from test_kernel import BLOCK, LONG_PROMPT, kernel_manager  # noqa: E402  (tests/ on sys.path)
+from kernelwatch import execute_notebook, kernel_manager  # noqa: E402  (tests/ on sys.path)
+from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
 
 FIRST = f"{LONG_PROMPT}\nSummarize this text."
 EDITED = f"{LONG_PROMPT}\nTranslate this text."
@@ -75,6 +76,7 @@ def saved(tiny_model_dir, tmp_path_factory) -> Path:
     km = kernel_manager(
         tmp_path_factory.mktemp("nbconvert-kernel"),
         env={"MLX_NBENGINE_HOME": str(work / "cache-home")},
+        asynchronous=True,
     )
     nb = notebook()
     client = nbclient.NotebookClient(
@@ -84,7 +86,7 @@ def saved(tiny_model_dir, tmp_path_factory) -> Path:
         store_widget_state=True,
         resources={"metadata": {"path": str(work)}},
     )
-    client.execute()
+    execute_notebook(client)
     path = work / "blocks.ipynb"
     nbformat.write(nb, path)
     return path

@@ -18,7 +18,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-from test_kernel import REPO, WIDGET_VIEW, kernel_manager  # noqa: E402  (tests/ is on sys.path)
+from kernelwatch import REPO, execute_notebook, kernel_manager  # noqa: E402  (tests/ on sys.path)
+from test_kernel import WIDGET_VIEW  # noqa: E402
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "llm_tiny.ipynb"
 BLOCK = 16
@@ -62,12 +63,12 @@ def executed(tiny_model_dir, tmp_path_factory):
         "MLX_NBENGINE_NOTEBOOK_MODEL": str(model),
         "MLX_NBENGINE_NOTEBOOK_BLOCK_SIZE": str(BLOCK),
     }
-    km = kernel_manager(tmp_path_factory.mktemp("nbkernel"), env=env)
+    km = kernel_manager(tmp_path_factory.mktemp("nbkernel"), env=env, asynchronous=True)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb, km=km, timeout=300, resources={"metadata": {"path": str(REPO)}}
     )
-    client.execute()
+    execute_notebook(client)
     return nb
 
 

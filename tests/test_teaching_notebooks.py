@@ -33,7 +33,8 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("matplotlib")
 pytest.importorskip("pandas")
 
-from test_kernel import REPO, WIDGET_VIEW, kernel_manager  # noqa: E402  (tests/ is on sys.path)
+from kernelwatch import REPO, execute_notebook, kernel_manager  # noqa: E402  (tests/ on sys.path)
+from test_kernel import WIDGET_VIEW  # noqa: E402
 
 from mlx_nbengine.notebook.export import notebook_to_html  # noqa: E402
 
@@ -59,7 +60,7 @@ def execute(path: Path, model: Path | None, tmp: Path) -> nbformat.NotebookNode:
         # Scratch files and the notebooks' temporary model folders land in the test's tmp.
         "TMPDIR": str(tmp),
     }
-    km = kernel_manager(tmp / "kernel", env=env)
+    km = kernel_manager(tmp / "kernel", env=env, asynchronous=True)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb,
@@ -68,7 +69,7 @@ def execute(path: Path, model: Path | None, tmp: Path) -> nbformat.NotebookNode:
         store_widget_state=True,
         resources={"metadata": {"path": str(NOTEBOOKS)}},
     )
-    client.execute()
+    execute_notebook(client)
     return nb
 
 
