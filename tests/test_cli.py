@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mlx_nbengine.testing import make_tiny_gguf
@@ -93,3 +94,34 @@ def test_html_exports_the_static_block_pictures_even_with_widget_state(tmp_path)
     assert out.returncode == 0, out.stderr
     page = Path(out.stdout.strip()).read_text()
     assert 'data-kind="disk"' in page and "mnb-strip" in page.split("<body")[1]
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_model(tmp_path):
+    # Neither a folder under a file nor one in /proc can be made, not even by root.
+    (tmp_path / "a-file").write_text("")
+    home = tmp_path / "home"
+    home.mkdir()
+    targets = [tmp_path / "a-file" / "out"]
+    if Path("/proc/self").is_dir():
+        targets.append(Path("/proc/nope"))
+    for target in targets:
+        started = time.monotonic()
+        out = cli("demo", "--out", str(target), home=home)
+        assert out.returncode == 1
+        line = f"error: cannot create the output folder {target}: "
+        assert out.stderr.startswith(line) and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stdout == ""
+        assert time.monotonic() - started < 60
+    # No model was resolved (the default one is not converted): the home holds at most the
+    # BLAS set-up, which every start makes before it reads its command.
+    assert [p.name for p in home.iterdir() if p.name != "blas"] == []
+
+
+def test_help_is_plain_text(tmp_path):
+    for args in [("--help",), ("demo", "--help"), ("convert", "--help"), ("html", "--help")]:
+        out = cli(*args, home=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("usage: python -m mlx_nbengine")
+        assert "`" not in out.stdout, out.stdout
+    demo_help = cli("demo", "--help", home=tmp_path).stdout
+    assert "the main job" in demo_help and "--notebook NB" in demo_help

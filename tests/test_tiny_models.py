@@ -147,3 +147,16 @@ def test_tiny_vision_model_expands_an_image_and_runs(tiny_model_dir):
         cache=lm.make_cache(),
     )
     assert out.logits.shape == (1, inputs["input_ids"].shape[1], VOCAB_SIZE)
+
+
+def test_make_tiny_gguf_leaves_no_source_folder_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    from mlx_nbengine.testing import make_tiny_gguf
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    gguf_file = make_tiny_gguf("llama", tmp_path / "tiny.gguf")
+    assert gguf_file.stat().st_size > 0
+    assert list(scratch.iterdir()) == [], "its source model folder was removed"
