@@ -221,8 +221,8 @@ def prepare_out(out_dir: Path) -> None:
 # stacks into the kernel's log (its stderr before ipykernel captured it), which the demo
 # shows when the kernel dies. Run at the kernel's start, leaving no names behind.
 _FAULT_STACKS = (
-    "__import__('faulthandler').enable(open(getattr(__import__('sys').stderr,"
-    " '_original_stdstream_copy', 2), 'w', closefd=False), all_threads=False)"
+    "__import__('faulthandler').enable(__import__('io').open(getattr(__import__('sys').stderr,"
+    " '_original_stdstream_copy', None) or 2, 'w', closefd=False), all_threads=False)"
 )
 
 
