@@ -6,7 +6,7 @@ library's illegal instruction would), in notebooks that load no model:
 - the demo (``python -m mlx_nbengine demo --notebook NB``) ends within seconds with one
   line naming the signal and the cell, then the kernel log's fatal stack, exit code 1;
 - Ctrl-C (SIGINT to the demo process while a cell sleeps) ends it with one line, exit code
-  130 and no traceback, the kernel shut down;
+  130 and no traceback, the kernel shut down; a cell's error is one line, exit code 1;
 - the test helpers (`test_kernel.Kernel`'s waits, `kernelwatch.execute_notebook` for
   nbclient) fail within seconds with "the kernel died (signal 4: SIGILL)".
 
@@ -177,6 +177,33 @@ def test_ctrl_c_ends_the_demo_with_one_line_and_exit_code_130(tiny_model_dir, tm
     assert "Traceback" not in stdout + stderr and "after" not in stdout
     assert time.monotonic() - signalled < 20
     assert gone(int(pid_file.read_text())), "the kernel still runs"
+    assert machine.leftovers() == []
+
+
+def test_a_demo_that_ends_or_fails_leaves_nothing_behind(tiny_model_dir, tmp_path):
+    machine = Machine(tmp_path)
+    model = tiny_model_dir("llama")
+    fine = write_notebook(tmp_path / "fine.ipynb", "print('fine')")
+    run = subprocess.run(
+        machine.demo(fine, model, tmp_path / "out"),
+        env=machine.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {tmp_path / 'out' / 'fine.ipynb'} and" in run.stdout
+    assert machine.leftovers() == []
+    fails = write_notebook(tmp_path / "fails.ipynb", "x = 1", "raise ValueError('no such page')")
+    run = subprocess.run(
+        machine.demo(fails, model, tmp_path / "out"),
+        env=machine.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == ["error: cell 2 raised ValueError: no such page"]
     assert machine.leftovers() == []
 
 
