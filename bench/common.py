@@ -28,14 +28,26 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    """The CPU as ``lscpu`` names it, with its family/model and widest x86 vector extension
+    (``AMD EPYC (family 25, model 17; AVX-512)``), else the platform's processor string."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break  # the first processor tells
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip().lower(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    flags = set(fields.get("flags", "").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    details = (
+        [f"family {fields['cpu family']}, model {fields['model']}"] if "model" in fields else []
+    )
+    if vector:
+        details.append(vector)
+    return f"{name} ({'; '.join(details)})" if details else name
 
 
 def usable_cpus() -> int:
