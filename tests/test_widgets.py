@@ -606,11 +606,11 @@ def test_map_row_of_a_partly_restored_block_splits_its_tokens():
     assert "restored" not in rows[3].all_text(elements).replace("first words", "")
 
 
-def test_reason_phrases_match_the_engine():
+def test_reason_phrases_are_the_engines_own():
     from mlx_nbengine.engine.events import REASONS
 
     for reason, phrase in REASONS.items():
-        assert widgets.REASON_PHRASES[reason] == phrase
+        assert reason_phrase({"index": 0, "source": "computed", "reason": reason}) == phrase
 
 
 def test_store_html_shows_each_figure_under_a_word_label():
@@ -801,17 +801,20 @@ def test_widgets_load_their_front_end_from_the_widgets_folder():
     assert strip._css == (REPO / "widgets" / "blocks.css").read_text(encoding="utf-8")
 
 
-def test_front_end_uses_the_same_words_as_the_static_html():
+def test_front_end_holds_no_words_of_its_own():
+    # Every phrase comes from Python; the ES module only adds behaviour.
+    from mlx_nbengine.engine.events import KEPT_BOUNDARY, REASONS
+    from mlx_nbengine.notebook.storepicture import FIGURES
+
     js = (REPO / "widgets" / "blocks.js").read_text(encoding="utf-8")
-    for reason, phrase in widgets.REASON_PHRASES.items():
-        assert f'{reason}: "{phrase}"' in js, reason
-    for name, label in widgets.FIGURES:
-        assert f'["{name}", "{label}"]' in js, name
-    for kind, (letter, label) in widgets.KINDS.items():
-        assert f'["{kind}", "{letter}", "{label}"]' in js, kind
-    for key, label, colour, dash in widgets.SERIES:
-        assert f'["{key}", "{label}", "{colour}", "{dash}"]' in js, key
-    assert f"const TALL_ROWS = {widgets.TALL_ROWS};" in js
+    code = "\n".join(line for line in js.splitlines() if not line.lstrip().startswith("//"))
+    strings = [a or b for a, b in re.findall(r'"([^"]*)"|`([^`]*)`', code)]
+    words = [*REASONS.values(), *KEPT_BOUNDARY.values(), *(label for _, label in FIGURES)]
+    words += [label for _, label in widgets.KINDS.values()]
+    words += ["Hover or click", "first change at token", "image", "tokens", "restored"]
+    # Words as words: "details" holds no "tail", "data-image" no image's name.
+    said = [w for w in words for s in strings if re.search(rf"(?<![\w-]){re.escape(w)}\b", s)]
+    assert strings and said == []
 
 
 def test_front_end_module_parses():
@@ -1088,9 +1091,10 @@ window.draw = (name, state, attach = true) => {{
     get: (key) => state[key],
     on: (event, f) => (handlers[event] ||= []).push(f),
     off: (event, f) => (handlers[event] = (handlers[event] || []).filter((g) => g !== f)),
-    set: (key, value) => {{
-      state[key] = value;
-      (handlers["change:" + key] || []).forEach((f) => f());
+    // One message of several traitlets: every value first, then the change events.
+    set: (values) => {{
+      Object.assign(state, values);
+      Object.keys(values).forEach((key) => (handlers["change:" + key] || []).forEach((f) => f()));
     }},
   }};
   const el = document.createElement("div");
@@ -1107,6 +1111,20 @@ window.ready = true;
 READ_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
   e.dataset.index, e.dataset.kind, e.dataset.reason, e.dataset.edit || null,
   e.getAttribute("title"), e.textContent])"""
+
+
+def synced(widget) -> dict:
+    """The widget's state as the browser gets it (its ES module and CSS left out)."""
+    return {k: v for k, v in widget.get_state().items() if k not in ("_esm", "_css")}
+
+
+def draw(page, name, widget, *, attach=True) -> None:
+    page.evaluate("([n, s, a]) => window.draw(n, s, a)", [name, synced(widget), attach])
+
+
+def resync(page, name, widget) -> None:
+    """Send the widget's new state, as one comm message would."""
+    page.evaluate("([n, s]) => window.models[n].set(s)", [name, synced(widget)])
 
 
 @pytest.fixture(scope="module")
@@ -1142,53 +1160,48 @@ def _static_cells(html: str, cls: str) -> list[list]:
     ]  # fmt: skip
 
 
-def test_live_strip_draws_the_same_cells_as_the_static_html(page):
-    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
-             "blocks": rerun_blocks()[:2], "edit": None}  # fmt: skip
-    page.evaluate("(s) => window.draw('strip', s)", state)
+def test_live_strip_shows_the_picture_python_drew(page):
+    strip = BlockStrip(n_blocks=6, block_size=16, prompt_tokens=85, blocks=rerun_blocks()[:2])
+    draw(page, "strip", strip)
     live = page.evaluate(READ_CELLS, "#strip .mnb-strip .mnb-block")
-    assert live == _static_cells(strip_html(rerun_blocks()[:2], n_blocks=6), "mnb-block")
+    assert live == _static_cells(strip.html(), "mnb-block")
     assert [c[1] for c in live] == ["memory", "disk"] + ["pending"] * 4
+    assert page.inner_text("#strip .mnb-caption") == "6 blocks of 16 tokens · 85 prompt tokens"
 
 
-def test_live_strip_fills_in_without_moving(page):
-    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
-             "blocks": [], "edit": None}  # fmt: skip
-    page.evaluate("(s) => window.draw('filling', s)", state)
-    before = page.evaluate(
+def test_live_strip_fills_in_block_by_block_without_moving(page):
+    strip = BlockStrip(n_blocks=6, block_size=16, prompt_tokens=85)
+    draw(page, "filling", strip)
+    places = (
         "() => [...document.querySelectorAll('#filling .mnb-block')]"
         ".map((e) => { const r = e.getBoundingClientRect(); return [r.x, r.y]; })"
     )
-    page.evaluate("window.first = document.querySelector('#filling .mnb-block')")
-    page.evaluate("(b) => window.models.filling.set('blocks', b)", rerun_blocks())
-    page.evaluate("(e) => window.models.filling.set('edit', e)", EDIT)
-    after = page.evaluate(
+    before = page.evaluate(places)
+    page.evaluate("window.cells = [...document.querySelectorAll('#filling .mnb-block')]")
+    for b in rerun_blocks():
+        strip.add_block(b)
+        resync(page, "filling", strip)
+        kind = page.get_attribute(f"#filling .mnb-block[data-index='{b['index']}']", "data-kind")
+        assert kind == b["kind"]
+    strip.set_edit(EDIT)
+    resync(page, "filling", strip)
+    assert page.evaluate(places) == before  # fixed cells laid out for all blocks from the start
+    same = (
         "() => [...document.querySelectorAll('#filling .mnb-block')]"
-        ".map((e) => { const r = e.getBoundingClientRect(); return [r.x, r.y]; })"
+        ".every((e, i) => e === window.cells[i])"
     )
-    assert after == before  # fixed cells laid out for all blocks from the start
-    assert page.evaluate("window.first === document.querySelector('#filling .mnb-block')")
+    assert page.evaluate(same)  # the cells were filled in, never replaced
     live = page.evaluate(READ_CELLS, "#filling .mnb-block")
-    assert live == _static_cells(strip_html(rerun_blocks(), n_blocks=6, edit=EDIT), "mnb-block")
+    assert live == _static_cells(strip.html(), "mnb-block")
     assert page.evaluate("document.querySelector('#filling .mnb-edit').dataset.position") == "53"
 
 
-def test_live_map_rows_match_the_static_html_and_hover_shows_a_block(page):
-    state = {"_kind": "map", "blocks": rerun_blocks(), "edit": EDIT, "block_size": 16,
-             "prompt_tokens": 85, "layer_kinds": ["window", "kv", "kv"]}  # fmt: skip
-    page.evaluate("(s) => window.draw('map', s)", state)
-    html = map_html(
-        rerun_blocks(),
-        edit=EDIT,
-        block_size=16,
-        prompt_tokens=85,
-        layer_kinds=["window", "kv", "kv"],
-    )
-    (title,) = select(parse(html), "mnb-title")
+def test_live_map_hover_shows_a_block_and_a_click_pins_it(page):
+    block_map = BlockMap(blocks=rerun_blocks(), edit=EDIT, block_size=16, prompt_tokens=85,
+                         layer_kinds=["window", "kv", "kv"])  # fmt: skip
+    draw(page, "map", block_map)
+    (title,) = select(parse(block_map.html()), "mnb-title")
     assert page.inner_text("#map .mnb-title") == title.text
-    read_rows = READ_CELLS.replace("e.textContent", "null")
-    static_rows = [[*row[:5], None] for row in _static_cells(html, "mnb-block")]
-    assert page.evaluate(read_rows, "#map .mnb-map .mnb-block") == static_rows
     # No strip of its own: the answer's strip is just above it.
     assert page.locator("#map .mnb-map :is(.mnb-cells, .mnb-legend)").count() == 0
     # With nothing chosen the details show the edited block; hovering a row shows another.
@@ -1201,63 +1214,39 @@ def test_live_map_rows_match_the_static_html_and_hover_shows_a_block(page):
     assert "block 1" in page.inner_text("#map .mnb-details")
     assert page.get_attribute("#map tr.mnb-block[data-index='1']", "aria-selected") == "true"
     assert page.get_attribute("#map tr.mnb-block[data-index='3']", "data-edit") == "true"
+    page.click("#map tr.mnb-block[data-index='1']")  # a second click unpins it
+    page.mouse.move(0, 0)
+    assert "block 3" in page.inner_text("#map .mnb-details")
+    assert page.get_attribute("#map tr.mnb-block[data-index='1']", "aria-selected") is None
 
 
-READ_PARTS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
-  e.dataset.index, e.dataset.kind, e.dataset.restored, e.dataset.part || null,
-  e.getAttribute("title"), e.querySelector(".mnb-fill")?.getAttribute("style") ?? null])"""
+def test_live_map_rows_open_the_details_by_keyboard(page):
+    draw(page, "keys", BlockMap(blocks=rerun_blocks(), edit=EDIT, layer_kinds=["kv"]))
+    page.focus("#keys tr.mnb-block[data-index='0']")
+    assert "block 0" in page.inner_text("#keys .mnb-details")
+    page.keyboard.press("Enter")
+    assert page.get_attribute("#keys tr.mnb-block[data-index='0']", "aria-selected") == "true"
 
 
-def _static_parts(html: str) -> list[list]:
-    elements = parse(html)
-    return [
-        [e.attrs["data-index"], e.attrs["data-kind"], e.attrs["data-restored"],
-         e.attrs.get("data-part"), e.attrs.get("title"),
-         next((f.attrs["style"] for f in select(elements, "mnb-fill") if f.within_node(e)),
-              None)]
-        for e in select(elements, "mnb-block")
-    ]  # fmt: skip
-
-
-def test_live_strip_and_map_draw_a_partly_restored_block_like_the_static_html(page):
-    state = {"_kind": "strip", "n_blocks": 4, "block_size": 16, "prompt_tokens": 60,
-             "blocks": cut_blocks(first="memory"), "edit": CUT_EDIT}  # fmt: skip
-    page.evaluate("(s) => window.draw('cut', s)", state)
-    static = strip_html(cut_blocks(first="memory"), n_blocks=4, edit=CUT_EDIT)
-    assert page.evaluate(READ_PARTS, "#cut .mnb-block") == _static_parts(static)
-    assert page.get_attribute("#cut .mnb-key[data-part]", "data-count") == "1"
-    state = {"_kind": "map", "blocks": cut_blocks(), "edit": CUT_EDIT, "block_size": 16,
-             "prompt_tokens": 60, "layer_kinds": ["kv"]}  # fmt: skip
-    page.evaluate("(s) => window.draw('cutmap', s)", state)
-    html = map_html(
-        cut_blocks(), edit=CUT_EDIT, block_size=16, prompt_tokens=60, layer_kinds=["kv"]
-    )
-    read_rows = READ_PARTS.replace('e.getAttribute("title")', "null")
-    live_rows = page.evaluate(read_rows, "#cutmap .mnb-block")
-    assert live_rows == [[*row[:4], None, row[5]] for row in _static_parts(html)]
+def test_live_map_details_of_a_partly_restored_block_split_its_tokens(page):
+    draw(page, "cutmap", BlockMap(blocks=cut_blocks(), edit=CUT_EDIT, block_size=16,
+                                  prompt_tokens=60, layer_kinds=["kv"]))  # fmt: skip
     assert "12 restored + 4 computed" in page.inner_text("#cutmap tr.mnb-block[data-index='2']")
     details = page.inner_text("#cutmap .mnb-details")  # the edited block, nothing chosen
     assert "16 tokens: 12 restored + 4 computed" in details
     assert "(first 12 tokens restored)" in details
     assert "read for the first 12 tokens, made now for the other 4" in details
+    fill = page.get_attribute("#cutmap .mnb-details .mnb-fill", "style")
+    assert fill == "--mnb-share: 0.750"
 
 
-def test_live_store_view_shows_the_static_figures(page):
-    view = store_view()
-    page.evaluate("(v) => window.draw('store', {_kind: 'store', view: v})", view)
-    live = page.evaluate(
-        "() => [...document.querySelectorAll('#store .mnb-figure')]"
-        ".map((f) => [f.dataset.name, f.querySelector('.mnb-value').textContent])"
+def test_live_store_view_shows_model_text_as_written(page):
+    draw(page, "store", StoreView(view=store_view()))
+    figures = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('#store .mnb-figure')]"
+        ".map((f) => [f.dataset.name, f.querySelector('.mnb-value').textContent]))"
     )
-    elements = parse(store_html(view))
-    static = [
-        [
-            f.attrs["data-name"],
-            next(e.text for e in elements if e.parent is f and "mnb-value" in e.classes),
-        ]
-        for f in select(elements, "mnb-figure")
-    ]
-    assert live == static
+    assert figures["blocks_held"] == "12" and figures["bytes_held"] == "3.0 MiB"
     assert page.evaluate("document.querySelectorAll('#store svg.mnb-chart polyline').length") == 3
     assert page.evaluate("document.querySelectorAll('#store .mnb-evictions li').length") == 2
     text = page.inner_text("#store")
@@ -1265,13 +1254,27 @@ def test_live_store_view_shows_the_static_figures(page):
     assert page.evaluate("document.querySelectorAll('#store em').length") == 0
 
 
+def test_live_store_view_follows_a_new_view(page):
+    view = StoreView(view={})
+    draw(page, "grows", view)
+    assert page.locator("#grows svg.mnb-chart[data-empty]").count() == 1
+    view.view = store_view()
+    resync(page, "grows", view)
+    assert page.get_attribute("#grows svg.mnb-chart", "data-points") == "2"
+    dashes = page.evaluate(
+        "() => [...document.querySelectorAll('#grows .mnb-legend line')]"
+        ".map((l) => l.getAttribute('stroke-dasharray'))"
+    )
+    assert dashes == [None, "7 3", "2 2"]
+
+
 def test_live_strip_without_show_edit_marks_the_cell_but_shows_no_banner(page):
-    state = {"_kind": "strip", "n_blocks": 6, "block_size": 16, "prompt_tokens": 85,
-             "blocks": rerun_blocks(), "edit": EDIT, "show_edit": False}  # fmt: skip
-    page.evaluate("(s) => window.draw('quiet', s)", state)
+    strip = BlockStrip(n_blocks=6, blocks=rerun_blocks(), edit=EDIT, show_edit=False)
+    draw(page, "quiet", strip)
     assert page.locator("#quiet .mnb-edit").count() == 0
     assert page.get_attribute("#quiet .mnb-block[data-index='3']", "data-edit") == "true"
-    page.evaluate("window.models.quiet.set('show_edit', true)")
+    strip.show_edit = True
+    resync(page, "quiet", strip)
     assert page.get_attribute("#quiet .mnb-edit", "data-position") == "53"
 
 
@@ -1288,9 +1291,9 @@ ROW_PLACES = """(id) => {
 
 def _draw_map(page, name, blocks, edited, *, attach=True):
     edit = {"position": edited * 16 + 2, "block": edited, "before": "a", "after": "b"}
-    state = {"_kind": "map", "blocks": blocks, "edit": edit, "block_size": 16,
-             "prompt_tokens": 16 * len(blocks), "layer_kinds": ["kv"]}  # fmt: skip
-    page.evaluate("([n, s, a]) => window.draw(n, s, a)", [name, state, attach])
+    block_map = BlockMap(blocks=blocks, edit=edit, block_size=16,
+                         prompt_tokens=16 * len(blocks), layer_kinds=["kv"])  # fmt: skip
+    draw(page, name, block_map, attach=attach)
 
 
 def test_live_map_of_up_to_forty_blocks_shows_every_row(page):
@@ -1372,45 +1375,6 @@ def test_static_tables_keep_their_own_alignment_and_widths_on_a_notebook_page(pa
     assert styles["textShare"] > 0.25  # not one of seven equal fixed columns
 
 
-def test_live_store_chart_counts_requests_and_draws_its_legend_lines(page):
-    view = store_view()
-    page.evaluate("(v) => window.draw('chart', {_kind: 'store', view: v})", view)
-    assert page.get_attribute("#chart svg.mnb-chart", "data-x") == "requests"
-    live = page.evaluate(
-        "() => [...document.querySelectorAll('#chart svg.mnb-chart polyline')]"
-        ".map((l) => [l.dataset.series, l.getAttribute('points')])"
-    )
-    static = [
-        [e.attrs["data-series"], e.attrs["points"]]
-        for e in parse(store_html(view))
-        if e.tag == "polyline"
-    ]
-    assert live == static
-    dashes = page.evaluate(
-        "() => [...document.querySelectorAll('#chart .mnb-legend line')]"
-        ".map((l) => l.getAttribute('stroke-dasharray'))"
-    )
-    assert dashes == [None, "7 3", "2 2"]
-
-
-@pytest.mark.parametrize("n", [3, 12, 61])
-def test_live_store_chart_labels_the_same_requests_as_the_static_html(page, n):
-    view = store_view(history=_history(n))
-    page.evaluate("([n, v]) => window.draw(n, {_kind: 'store', view: v})", [f"ticks{n}", view])
-    live = page.evaluate(
-        "(id) => [...document.querySelectorAll(`#${id} .mnb-chart text`)]"
-        ".map((t) => [t.getAttribute('class'), t.getAttribute('x'), t.getAttribute('y'), "
-        "t.textContent])",
-        f"ticks{n}",
-    )
-    static = [
-        [e.attrs["class"], e.attrs["x"], e.attrs["y"], e.text]
-        for e in parse(store_html(view))
-        if e.tag == "text"
-    ]
-    assert live == static
-
-
 def test_map_names_each_layer_kind_once_when_given_one_per_layer():
     html = map_html(rerun_blocks(), layer_kinds=["window", "kv", "window", "kv"])
     (title,) = select(parse(html), "mnb-title")
@@ -1424,17 +1388,17 @@ READ_IMAGE_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
   getComputedStyle(e, "::after").content])"""
 
 
-def test_live_strip_marks_image_blocks_like_the_static_html_and_hover_shows_the_thumbnail(page):
+def test_live_strip_marks_image_blocks_and_hover_shows_their_thumbnails(page):
     from mlx_nbengine.notebook.blockinfo import image_dicts
 
     images = image_dicts(image_inputs())
-    state = {"_kind": "strip", "n_blocks": 5, "block_size": 16, "prompt_tokens": 60,
-             "blocks": image_blocks(), "edit": None, "images": images}  # fmt: skip
-    page.evaluate("(s) => window.draw('imgstrip', s)", state)
+    strip = BlockStrip(n_blocks=5, block_size=16, prompt_tokens=60, blocks=image_blocks(),
+                       images=images)  # fmt: skip
+    draw(page, "imgstrip", strip)
     live = page.evaluate(READ_IMAGE_CELLS, "#imgstrip .mnb-block")
     static = [
         [e.attrs["data-index"], e.attrs.get("data-image"), e.attrs["title"], e.text]
-        for e in select(parse(strip_html(image_blocks(), n_blocks=5, images=images)), "mnb-block")
+        for e in select(parse(strip.html()), "mnb-block")
     ]
     assert [row[:4] for row in live] == static
     # The mark: a pseudo-element on image blocks only.
@@ -1459,26 +1423,31 @@ def test_live_strip_marks_image_blocks_like_the_static_html_and_hover_shows_the_
     assert page.is_hidden("#imgstrip .mnb-preview")
 
 
+def test_live_strip_keeps_its_preview_while_blocks_arrive(page):
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    strip = BlockStrip(n_blocks=5, block_size=16, prompt_tokens=60, images=images)
+    draw(page, "imgfill", strip)
+    strip.add_blocks(image_blocks())
+    resync(page, "imgfill", strip)
+    assert page.locator("#imgfill .mnb-preview").count() == 1
+    page.hover("#imgfill .mnb-block[data-index='1']")
+    assert page.is_visible("#imgfill .mnb-preview figure img")
+
+
 def test_live_map_marks_image_rows_and_its_details_show_the_thumbnails(page):
     from mlx_nbengine.notebook.blockinfo import image_dicts
 
     images = image_dicts(image_inputs())
-    state = {"_kind": "map", "blocks": image_blocks(), "edit": None, "block_size": 16,
-             "prompt_tokens": 60, "layer_kinds": ["kv"], "images": images}  # fmt: skip
-    page.evaluate("(s) => window.draw('imgmap', s)", state)
-    html = map_html(image_blocks(), images=images)
-    live = page.evaluate(
+    block_map = BlockMap(blocks=image_blocks(), block_size=16, prompt_tokens=60,
+                         layer_kinds=["kv"], images=images)  # fmt: skip
+    draw(page, "imgmap", block_map)
+    chips = page.evaluate(
         "() => [...document.querySelectorAll('#imgmap tr.mnb-block')].map((r) => "
-        "[r.dataset.index, r.dataset.image || null, "
-        "[...r.querySelectorAll('.mnb-img-chip')].map((c) => c.getAttribute('title'))])"
+        "[...r.querySelectorAll('.mnb-img-chip')].map((c) => c.getAttribute('title')))"
     )
-    elements = parse(html)
-    static = [
-        [r.attrs["data-index"], r.attrs.get("data-image"),
-         [c.attrs["title"] for c in select(elements, "mnb-img-chip") if c.within_node(r)]]
-        for r in select(elements, "mnb-block")
-    ]  # fmt: skip
-    assert live == static
+    assert chips == [[], ["image 1: cat.png"], ["image 1: cat.png", "image 2: <b>dog</b>.jpg"], []]
     page.hover("#imgmap tr.mnb-block[data-index='2']")
     details = page.inner_text("#imgmap .mnb-details")
     assert "block 2" in details and "image 1: cat.png, image 2: <b>dog</b>.jpg" in details

@@ -69,8 +69,9 @@ REASONS: dict[str, str] = {
     "after_miss": "after a computed block",
     "tail": "last tokens, computed to start the answer",
     "window": "window or state records dropped",
+    "none": "nothing to read",
 }
-"""A short human phrase per computed reason (and ``"hot"``)."""
+"""A short human phrase per computed reason (and ``"hot"``, ``"none"``): the only copy."""
 
 
 KEPT_BOUNDARY: dict[str, str] = {
@@ -79,7 +80,7 @@ KEPT_BOUNDARY: dict[str, str] = {
     "block": "the engine restores whole blocks only (restore='block')",
     "evicted": "the stored continuation's records were evicted",
 }
-"""Why a restore stopped at a block boundary short of the first changed token."""
+"""Why a restore stopped at a block boundary short of the first changed token: the only copy."""
 
 
 def disk_reason(records: tuple[str, ...]) -> str:

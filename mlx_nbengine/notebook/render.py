@@ -32,8 +32,8 @@ Terms:
   IPython gets no strip (`TerminalView` writes text only).
 
 Only duck typing on the engine's events and completions (their class names and fields,
-read with `getattr` defaults where a field is newer), so this module imports neither MLX
-nor the engine; the widget classes come in from the caller.
+read with `getattr` defaults where a field is newer); the words come from `words` (the
+engine's phrases), the widget classes from the caller.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
+from mlx_nbengine.notebook.words import format_bytes, kept_boundary_phrase
+from mlx_nbengine.notebook.words import plural as _plural
 
 __all__ = [
     "ANSWER_METADATA_KEY",
@@ -69,22 +71,6 @@ __all__ = [
 ]
 
 Bundle = dict[str, str]
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Human-readable byte count, binary units: 1536 -> '1.5 KiB'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 # -- the summary line ------------------------------------------------------------------------
@@ -125,16 +111,6 @@ def stop_phrase(completion: Any) -> str:
     return f"stopped after {_plural(n, 'token')}"
 
 
-# Why a restore stopped at a block boundary short of a stored continuation
-# (`Report.kept_boundary`), as the summary line says it.
-KEPT_BOUNDARY_PHRASES = {
-    "state": "recurrent layers resume only where a state was stored",
-    "window": "the sliding window is narrower than a block",
-    "block": "whole blocks only (--restore block)",
-    "evicted": "the stored continuation was evicted",
-}
-
-
 def summary_line(completion: Any) -> str:
     """One line: where the prompt's tokens came from, speed, why generation stopped, and
     why a restore kept to a block boundary when a stored continuation shared more."""
@@ -158,7 +134,7 @@ def summary_line(completion: Any) -> str:
     parts.append(stop_phrase(completion))
     kept = getattr(report, "kept_boundary", None)
     if kept:
-        parts.append(f"restore kept to a block boundary: {KEPT_BOUNDARY_PHRASES.get(kept, kept)}")
+        parts.append(f"restore kept to a block boundary: {kept_boundary_phrase(kept)}")
     return "; ".join(parts)
 
 
