@@ -1,9 +1,10 @@
-"""The notebook's widgets: block dicts, their static HTML, the widget classes, a real run.
+"""The notebook's widgets: block dicts, their HTML, the widget classes, the ES module, a real run.
 
-Static HTML is read back with the standard library's HTML parser into a list of elements
-(tag, attributes, own text), so the tests check the DOM contract's selectors (classes and
-data- attributes) rather than spelling. The last tests run a tiny real model through a
-prompt and an edited re-run and draw its report.
+HTML (static, or the live markup a widget sends its ES module) is read back with the
+standard library's HTML parser into a list of elements (tag, attributes, own text), so the
+tests check the DOM contract's selectors (classes and data- attributes) rather than
+spelling. A tiny real model draws a prompt and an edited re-run; the ES module runs in
+Chromium with a stand-in for anywidget's model.
 """
 
 from __future__ import annotations
@@ -499,7 +500,7 @@ def test_static_map_shows_every_row_without_a_height_limit():
     html = map_html(many)
     rows = select(parse(html), "mnb-block", within="mnb-map")
     assert len(rows) == len(many)
-    # Only the live map of a long prompt scrolls (its ES module sets data-tall).
+    # Only the live map of a long prompt scrolls (data-tall is in its live markup only).
     assert not [e for e in parse(html) if "data-tall" in e.attrs]
     for selectors, body in _css_rules():
         if "max-height" in body:
@@ -786,6 +787,52 @@ def test_every_widget_bundle_has_the_live_view_static_html_and_text(make):
     assert widget.get_state()["_kind"] == widget._kind  # the front end's dispatch
 
 
+def test_live_markup_is_the_static_picture_without_its_style():
+    strip = BlockStrip(n_blocks=6, block_size=16, blocks=rerun_blocks(), edit=EDIT)
+    store = StoreView(view=store_view())
+    for widget in (strip, store):
+        style, picture = widget.html().split("</style>", 1)
+        assert style.startswith("<style>") and widget.markup == picture
+    block_map = BlockMap(blocks=rerun_blocks(), edit=EDIT)
+    panel = 'class="mnb-details"'
+    assert panel in block_map.markup and panel not in block_map.html()
+
+
+def test_widget_markup_follows_its_data():
+    strip = BlockStrip(n_blocks=3, block_size=16)
+    assert (
+        len(re.findall(r'class="mnb-block" data-index="\d" data-kind="pending"', strip.markup)) == 3
+    )
+    strip.add_block(block(0))
+    assert 'data-index="0" data-kind="disk"' in strip.markup
+    strip.set_edit({"position": 3, "block": 0, "before": "a", "after": "b"})
+    assert 'class="mnb-edit" data-position="3"' in strip.markup
+    store = StoreView()
+    store.view = store_view()
+    assert 'data-name="blocks_held"' in store.markup and "12 blocks held" in store.text()
+
+
+def test_map_details_show_the_edited_block_by_default_else_a_hint():
+    block_map = BlockMap(blocks=rerun_blocks(), edit=EDIT, layer_kinds=["kv", "window"])
+    assert set(block_map.details) == {"", "0", "1", "2", "3", "4", "5"}
+    assert block_map.details[""] == block_map.details["3"]
+    (title,) = select(parse(block_map.details["2"]), "mnb-details-title")
+    assert title.text.strip() == "block 2"
+    assert "kv read, window read" in block_map.details["2"]
+    assert "Hover or click a block" in BlockMap(blocks=rerun_blocks()).details[""]
+
+
+def test_live_map_of_a_long_prompt_marks_its_tall_box_and_the_row_it_opens_at():
+    n, edited = widgets.TALL_ROWS + 8, widgets.TALL_ROWS + 2
+    elements = parse(BlockMap(blocks=long_blocks(n, edited)).markup)
+    (box,) = select(elements, "mnb-scroll")
+    assert box.attrs["data-tall"] == "true"
+    assert [r.attrs["data-index"] for r in elements if "data-open" in r.attrs] == [str(edited)]
+    assert all(r.attrs.get("tabindex") == "0" for r in select(elements, "mnb-block"))
+    short = parse(BlockMap(blocks=rerun_blocks()).markup)
+    assert not [e for e in short if "data-tall" in e.attrs or "data-open" in e.attrs]
+
+
 def test_widget_state_is_json_ready():
     for widget in (
         BlockStrip(n_blocks=6, blocks=rerun_blocks(), edit=EDIT),
@@ -966,6 +1013,20 @@ def test_strip_and_map_widgets_take_the_images_and_mention_them_in_their_text():
     # No images: no traitlet content, no mention.
     assert BlockStrip(n_blocks=1).images == [] and BlockMap().images == []
     assert "image" not in BlockStrip(n_blocks=6, blocks=rerun_blocks()).text()
+
+
+def test_strip_previews_hold_each_images_thumbnail_with_its_caption():
+    from mlx_nbengine.notebook.blockinfo import image_dicts
+
+    images = image_dicts(image_inputs())
+    strip = BlockStrip(n_blocks=4, images=images)
+    assert set(strip.previews) == {"0", "1"}
+    figure = parse(strip.previews["1"])
+    assert figure[1].attrs["src"] == images[1]["src"]  # (figure, img, figcaption)
+    assert figure[2].text == "<b>dog</b>.jpg · 30x90"  # escaped: shown as written
+    # An image named by a block but not given: its caption alone, no picture.
+    strip.add_block(block(0, "computed", reason="new", records=(), images=[2]))
+    assert [e.tag for e in parse(strip.previews["2"])] == ["figure", "figcaption"]
 
 
 # --- a real run -----------------------------------------------------------------------------
