@@ -495,9 +495,7 @@ def map_html(
         '<th>source</th><th>reason</th><th class="mnb-num">time</th><th>records</th>'
         f"</tr></thead><tbody>{rows}</tbody></table></div>"
     )
-    panel = (
-        map_details(blocks, edit=edit, layer_kinds=layer_kinds, images=images)[""] if live else ""
-    )
+    panel = _default_details(known, edit, facts.layer_kinds, images) if live else ""
     return (
         f'{"" if live else style()}<div class="mnb-root mnb-map" data-n-blocks="{len(blocks)}">'
         f'<div class="mnb-title">{head}</div>{_edit_html(edit)}{panel}'
@@ -585,6 +583,13 @@ def map_details(
     kinds = record_kinds(layer_kinds)
     known = _by_index(blocks)
     out = {str(i): _details(b, known.get(i - 1), edit, kinds, images) for i, b in known.items()}
-    default = int(edit["block"]) if edit and edit.get("block") is not None else None
-    out[""] = out.get(str(default)) or _details(None, None, edit, kinds, images)
+    out[""] = _default_details(known, edit, kinds, images)
     return out
+
+
+def _default_details(known: Mapping[int, Block], edit, kinds, images) -> str:
+    """The panel with no block hovered or chosen: the edited block, else a hint."""
+    index = int(edit["block"]) if edit and edit.get("block") is not None else None
+    block = known.get(index) if index is not None else None
+    before = known.get(index - 1) if index is not None else None
+    return _details(block, before, edit, kinds, images)

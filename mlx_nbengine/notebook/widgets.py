@@ -69,10 +69,14 @@ class _Widget(anywidget.AnyWidget):
     _kind = traitlets.Unicode("").tag(sync=True)
     # The picture's live HTML (no style block: the widget has `_css`).
     markup = traitlets.Unicode("").tag(sync=True)
+    # The traitlets the picture is drawn from: a change to one redraws it.
+    _drawn_from: tuple[str, ...] = ()
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # Observed from here on: one drawing for all the constructor's values.
         self._redraw()
+        self.observe(self._redraw, names=list(self._drawn_from))
 
     def _redraw(self, change: Any = None) -> None:
         """Draw `markup` (and the other drawn traitlets) from the data traitlets."""
@@ -146,9 +150,16 @@ class BlockStrip(_Widget):
             live=live,
         )
 
-    @traitlets.observe(
-        "n_blocks", "block_size", "prompt_tokens", "blocks", "edit", "show_edit", "images"
+    _drawn_from = (
+        "n_blocks",
+        "block_size",
+        "prompt_tokens",
+        "blocks",
+        "edit",
+        "show_edit",
+        "images",
     )
+
     def _redraw(self, change: Any = None) -> None:
         with self.hold_sync():
             # Equal previews are not sent again: traitlets sync changes only.
@@ -207,7 +218,8 @@ class BlockMap(_Widget):
             live=live,
         )
 
-    @traitlets.observe("blocks", "edit", "block_size", "prompt_tokens", "layer_kinds", "images")
+    _drawn_from = ("blocks", "edit", "block_size", "prompt_tokens", "layer_kinds", "images")
+
     def _redraw(self, change: Any = None) -> None:
         with self.hold_sync():
             self.details = map_details(
@@ -241,7 +253,8 @@ class StoreView(_Widget):
     _kind = traitlets.Unicode("store").tag(sync=True)
     view = traitlets.Dict().tag(sync=True)
 
-    @traitlets.observe("view")
+    _drawn_from = ("view",)
+
     def _redraw(self, change: Any = None) -> None:
         self.markup = store_html(self.view, live=True)
 
