@@ -43,6 +43,10 @@ __all__ = [
     "KINDS",
     "TALL_ROWS",
     "block_text",
+    "by_index",
+    "escape",
+    "image_ids",
+    "image_label",
     "kind_counts",
     "map_details",
     "map_html",
@@ -115,7 +119,8 @@ def style() -> str:
     return f"<style>{_css()}</style>"
 
 
-def _e(value: Any) -> str:
+def escape(value: Any) -> str:
+    """`value` as HTML text or attribute value: model text is shown, never interpreted."""
     return _html.escape(str(value), quote=True)
 
 
@@ -177,7 +182,7 @@ def _tip(block: Block, edit: Block | None, images: Images) -> str:
     text = block_text(block)
     if text:
         parts.append(text)
-    if _image_ids(block):
+    if image_ids(block):
         parts.append(_image_tip(block, images))
     return " · ".join(parts)
 
@@ -185,7 +190,7 @@ def _tip(block: Block, edit: Block | None, images: Images) -> str:
 # --- images ---------------------------------------------------------------------------------
 
 
-def _image_ids(block: Block | None) -> list[int]:
+def image_ids(block: Block | None) -> list[int]:
     """The indices of the images whose tokens overlap `block` (its dict's ``images``)."""
     if block is None:
         return []
@@ -194,7 +199,7 @@ def _image_ids(block: Block | None) -> list[int]:
 
 def _image_attr(block: Block | None) -> str:
     """The ``data-image`` attribute of an image block ("" for any other block)."""
-    ids = _image_ids(block)
+    ids = image_ids(block)
     return f' data-image="{" ".join(map(str, ids))}"' if ids else ""
 
 
@@ -209,12 +214,12 @@ def image_label(index: int, images: Images) -> str:
 
 
 def _image_tip(block: Block, images: Images) -> str:
-    return ", ".join(image_label(i, images) for i in _image_ids(block))
+    return ", ".join(image_label(i, images) for i in image_ids(block))
 
 
 def _image_key(blocks: Iterable[Block]) -> str:
     """The legend's key for image blocks, when there are."""
-    n = sum(1 for b in blocks if _image_ids(b))
+    n = sum(1 for b in blocks if image_ids(b))
     if not n:
         return ""
     return (
@@ -227,9 +232,10 @@ def _image_key(blocks: Iterable[Block]) -> str:
 def _image_chips(block: Block, images: Images) -> str:
     """A map row's marks of the images its block holds: "image 1"... (name on hover)."""
     return "".join(
-        f'<span class="mnb-img-chip" data-image-index="{i}" title="{_e(image_label(i, images))}">'
+        f'<span class="mnb-img-chip" data-image-index="{i}" '
+        f'title="{escape(image_label(i, images))}">'
         f'<span class="mnb-img-mark" aria-hidden="true"></span>image {i + 1}</span> '
-        for i in _image_ids(block)
+        for i in image_ids(block)
     )
 
 
@@ -244,24 +250,25 @@ def _thumb(index: int, images: Images) -> str:
         caption = f"{name} · {int(image.get('width') or 0):,}x{int(image.get('height') or 0):,}"
         src = str(image.get("src") or "")
         if src.startswith("data:image/"):
-            picture = f'<img src="{_e(src)}" alt="{_e(label)}" title="{_e(label)}">'
+            picture = f'<img src="{escape(src)}" alt="{escape(label)}" title="{escape(label)}">'
     return (
         f'<figure class="mnb-thumb" data-image-index="{index}">{picture}'
-        f"<figcaption>{_e(caption)}</figcaption></figure>"
+        f"<figcaption>{escape(caption)}</figcaption></figure>"
     )
 
 
 def previews(blocks: Iterable[Block], images: Images) -> dict[str, str]:
     """The live strip's hover thumbnails: image index (a string) -> its figure's HTML."""
     ids = {int(im.get("index", i)) for i, im in enumerate(images)}
-    ids |= {i for b in blocks for i in _image_ids(b)}
+    ids |= {i for b in blocks for i in image_ids(b)}
     return {str(i): _thumb(i, images) for i in sorted(ids)}
 
 
 # --- cells ----------------------------------------------------------------------------------
 
 
-def _by_index(blocks: Iterable[Block]) -> dict[int, Block]:
+def by_index(blocks: Iterable[Block]) -> dict[int, Block]:
+    """Block dicts by their index."""
     return {int(b["index"]): b for b in blocks}
 
 
@@ -281,9 +288,9 @@ def _fill(block: Block) -> str:
 
 def _swatch(block: Block, part: str | None) -> str:
     kind = _kind(block)
-    part_attr = f' data-part="{_e(part)}"' if part else ""
+    part_attr = f' data-part="{escape(part)}"' if part else ""
     return (
-        f'<span class="mnb-swatch" data-kind="{_e(kind)}"{part_attr}>'
+        f'<span class="mnb-swatch" data-kind="{escape(kind)}"{part_attr}>'
         f"{_fill(block) if part else ''}{_letter(kind)}</span>"
     )
 
@@ -300,7 +307,7 @@ def _legend(counts: Mapping[str, int], parts: Sequence[str] = (), image_key: str
             f'{label} <b class="mnb-count">{n:,}</b></span>'
         )
     if parts:
-        part = _e(parts[0])
+        part = escape(parts[0])
         items.append(
             f'<span class="mnb-key" data-part="{part}" data-count="{len(parts)}">'
             f'<span class="mnb-swatch" data-kind="computed" data-part="{part}">'
@@ -315,13 +322,13 @@ def _edit_html(edit: Block | None) -> str:
         return ""
     position = int(edit.get("position", 0))
     before, after = edit.get("before") or "", edit.get("after") or ""
-    block = _e(edit.get("block", ""))
+    block = escape(edit.get("block", ""))
     return (
         f'<div class="mnb-edit" data-position="{position}" data-block="{block}">'
         f'<span class="mnb-edit-label">first change at token {position:,} (block {block})</span> '
-        f'<span class="mnb-edit-words">…<span class="mnb-before">{_e(before)}</span>'
+        f'<span class="mnb-edit-words">…<span class="mnb-before">{escape(before)}</span>'
         f'<span class="mnb-caret" aria-label="changed here">▍</span>'
-        f'<span class="mnb-after">{_e(after)}</span>…</span> '
+        f'<span class="mnb-after">{escape(after)}</span>…</span> '
         f'<span class="mnb-edit-note">blocks from here on were recomputed</span></div>'
     )
 
@@ -331,10 +338,10 @@ def _block_attrs(block: Block, edit: Block | None, part: str | None) -> str:
     restored tokens, part and images."""
     i = int(block["index"])
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
-    part_attr = f' data-part="{_e(part)}"' if part else ""
+    part_attr = f' data-part="{escape(part)}"' if part else ""
     return (
-        f'data-index="{i}" data-kind="{_e(_kind(block))}" '
-        f'data-reason="{_e(block.get("reason", ""))}"{edited} '
+        f'data-index="{i}" data-kind="{escape(_kind(block))}" '
+        f'data-reason="{escape(block.get("reason", ""))}"{edited} '
         f'data-restored="{token_split(block)[0]}"{part_attr}{_image_attr(block)}'
     )
 
@@ -348,7 +355,7 @@ def _cell(i: int, block: Block | None, edit: Block | None, before: Block | None,
     part = _part(block, before)
     return (
         f'<div class="mnb-block" {_block_attrs(block, edit, part)} '
-        f'title="{_e(_tip(block, edit, images))}">'
+        f'title="{escape(_tip(block, edit, images))}">'
         f"{_fill(block) if part else ''}{_letter(_kind(block))}</div>"
     )
 
@@ -388,7 +395,7 @@ def strip_html(
     block's cell has ``data-image`` and a mark, and names its `images` on hover. `live`
     leaves out the ``<style>`` block (a widget has its CSS).
     """
-    known = _by_index(blocks)
+    known = by_index(blocks)
     parts = [p for i, b in sorted(known.items()) if (p := _part(b, known.get(i - 1)))]
     n = max(n_blocks, max(known, default=-1) + 1)
     legend = _legend(kind_counts(blocks, n), parts, _image_key(blocks))
@@ -412,9 +419,10 @@ def _records_html(block: Block, layer_kinds: Sequence[str]) -> str:
     chips = []
     for kind in list(layer_kinds) or records:
         read = kind in records
+        name = escape(kind)
         chips.append(
-            f'<span class="mnb-rec" data-record="{_e(kind)}" data-read="{str(read).lower()}" '
-            f'title="{_e(kind)} records {"read" if read else "not needed"}">{_e(kind)}</span>'
+            f'<span class="mnb-rec" data-record="{name}" data-read="{str(read).lower()}" '
+            f'title="{name} records {"read" if read else "not needed"}">{name}</span>'
         )
     return "".join(chips)
 
@@ -422,10 +430,10 @@ def _records_html(block: Block, layer_kinds: Sequence[str]) -> str:
 def _text_cell(block: Block, images: Images) -> str:
     head, last = block.get("head") or "", block.get("last") or ""
     text = _image_chips(block, images)
-    text += f'<q class="mnb-head">{_e(head)}</q>' if head else ""
+    text += f'<q class="mnb-head">{escape(head)}</q>' if head else ""
     if last:
         # A no-break space: a wrapped row breaks after the ellipsis, never before it.
-        text += f'\u00a0<span class="mnb-dim">…</span> <q class="mnb-last">{_e(last)}</q>'
+        text += f'\u00a0<span class="mnb-dim">…</span> <q class="mnb-last">{escape(last)}</q>'
     return text
 
 
@@ -433,7 +441,7 @@ def _row(block: Block, before: Block | None, facts: _MapFacts) -> str:
     start, end = int(block.get("start", 0)), int(block.get("end", 0))
     part = _part(block, before)
     # A partly restored block's source says how its tokens split.
-    source = _split_words(block) if part else _e(block.get("source", ""))
+    source = _split_words(block) if part else escape(block.get("source", ""))
     # Live rows are the way in to the details panel, by keyboard as well.
     live = ' tabindex="0"' if facts.live else ""
     opens = ' data-open="true"' if facts.live and block is facts.opens_at else ""
@@ -443,7 +451,7 @@ def _row(block: Block, before: Block | None, facts: _MapFacts) -> str:
         f'<td class="mnb-num mnb-range">{start:,}–{end:,}</td>'
         f'<td class="mnb-text">{_text_cell(block, facts.images)}</td>'
         f'<td class="mnb-source">{_swatch(block, part)} {source}</td>'
-        f'<td class="mnb-reason">{_e(reason_phrase(block, facts.edit))}</td>'
+        f'<td class="mnb-reason">{escape(reason_phrase(block, facts.edit))}</td>'
         f'<td class="mnb-num">{seconds(float(block.get("seconds") or 0.0))}</td>'
         f'<td class="mnb-records">{_records_html(block, facts.layer_kinds)}</td></tr>'
     )
@@ -485,8 +493,8 @@ def map_html(
     facts = _MapFacts(blocks, edit, layer_kinds, images, live)
     head = f"Block map · {_sizes(len(blocks), block_size, prompt_tokens)}"
     if facts.layer_kinds:
-        head += " · layer kinds: " + " + ".join(_e(k) for k in facts.layer_kinds)
-    known = _by_index(blocks)
+        head += " · layer kinds: " + " + ".join(escape(k) for k in facts.layer_kinds)
+    known = by_index(blocks)
     rows = "".join(_row(b, known.get(int(b["index"]) - 1), facts) for b in blocks)
     tall = ' data-tall="true"' if live and len(blocks) > TALL_ROWS else ""
     table = (
@@ -543,7 +551,7 @@ def _details_items(block: Block, edit, layer_kinds, part, images) -> list[tuple[
     ]
     if layer_kinds or block.get("records"):
         items.append(("records", _records_words(block, layer_kinds, part)))
-    if _image_ids(block):
+    if image_ids(block):
         items.append(("images", _image_tip(block, images)))
     return items
 
@@ -557,8 +565,8 @@ def _details(block: Block | None, before: Block | None, edit, layer_kinds, image
         )
     part = _part(block, before)
     items = _details_items(block, edit, layer_kinds, part, images)
-    terms = "".join(f"<dt>{_e(t)}</dt><dd>{_e(v)}</dd>" for t, v in items)
-    ids = _image_ids(block)
+    terms = "".join(f"<dt>{escape(t)}</dt><dd>{escape(v)}</dd>" for t, v in items)
+    ids = image_ids(block)
     # An image block's thumbnails sit on the panel's right: room for them.
     room = f' data-image="{" ".join(map(str, ids))}" style="--mnb-images: {len(ids)}"'
     thumbs = "".join(_thumb(i, images) for i in ids)
@@ -581,7 +589,7 @@ def map_details(
     """The live map's details panel per block index (a string), and under ``""`` what it
     shows with no block hovered or chosen: the edited block, else a hint."""
     kinds = record_kinds(layer_kinds)
-    known = _by_index(blocks)
+    known = by_index(blocks)
     out = {str(i): _details(b, known.get(i - 1), edit, kinds, images) for i, b in known.items()}
     out[""] = _default_details(known, edit, kinds, images)
     return out

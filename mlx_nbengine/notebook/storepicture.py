@@ -14,11 +14,10 @@ The same HTML serves the static picture (after a ``<style>`` block) and the live
 
 from __future__ import annotations
 
-import html as _html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlx_nbengine.notebook.pictures import style
+from mlx_nbengine.notebook.pictures import escape, style
 from mlx_nbengine.notebook.words import format_bytes, plural, seconds
 
 __all__ = ["FIGURES", "SERIES", "request_ticks", "store_html"]
@@ -47,10 +46,6 @@ SERIES = (
     ("computed", "computed", "--mnb-computed", "7 3"),
     ("evicted", "evicted", "--mnb-evicted", "2 2"),
 )
-
-
-def _e(value: Any) -> str:
-    return _html.escape(str(value), quote=True)
 
 
 def _bytes(n: int | float | None) -> str:
@@ -219,10 +214,10 @@ def _figures(view: Mapping[str, Any]) -> str:
     figures = []
     for name, label in FIGURES:
         value, detail = _figure_value(name, view)
-        detail_html = f'<span class="mnb-detail">{_e(detail)}</span>' if detail else ""
+        detail_html = f'<span class="mnb-detail">{escape(detail)}</span>' if detail else ""
         figures.append(
             f'<div class="mnb-figure" data-name="{name}"><span class="mnb-label">{label}</span>'
-            f'<span class="mnb-value">{_e(value)}</span>{detail_html}</div>'
+            f'<span class="mnb-value">{escape(value)}</span>{detail_html}</div>'
         )
     return f'<div class="mnb-figures">{"".join(figures)}</div>'
 
@@ -242,7 +237,7 @@ def _budget_bar(view: Mapping[str, Any]) -> str:
 
 def _kinds(view: Mapping[str, Any]) -> str:
     rows = "".join(
-        f'<tr data-record="{_e(k)}"><td>{_e(k)}</td><td class="mnb-num">'
+        f'<tr data-record="{escape(k)}"><td>{escape(k)}</td><td class="mnb-num">'
         f"{int(v.get('records') or 0):,}</td>"
         f'<td class="mnb-num">{_bytes(v.get("bytes"))}</td></tr>'
         for k, v in (view.get("by_kind") or {}).items()
@@ -260,11 +255,11 @@ def _kinds(view: Mapping[str, Any]) -> str:
 def _evictions(view: Mapping[str, Any]) -> str:
     evictions = [e for e in view.get("recent_evictions") or () if isinstance(e, Mapping)]
     items = "".join(
-        f'<li data-record="{_e(e.get("kind", ""))}"><span class="mnb-num mnb-time">'
+        f'<li data-record="{escape(e.get("kind", ""))}"><span class="mnb-num mnb-time">'
         f"{seconds(float(e.get('t') or 0.0))}</span>"
-        f'<span class="mnb-rec" data-read="true">{_e(e.get("kind", ""))}</span>'
+        f'<span class="mnb-rec" data-read="true">{escape(e.get("kind", ""))}</span>'
         f'<span class="mnb-num">{_bytes(e.get("bytes"))}</span>'
-        f'<q class="mnb-head">{_e(e.get("text") or "")}</q></li>'
+        f'<q class="mnb-head">{escape(e.get("text") or "")}</q></li>'
         for e in evictions
     )
     if not items:
@@ -278,13 +273,13 @@ def store_html(view: Mapping[str, Any], *, live: bool = False) -> str:
     view = view or {}
     title = "Block store"
     if view.get("model"):
-        title += f" · {_e(view['model'])}"
+        title += f" · {escape(view['model'])}"
     if view.get("block_size"):
         title += f" · blocks of {int(view['block_size']):,} tokens"
     backend = str(view.get("backend") or "")
     if backend == "off":
         backend = "no block store: every block is computed"
-    sub = f'<div class="mnb-sub">{_e(backend)}</div>' if backend else ""
+    sub = f'<div class="mnb-sub">{escape(backend)}</div>' if backend else ""
     history = [p for p in view.get("history") or () if isinstance(p, Mapping)]
     return (
         f'{"" if live else style()}<div class="mnb-root mnb-store">'

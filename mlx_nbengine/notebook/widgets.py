@@ -30,6 +30,8 @@ from mlx_nbengine.notebook.pictures import (
     KINDS,
     STATIC,
     TALL_ROWS,
+    by_index,
+    image_ids,
     image_label,
     kind_counts,
     map_details,
@@ -95,20 +97,12 @@ class _Widget(anywidget.AnyWidget):
         return {**data, "text/plain": self.text(), "text/html": self.html()}, metadata
 
 
-def _by_index(blocks: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
-    return {int(b["index"]): b for b in blocks}
-
-
-def _image_ids(block: Mapping[str, Any]) -> set[int]:
-    return {int(i) for i in block.get("images") or ()}
-
-
 def _images_text(blocks: list[dict], images: list[dict]) -> str:
     """ "; 2 image blocks (image 1: cat.png)" for blocks with images, else ""."""
-    marked = [b for b in blocks if _image_ids(b)]
+    marked = [b for b in blocks if image_ids(b)]
     if not marked:
         return ""
-    ids = sorted({i for b in marked for i in _image_ids(b)})
+    ids = sorted({i for b in marked for i in image_ids(b)})
     names = ", ".join(image_label(i, images) for i in ids)
     return f"; {plural(len(marked), 'image block')} ({names})"
 
@@ -173,8 +167,8 @@ class BlockStrip(_Widget):
     def add_blocks(self, blocks: Iterable[Mapping[str, Any]]) -> None:
         """Add several block dicts in one update."""
         with self._lock, self.hold_sync():
-            known = _by_index(self.blocks)
-            known.update(_by_index(dict(b) for b in blocks))
+            known = by_index(self.blocks)
+            known.update(by_index(dict(b) for b in blocks))
             self.blocks = [dict(known[i]) for i in sorted(known)]
 
     def set_edit(self, edit: Mapping[str, Any] | None) -> None:
@@ -240,8 +234,8 @@ class BlockMap(_Widget):
                 f"{int(b['index']):>4} {int(b.get('start', 0)):>7,}-{int(b.get('end', 0)):<7,} "
                 f"{b.get('source', ''):<8} {reason_phrase(b, self.edit)}"
             )
-            if _image_ids(b):
-                names = (image_label(i, self.images) for i in sorted(_image_ids(b)))
+            if image_ids(b):
+                names = (image_label(i, self.images) for i in image_ids(b))
                 line += f" [{', '.join(names)}]"
             lines.append(line)
         return "\n".join(lines)
