@@ -26,6 +26,7 @@ from IPython.utils.capture import capture_output
 
 from mlx_nbengine.cache import blobfile as blobfile_module
 from mlx_nbengine.cache import persist
+from mlx_nbengine.cache.kinds import RECORD_FORMAT
 from mlx_nbengine.cache.store import BlockStore
 from mlx_nbengine.engine import Engine
 from mlx_nbengine.notebook import magics as magics_mod
@@ -134,6 +135,26 @@ def test_another_model_dtype_or_block_size_never_hits_and_sets_the_store_aside(
         report = engine.submit(PROMPT, max_tokens=4).result(timeout=120).report
         assert report.restore_source is None and report.restored_tokens == 0
         assert all(block.source == "computed" for block in report.blocks)
+        assert engine.stats()["records_at_open"] == 0
+    aside = [n for n in os.listdir(store) if n.startswith(persist.SET_ASIDE_PREFIX)]
+    assert len(aside) == 1 and persist.INDEX_FILE in os.listdir(store / aside[0])
+
+
+def test_a_store_of_the_previous_record_format_is_set_aside(model, stored, tmp_path):
+    # Each record kind's version is part of the store's identity (kinds.RECORD_FORMAT): a
+    # store whose window records kept only a block's last W tokens is moved aside whole.
+    store = tmp_path / "store"
+    shutil.copytree(stored, store)
+    index = store / persist.INDEX_FILE
+    data = index.read_bytes()
+    header, start = persist.decode_header(data)
+    assert header["identity"]["record_format"] == RECORD_FORMAT
+    old = {**header["identity"], "record_format": "mlx_nbengine.record.v1"}
+    index.write_bytes(
+        persist.encode_header(store_id=header["store_id"], identity=old) + data[start:]
+    )
+    with Engine.load(model, block_size=16, persist_dir=store) as engine:
+        assert "set aside" in (engine.store_note or "")
         assert engine.stats()["records_at_open"] == 0
     aside = [n for n in os.listdir(store) if n.startswith(persist.SET_ASIDE_PREFIX)]
     assert len(aside) == 1 and persist.INDEX_FILE in os.listdir(store / aside[0])

@@ -14,8 +14,8 @@ from mlx_lm.models import cache as lm_cache
 
 from mlx_nbengine.cache.blocks import ImageSpan, partial_key
 from mlx_nbengine.cache.followers import ROOT
+from mlx_nbengine.cache.kinds import extract_block_records
 from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
-from mlx_nbengine.cache.records import extract_block_records
 from mlx_nbengine.cache.store import BlockStore
 
 B = 16
@@ -360,11 +360,53 @@ def test_layers_that_cannot_be_cut_keep_the_boundary_and_say_why(store, tmp_path
         state.followers.add(key, parent, TOKENS[j * B : (j + 1) * B])
     plan = state.plan(edited, to_token=True)
     assert (plan.tokens, plan.kept_boundary) == (3 * B, "state")
-    with BlockStore(budget_bytes=1 << 26, directory=tmp_path) as other:
-        narrow = cut_cache(other, window=8, fingerprint="model-b")  # W < B
-        save_with_followers(narrow, TOKENS)
-        plan = narrow.plan(edited, to_token=True)
-        assert (plan.tokens, plan.kept_boundary) == (3 * B, "window")
+
+
+def test_a_window_narrower_than_a_block_is_cut_to_the_token(store):
+    pc = cut_cache(store, window=8)  # W < B: its records hold their blocks whole
+    save_with_followers(pc, TOKENS)
+    plan, records = pc.load(pc.plan(edit_at(TOKENS, 3 * B + 11), to_token=True))
+    assert (plan.tokens, plan.kept_boundary) == (3 * B + 11, None)
+    template = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=8)]
+    cache = pc.assemble(records, n_blocks=3, template_cache=template, cut_tokens=11)
+    assert [c.offset for c in cache] == [3 * B + 11] * 2
+    assert cache[1].keys.shape[2] == 8  # the last W tokens before the cut
+
+
+def save_decoded(pc: PrefixCache, tokens, *, decoded: int, seed: int = 0) -> None:
+    """`save_with_followers`, but block `decoded` is fed one token at a time (as decode
+    steps feed a generated block): a window narrower than a block then keeps only the
+    block's last W tokens."""
+    live = [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=pc.max_window)]
+    keys = pc.keys(tokens)
+    for j in range(len(tokens) // B):
+        for i, n in enumerate([1] * B if j == decoded else [B]):
+            feed(live, n, seed=seed + 100 * j + i)
+        recs = extract_block_records(live, block=j, block_size=B)
+        parent = keys[j - 1] if j else ROOT
+        assert pc.save(keys[j], recs, parent=parent, tokens=tokens[j * B : (j + 1) * B])
+
+
+def test_a_follower_whose_window_record_lacks_its_start_keeps_the_boundary(store):
+    pc = cut_cache(store, window=8)
+    save_decoded(pc, TOKENS, decoded=3)  # block 3's window record starts at 3B + 8
+    follower = pc.keys(TOKENS)[3]
+    plan, _ = pc.load(pc.plan(edit_at(TOKENS, 3 * B + 5), to_token=True))
+    assert (plan.tokens, plan.cut, plan.kept_boundary) == (3 * B, None, "window")
+    assert store.has(follower, "window")  # a sound record: kept for whole-block restores
+    assert pc.plan(edit_at(TOKENS, 4 * B), to_token=True).tokens == 4 * B
+
+
+def test_load_reads_on_to_a_follower_whose_window_record_serves_the_cut(store):
+    pc = cut_cache(store, window=8)
+    prefilled = TOKENS[: 3 * B + 6] + [700 + i for i in range(B)]
+    save_with_followers(pc, prefilled, seed=50)  # shares 6 tokens of block 3
+    save_decoded(pc, TOKENS, decoded=3)  # shares 9: the best, but decoded
+    plan = pc.plan(edit_at(TOKENS, 3 * B + 9), to_token=True)
+    assert plan.cut.key == pc.keys(TOKENS)[3] and plan.cut.tokens == 9
+    plan, records = pc.load(plan)
+    assert plan.cut.key == pc.keys(prefilled)[3] and plan.tokens == 3 * B + 6
+    assert set(records[3]) == {"kv", "window"}
 
 
 def test_a_cut_into_block_0_needs_half_a_block(store):

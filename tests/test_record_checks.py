@@ -26,16 +26,15 @@ from test_planner import feed  # tests/ is on sys.path
 
 from mlx_nbengine import Engine
 from mlx_nbengine.cache.followers import ROOT
+from mlx_nbengine.cache.kinds import check_record, extract_block_records, kind_named
 from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
 from mlx_nbengine.cache.records import (
+    BLOB_FORMAT,
     ArraySpec,
     Record,
     RecordError,
-    check_record,
-    extract_block_records,
     merge_signatures,
     record_from_bytes,
-    record_signature,
     record_to_bytes,
 )
 from mlx_nbengine.cache.store import BlockStore
@@ -310,7 +309,7 @@ def test_state_records_of_varying_shapes_all_load_once_saved(store):
 def test_malformed_layer_metadata_is_a_record_error_not_a_crash():
     rec = Record("kv", {"L0.k": mx.zeros((1, 1, B, 4))}, {})
     for layers in ('["not", "a", "dict"]', '{"0": 5}', '{"x": {}}'):
-        rec.meta = {"format": "mlx_nbengine.record.v1", "kind": "kv", "block": "0"}
+        rec.meta = {"format": BLOB_FORMAT, "kind": "kv", "kind_version": "1", "block": "0"}
         rec.meta |= {"block_size": str(B), "layers": layers}
         with pytest.raises(RecordError):
             check_record(
@@ -330,7 +329,7 @@ def test_the_engines_own_records_fit_their_signature(store):
         for kind in ("kv", "window", "state"):
             if store.has(key, kind):
                 rec = record_from_bytes(store.get(key, kind))
-                assert record_signature(rec).keys() <= pc.signatures[kind].keys()
+                assert kind_named(kind).signature(rec).keys() <= pc.signatures[kind].keys()
 
 
 # --- end to end: a bad blob under a real key of a running engine --------------------------------

@@ -18,13 +18,17 @@ import pytest
 from mlx_lm.models import cache as lm_cache
 from mlx_vlm.models import cache as vlm_cache
 
-from mlx_nbengine.cache.assembly import assemble
-from mlx_nbengine.cache.records import (
-    HostArray,
-    RecordError,
+from mlx_nbengine.cache.kinds import (
+    CutOutOfReach,
+    SlidingWindow,
+    assemble,
     extract_block_records,
     layer_kinds,
     layer_windows,
+)
+from mlx_nbengine.cache.records import (
+    HostArray,
+    RecordError,
     record_from_buffer,
     record_from_bytes,
     record_to_bytes,
@@ -303,7 +307,7 @@ def feed_data(layers, keys, values) -> list:
     return seen
 
 
-@pytest.mark.parametrize("window", [16, 24, 100])
+@pytest.mark.parametrize("window", [8, 16, 24, 100])
 @pytest.mark.parametrize("next_steps", [[B], [1, 1, 1], [11, 1, B]])
 def test_a_cut_cache_continues_exactly_like_a_live_one(window, next_steps):
     # Stored: blocks 0..2 of one run. Live: the same first 2 blocks and 5 tokens of block
@@ -331,11 +335,23 @@ def test_a_cut_cache_continues_exactly_like_a_live_one(window, next_steps):
         assert_same(feed_data(live, k, v), feed_data(cut, k, v))
 
 
-def test_a_window_narrower_than_a_block_cannot_be_cut():
+def test_a_window_narrower_than_a_block_keeps_the_whole_block_a_prefill_step_computed():
     layers = attention_layers(8)
-    feed_data(layers, *step_data(B, seed=0))
+    seen = feed_data(layers, *step_data(2 * B, seed=0))  # one step: the buffer holds 7 + 32
+    window = extract_block_records(layers, block=1, block_size=B)["window"]
+    assert (window.layers[1]["start"], window.layers[1]["end"]) == (B, 2 * B)
+    assert mx.array_equal(window.arrays["L1.k"], seen[0][0][..., B : 2 * B, :]).item()
+
+
+def test_a_window_record_that_lacks_its_blocks_start_cannot_serve_a_cut():
+    layers = attention_layers(8)
+    for i in range(B):  # decode steps: the buffer holds the last 8 tokens only
+        feed_data(layers, *step_data(1, seed=i))
     records = {0: extract_block_records(layers, block=0, block_size=B)}
-    with pytest.raises(RecordError, match="cannot be cut"):
+    assert records[0]["window"].layers[1]["start"] == B - 8
+    with pytest.raises(CutOutOfReach, match="needs it from 0"):
+        SlidingWindow().check_cut(records[0]["window"], boundary=0, point=5)
+    with pytest.raises(RecordError, match="gap"):
         assemble(
             records, n_blocks=0, block_size=B, template_cache=attention_layers(8), cut_tokens=5
         )

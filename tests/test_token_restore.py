@@ -7,8 +7,8 @@ token; a recurrent state (qwen3_5) resumes only at a stored boundary, and the re
 so (`kept_boundary`). ``restore="block"`` keeps whole blocks.
 
 Tiny random-weight models, blocks of 16 tokens: gemma3_text with windows 24 (a window
-spanning a block and a half) and 64 (four blocks); one test keeps the issue's windows
-64 and 512 with 256-token blocks. Prompts are random token ids (BOS first). Every
+spanning a block and a half) and 64 (four blocks); the issue's windows 64 and 512 with
+256-token blocks (64: narrower than a block). Prompts are random token ids (BOS first). Every
 edited run's greedy tokens must equal those of a cold run (a fresh engine without a
 store's help).
 """
@@ -313,18 +313,36 @@ def test_an_unknown_restore_mode_is_refused(tiny_model_dir):
 # --- the issue's windows, 256-token blocks ----------------------------------------------------
 
 
-@pytest.mark.parametrize(("window", "expected"), [(512, 280), (64, 256)])
-def test_the_issues_windows_with_256_token_blocks(tiny_model_dir, tmp_path, window, expected):
-    # A window narrower than the block (64) keeps no record of the block's first tokens:
-    # it keeps the boundary and says so; 512 is cut to the token.
+@pytest.mark.parametrize("window", [512, 64])
+def test_the_issues_windows_with_256_token_blocks(tiny_model_dir, tmp_path, window):
+    # Both are cut to the token: a window narrower than the block (64) keeps the whole
+    # block its prefill step computed, as a wider one (512) does.
     model = tiny_model_dir("gemma3_text", sliding_window=window)
     edit = changed(prompt(300), 280)
     with Engine.load(model, block_size=256, cache_dir=tmp_path) as engine:
         run(engine, prompt(300))
         replace_hot_cache(engine)
         done = run(engine, edit)
-    assert done.report.restored_tokens == expected
-    assert done.report.kept_boundary == (None if window == 512 else "window")
+    assert done.report.restored_tokens == 280 and done.report.kept_boundary is None
+    with Engine.load(model, block_size=256, store=False) as cold:
+        assert done.tokens == run(cold, edit).tokens
+
+
+def test_an_edit_20_tokens_before_the_end_of_1500_restores_1480_with_window_64(
+    tiny_model_dir, tmp_path
+):
+    # The prompt's partial last block (1280..1499) is stored where its prefill ends, while
+    # the 64-token window still holds all of it; decoding the answer then rotates it away.
+    model = tiny_model_dir("gemma3_text", sliding_window=64)
+    edit = changed(prompt(1500), 1480)
+    with Engine.load(model, block_size=256, cache_dir=tmp_path) as engine:
+        run(engine, prompt(1500))
+        replace_hot_cache(engine)
+        done = run(engine, edit)
+    report = done.report
+    assert report.restore_source == "disk" and report.edit_at == 1480
+    assert report.restored_tokens == 1480 and report.kept_boundary is None
+    assert restored(report) == [256] * 5 + [200]
     with Engine.load(model, block_size=256, store=False) as cold:
         assert done.tokens == run(cold, edit).tokens
 

@@ -1,17 +1,29 @@
 """Prefix cache: whole-block keys, per-layer-kind records, disk LRU store, restore planning.
 
-See `blocks` (keys, partial-block keys), `records` (what a block keeps per layer kind),
-`planner` (`PrefixCache`, `RestorePlan` and its token-exact `Cut`, `BlockFacts`,
-`prefill_steps`), `followers` (which stored blocks followed a prefix, with their tokens),
-`assembly` (rebuilding live caches), `store` (`BlockStore`, the LRU over one scratch file)
-and `blobfile`.
+See `blocks` (keys, partial-block keys), `kinds` (one class per layer kind: what a block
+keeps of it, its checks, what a restore reads, its rebuilding, its cuts), `records` (a
+record, its bytes and signature), `snapshots` (recurrent states as skeleton + arrays),
+`planner` (`PrefixCache`, `RestorePlan` and its token-exact `Cut`, `prefill_steps`),
+`reader` (a restore's reads, checked), `facts` (`BlockFacts`: what the store knows of a
+computed block), `followers` (which stored blocks followed a prefix, with their tokens),
+`assembly` (what one rebuild reads, slice copying), `store` (`BlockStore`, the LRU over
+one scratch file), `persist` and `blobfile`.
 """
 
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys, partial_key
+from mlx_nbengine.cache.facts import BlockFacts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
+from mlx_nbengine.cache.kinds import (
+    KINDS,
+    RECORD_FORMAT,
+    LayerKind,
+    extract_block_records,
+    kind_of,
+    layer_kinds,
+    layer_windows,
+)
 from mlx_nbengine.cache.planner import (
     BOUNDARY_REASONS,
-    BlockFacts,
     Cut,
     PrefixCache,
     RestorePlan,
@@ -22,9 +34,6 @@ from mlx_nbengine.cache.records import (
     Record,
     RecordError,
     RecordKind,
-    extract_block_records,
-    layer_kinds,
-    layer_windows,
     record_from_buffer,
     record_from_bytes,
     record_to_bytes,
@@ -32,12 +41,15 @@ from mlx_nbengine.cache.records import (
 
 __all__ = [
     "BOUNDARY_REASONS",
+    "KINDS",
+    "RECORD_FORMAT",
     "ROOT",
     "BlockFacts",
     "Cut",
     "FollowerIndex",
     "HostArray",
     "ImageSpan",
+    "LayerKind",
     "PrefixCache",
     "Record",
     "RecordError",
@@ -45,6 +57,7 @@ __all__ = [
     "RestorePlan",
     "block_keys",
     "extract_block_records",
+    "kind_of",
     "layer_kinds",
     "layer_windows",
     "partial_key",

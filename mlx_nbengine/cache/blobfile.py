@@ -12,12 +12,10 @@ Terms:
   (neighbours are coalesced when space is returned) and never touching the end of the file
   (free space that reaches the end is given back with `os.ftruncate`).
 - *checksum*: a 64-bit XXH3 of the blob (`xxhash`, installed with mlx-vlm), checked on every
-  read; `zlib.crc32` where xxhash is missing. Measured on one 10 MiB blob
-  (bench/bench_blobfile.py): XXH3 ~20 GB/s, CRC-32 ~3.6 GB/s, BLAKE2b ~0.6 GB/s. Only XXH3
-  keeps a read near page-cache bandwidth (2-core Linux: pread alone ~3-7 GB/s, pread + CRC-32
-  ~1.3 GB/s, pread + XXH3 ~0.85x of pread).
-  The checksum guards against torn or stray writes, not against an attacker (the file is
-  private: mode 0600, and unlinked).
+  read; `zlib.crc32` where xxhash is missing. XXH3 is the one that keeps a read near
+  page-cache bandwidth (bench/bench_blobfile.py measures them). The checksum guards
+  against torn or stray writes, not against an attacker (the file is private: mode 0600,
+  and unlinked).
 
 Invariant (`check_invariants`): the table's extents and the free list tile
 `[reserved, file_size)` exactly (`reserved` is 0 for a scratch file), without overlap, and
@@ -267,8 +265,8 @@ class BlobFile:
 
     def read_mapped(self, key: Hashable) -> np.ndarray:
         """The blob under `key` as a read-only uint8 view of the file's pages, checksum
-        verified: no copy at all (36 MB of records: 6 ms where a read into new memory
-        takes 20-80 ms, its page faults included). Only for the file's owner thread, and
+        verified: no copy at all (no new memory, so no page faults either). Only for the
+        file's owner thread, and
         only until its next write, `delete` or `clear` (space the blob leaves may be
         rewritten or cut off the file: a view of it then reads other bytes or faults).
         `KeyError` if absent, `CorruptBlobError` if damaged; `read_buffer` where

@@ -12,7 +12,9 @@ symlinks):
   Header: ``b"MNBINDEX"``, u32 format version, u32 length *n*, *n* bytes of JSON
   ``{"format", "store_id", "identity", "checksum", "created"}``, u32 CRC-32 of the JSON.
   `identity` says whose records these are (the engine puts the model fingerprint, block
-  size, record and key formats, the layer layout, the GGUF converter version there);
+  size, key format, layer layout, GGUF converter version and the record format there:
+  `kinds.RECORD_FORMAT`, the blob layout and each record kind's version, so a change of
+  what one kind keeps sets older stores aside);
   `checksum` names the checksum of the entries and blobs (`blobfile.CHECKSUM`).
   Entry: a frame ``u32 payload length, u64 checksum of the payload``, then the payload, one
   type byte first (all integers little-endian; strings UTF-8 with a u16 length):

@@ -1,66 +1,43 @@
 """Restore planning: the longest prefix of a prompt that the store can rebuild.
 
-A *chain* is the list of block keys of a prompt (`block_keys`). Restoring ``n``
-blocks (boundary ``b = n*B``) *needs*:
+A *chain* is the list of block keys of a prompt (`block_keys`). Restoring ``n`` blocks
+(*boundary* ``b = n*B``) *needs* the records each of the model's kinds reads there
+(`kinds.LayerKind.restore_blocks`: every block's ``"kv"``, the ``"window"`` records of the
+blocks overlapping ``[b - W, b)`` for the largest window ``W``, block ``n-1``'s
+``"state"``). The *plan* is the largest ``n`` whose needed records all exist, with
+``b <= len(tokens) - 1`` (the last prompt token is always computed: its logits start
+generation) and, for models whose images attend both ways, ``b`` not inside an image.
 
-- the ``"kv"`` record of every block ``0..n-1`` (if the model has kv layers),
-- the ``"window"`` records of the blocks overlapping ``[b - W, b)`` for the
-  largest window ``W`` (if it has window layers),
-- the ``"state"`` record of block ``n-1`` (if it has state layers).
+*Cut* (``plan(..., to_token=True)``): block ``n`` of the prompt may share its first ``k``
+tokens with a stored *follower* of block ``n-1`` (a block, whole or partial, stored after
+the same prefix; the `FollowerIndex` knows their tokens, so no blob is read to choose).
+The follower sharing the most, where every kind can be cut there (`LayerKind.cuts_at`)
+and whose records are held, gives its first ``k`` tokens too, up to ``p = b + k`` (at most
+the prompt's last token but one; into block 0 only past half a block or every prompt
+token but the last, as for the hot cache). `load` checks that its records serve the cut
+(`LayerKind.check_cut`) and reads on to the next follower when not. Without a cut the
+plan says why (`RestorePlan.kept_boundary`, one of `BOUNDARY_REASONS`): ``"state"``
+(recurrent layers resume only where a state was taken: the whole length of a partial
+follower the prompt holds entirely), ``"window"`` (the followers' window records do not
+reach back to ``max(b, p - W)``: blocks decoded one token at a time keep only their last
+``W`` tokens), ``"block"`` (whole blocks were asked for), ``"evicted"`` (the follower's
+records are gone).
 
-The *plan* is the largest ``n`` whose needed records all exist, with
-``b <= len(tokens) - 1`` (the last prompt token is always computed, since its
-logits start generation) and, for models that attend bidirectionally within an
-image, ``b`` not strictly inside an image's tokens.
-
-*Cut* (token-exact restore, ``plan(..., to_token=True)``): past the plan's boundary
-``b = n*B`` the prompt's block ``n`` may still share its first tokens with a stored
-*follower* of block ``n-1`` (a block, whole or partial, stored after the same prefix:
-the `FollowerIndex` knows their token ids, so no blob is read to choose). The follower
-sharing the most tokens whose records are held gives the cut: its first ``k`` tokens
-are restored too, up to ``p = b + k`` (at most the prompt's last token but one; into
-block 0 only when ``k`` is half a block or every prompt token but the last, as for the
-hot cache). A cut needs the follower's ``"kv"`` and ``"window"`` records (the chain's
-window records already cover ``[p - W, b)``). Layers that cannot be cut keep the
-boundary, and the plan says why (`RestorePlan.kept_boundary`, one of
-`BOUNDARY_REASONS`): ``"state"`` (recurrent layers resume only at a stored
-checkpoint: a model with them is cut only at the whole length of a partial follower
-the prompt holds entirely, whose ``"state"`` record was taken at its end, e.g. where an
-image ends or a finished request's cache ended), ``"window"`` (a sliding window
-narrower than a block: a window record then lacks the block's first tokens),
-``"block"`` (whole blocks were asked for), ``"evicted"`` (the follower's records are
-gone).
-
-`PrefixCache` ties keys, records, the `BlockStore`, the planner and assembly
-together for one model. It is not thread-safe: the engine calls it from its
-cache-I/O thread (plan/load/save/touch) and the generation thread (assemble).
+`PrefixCache` ties keys, records, the `BlockStore`, the planner and assembly together
+for one model. It is not thread-safe: the engine calls it on its cache-I/O thread only
+(plan, load, assemble in the same job, save, touch).
 
 *Facts*: for the blocks a request computes, `PrefixCache.block_facts` says what the
-store knows of each (stored once? its own records held? restorable up to its end? where
-does it leave the closest stored continuation of its prefix?), so the engine can say why
-a block was computed. They rest on the `FollowerIndex` (`followers`), which `save` fills
-when given a block's parent and tokens.
+store knows of each (`facts`), so the engine can say why a block was computed.
 
-*Checks*: every record read back is checked before it is served (`records.check_record`):
-its metadata must fit the block and the model's layer layout (the template's layer kinds,
-classes and windows), its arrays must be those the metadata names with its token counts,
-and each array must fit the model's cache. The expected shapes and dtypes are learned
-from the records this process extracted itself: `save` merges each record it is given
-into a per-kind signature (`records.record_signature`: kv/window arrays
-``(1, heads, *, head_dim)`` and their dtype, state arrays as they were), and the engine
-`learn`s from a one-token probe of the model when it loads, before any record is read
-back (the template cache is empty, so it cannot tell; a persistent store holds records of
-earlier processes). A kind nothing was saved of yet (a foreign blob under a key
-before any save) is held to the first record of that kind the same `load` read, so a
-chain never mixes shapes. A record that does not fit is a `RecordError`: deleted, and the
-plan falls back (a miss, never an error).
+*Checks*: every record read back is checked before it is served, and a bad one makes the
+plan fall back (`reader`).
 
-*Recency*: the store evicts the least recently touched record first. Touching
-a chain puts, oldest first, the records not needed at its boundary (earlier
-boundaries' state checkpoints, window slices that fell out of the window),
-then the needed records from the last block back to the first; so a flood of
-other prompts evicts suffixes before prefixes, and a prefix shared by many
-prompts stays longest.
+*Recency*: the store evicts the least recently touched record first. Touching a chain
+puts, oldest first, the records not needed at its boundary (earlier boundaries' state
+checkpoints, window slices that fell out of the window), then the needed records from the
+last block back to the first; so other prompts evict suffixes before prefixes, and a
+prefix shared by many prompts stays longest.
 """
 
 from __future__ import annotations
@@ -69,27 +46,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from mlx_nbengine.cache.assembly import assemble, window_blocks
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys, match_ids
+from mlx_nbengine.cache.facts import BlockFacts, block_facts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
+from mlx_nbengine.cache.kinds import KINDS, LayerKind, assemble, layer_kinds, layer_windows
+from mlx_nbengine.cache.reader import RecordReader
 from mlx_nbengine.cache.records import (
-    KINDS,
     Record,
-    RecordError,
     RecordKind,
     Signature,
-    check_record,
-    layer_kinds,
-    layer_windows,
-    merge_signatures,
-    record_from_buffer,
-    record_signature,
     record_to_bytes,
 )
 
-__all__ = ["BOUNDARY_REASONS", "BlockFacts", "Cut", "PrefixCache", "RestorePlan", "prefill_steps"]
+__all__ = ["BOUNDARY_REASONS", "Cut", "PrefixCache", "RestorePlan", "prefill_steps"]
 
 BOUNDARY_REASONS = ("state", "window", "block", "evicted")
 """Why a restore kept to a block boundary although a stored follower shared more tokens."""
@@ -118,7 +87,8 @@ class RestorePlan:
     constraints (at most ``limit`` blocks; boundaries where ``allowed[n]`` is
     false are never used), kept so `PrefixCache.load` can fall back to a shorter chain.
     ``kept_boundary`` says why there is no cut although a follower shared tokens (one of
-    `BOUNDARY_REASONS`), else None.
+    `BOUNDARY_REASONS`), else None. ``spare_cuts`` are the other held followers, best
+    first, that `load` tries when the cut's records cannot serve it.
     """
 
     keys: tuple[str, ...]
@@ -129,6 +99,7 @@ class RestorePlan:
     allowed: tuple[bool, ...] = field(repr=False)
     cut: Cut | None = None
     kept_boundary: str | None = None
+    spare_cuts: tuple[Cut, ...] = field(default=(), repr=False)
 
     @property
     def boundary(self) -> int:
@@ -137,32 +108,6 @@ class RestorePlan:
     @property
     def tokens(self) -> int:
         return self.boundary + (self.cut.tokens if self.cut is not None else 0)
-
-
-@dataclass(frozen=True)
-class BlockFacts:
-    """What the store knows about prompt block `index` (tokens ``start:end``).
-
-    ``seen``: this very block (same key) was stored once, whether or not it is still
-    held; ``held``: its own records are held (its ``"kv"`` record, or for models without
-    kv layers the first kind they have); ``chain_held``: so are those of every block
-    before it; ``restorable``: every record that restoring the prompt up to the block's
-    end needs is held; ``diverges_at``: the absolute position
-    where the prompt leaves the closest stored follower of the previous block (None when
-    the closest follower agrees with all the block's tokens or the prompt extends it, a
-    stored partial block, or none was stored; for block 0 the follower must share at
-    least half a block, `PrefixCache.root_min_shared`). A partial tail block has no key:
-    it is never seen, held nor restorable.
-    """
-
-    index: int
-    start: int
-    end: int
-    seen: bool = False
-    held: bool = False
-    chain_held: bool = False
-    restorable: bool = False
-    diverges_at: int | None = None
 
 
 def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple[int, int]]:
@@ -191,25 +136,6 @@ def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> li
     return steps
 
 
-class _Arena:
-    """One buffer for every blob one `load` reads, handed out in slices: one allocation
-    (huge pages where the system gives them) in place of one per blob, whose page faults
-    cost more than the reads (36 MB of Gemma 3 270M records: 20 vs 31 ms on 2 cores). The
-    records' arrays are views of it; it is freed with the last of them."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
-        self.used = 0
-
-    def take(self, nbytes: int) -> np.ndarray | None:
-        """The next `nbytes` bytes, or None when the buffer has no room left."""
-        if self.used + nbytes > self.buffer.size:
-            return None
-        out = self.buffer[self.used : self.used + nbytes]
-        self.used += nbytes
-        return out
-
-
 class PrefixCache:
     """Keys, records, store, planner and assembly for one model (see the module docstring)."""
 
@@ -232,13 +158,22 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self.layer_kinds = list(layer_kinds)
         self.windows = list(windows)
-        # The class of each layer cache (None: not checked), and per kind the shapes and
-        # dtypes of the records this process saved (see *Checks* in the module docstring).
+        # The class of each layer cache (None: not checked).
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
-        self.signatures: dict[RecordKind, Signature] = {}
         self.block_size = block_size
         self.store = store
-        self.kinds: tuple[RecordKind, ...] = tuple(k for k in KINDS if k in self.layer_kinds)
+        self.reader = RecordReader(
+            store=store,
+            block_size=block_size,
+            layer_kinds=self.layer_kinds,
+            windows=self.windows,
+            layer_classes=self.layer_classes,
+        )
+        # The model's kinds, in record order, and their names.
+        self.layer_kinds_present: tuple[LayerKind, ...] = tuple(
+            k for k in KINDS if k.name in self.layer_kinds
+        )
+        self.kinds: tuple[RecordKind, ...] = tuple(k.name for k in self.layer_kinds_present)
         present = [w for w, k in zip(self.windows, self.layer_kinds, strict=True) if k == "window"]
         if any(w is None or w <= 0 for w in present):
             raise ValueError("every window layer needs a positive window size")
@@ -249,11 +184,12 @@ class PrefixCache:
         # first block counts as the same prompt edited only when it shares half a block.
         self.root_min_shared = max(1, block_size // 2)
         # What stops a cut inside a block (None: every layer can be cut to the token).
-        self.cut_blocker: str | None = None
-        if "state" in self.kinds:
-            self.cut_blocker = "state"
-        elif any(w is not None and w < block_size for w in self.windows):
-            self.cut_blocker = "window"
+        self.cut_blocker: str | None = next(
+            (k.name for k in self.layer_kinds_present if not k.cuts_inside_blocks), None
+        )
+        # A window narrower than a block forgets a partial block's first tokens while the
+        # request decodes: the engine takes the prompt's partial block where prefill ends.
+        self.window_narrower_than_block = 0 < min(present, default=0) < block_size
 
     @classmethod
     def for_cache(
@@ -277,23 +213,16 @@ class PrefixCache:
         )
 
     def needed(self, keys: Sequence[str], n_blocks: int) -> list[tuple[str, RecordKind]]:
-        """The records restoring the first `n_blocks` blocks of chain `keys` needs."""
+        """The records restoring the first `n_blocks` blocks of chain `keys` needs: by
+        block, each in record order (`kinds`)."""
         if n_blocks <= 0:
             return []
-        out: list[tuple[str, RecordKind]] = []
-        windowed = (
-            set(window_blocks(n_blocks, window=self.max_window, block_size=self.block_size))
-            if "window" in self.kinds
-            else set()
-        )
-        for j in range(n_blocks):
-            if "kv" in self.kinds:
-                out.append((keys[j], "kv"))
-            if j in windowed:
-                out.append((keys[j], "window"))
-        if "state" in self.kinds:
-            out.append((keys[n_blocks - 1], "state"))
-        return out
+        B, W = self.block_size, self.max_window
+        reads = [
+            (kind.name, set(kind.restore_blocks(n_blocks, block_size=B, window=W)))
+            for kind in self.layer_kinds_present
+        ]
+        return [(keys[j], name) for j in range(n_blocks) for name, blocks in reads if j in blocks]
 
     def plan(
         self,
@@ -349,23 +278,30 @@ class PrefixCache:
         ]
         if not candidates:
             return plan
-        why = None if to_token else "block"
-        why = why or self.cut_blocker
-        if why == "state":
-            # A recurrent state resumes only where it was taken: the end of a partial
-            # follower the prompt holds whole (an image's end, a finished request's end).
-            exact = [c for c in candidates if c[1] == c[2] < B]
-            if not exact:
-                return replace(plan, kept_boundary="state")
-            candidates, why = exact, None
-        if why is not None:
-            return replace(plan, kept_boundary=why)
-        kinds = [k for k in KINDS if k in self.kinds]
-        for key, k, _ in candidates:
-            needed = tuple((key, kind) for kind in kinds)
-            if all(self.store.has(*item) for item in needed):
-                return replace(plan, cut=Cut(block=n, key=key, tokens=k, needed=needed))
-        return replace(plan, kept_boundary="evicted")
+        if not to_token:
+            return replace(plan, kept_boundary="block")
+        cuttable, refused_by = [], None
+        for key, k, length in candidates:
+            refusing = [
+                kind.name
+                for kind in self.layer_kinds_present
+                if not kind.cuts_at(k, follower_length=length, block_size=B)
+            ]
+            if refusing:
+                refused_by = refused_by or refusing[0]
+            else:
+                cuttable.append((key, k))
+        if not cuttable:
+            return replace(plan, kept_boundary=refused_by)
+        # Every held one, best first: `load` reads on past one that cannot serve the cut.
+        cuts = tuple(
+            Cut(block=n, key=key, tokens=k, needed=tuple((key, kind) for kind in self.kinds))
+            for key, k in cuttable
+            if all(self.store.has(key, kind) for kind in self.kinds)
+        )
+        if not cuts:
+            return replace(plan, kept_boundary="evicted")
+        return replace(plan, cut=cuts[0], spare_cuts=cuts[1:])
 
     def _plan(self, keys: tuple[str, ...], *, limit: int, allowed: tuple[bool, ...]) -> RestorePlan:
         has = self.store.has
@@ -399,103 +335,9 @@ class PrefixCache:
 
         `keys` are the prompt's whole-block keys (`RestorePlan.keys`), `images` its spans.
         """
-        tokens = match_ids(tokens, images)
-        B = self.block_size
-        own = self.kinds[0] if self.kinds else None
-        has = self.store.has
-        chain = own is not None and all(has(k, own) for k in keys[:first])
-        out = []
-        for j in range(first, -(-len(tokens) // B)):
-            start, end = j * B, min((j + 1) * B, len(tokens))
-            key = keys[j] if j < len(keys) else None
-            held = key is not None and own is not None and has(key, own)
-            chain = chain and held
-            seen = key is not None and (held or key in self.followers)
-            restorable = held and all(has(k, kind) for k, kind in self.needed(keys, j + 1))
-            parent = keys[j - 1] if j > 0 else ROOT
-            out.append(
-                BlockFacts(
-                    index=j,
-                    start=start,
-                    end=end,
-                    seen=seen,
-                    held=held,
-                    chain_held=chain,
-                    restorable=restorable,
-                    diverges_at=self._diverges_at(parent, tokens[start:end], start),
-                )
-            )
-        return out
-
-    def _diverges_at(self, parent: str, tokens: Sequence[int], start: int) -> int | None:
-        ranked = self.followers.ranked(parent, tokens)
-        if not ranked:
-            return None
-        _, shared, length = ranked[0]
-        # The prompt leaves the follower only where both go on and differ: a prompt block
-        # that is a prefix of the follower, or one that extends a (partial) follower, does
-        # not change anything stored.
-        if shared >= min(len(tokens), length):
-            return None
-        if parent == ROOT and shared < self.root_min_shared:
-            return None
-        return start + shared
+        return block_facts(self, match_ids(tokens, images), keys, first=first)
 
     # --- load, assemble ----------------------------------------------------------------------
-
-    def _check(
-        self,
-        rec: Record,
-        block: int,
-        kind: RecordKind,
-        *,
-        whole: bool = True,
-        first_read: dict[RecordKind, Signature] | None = None,
-    ) -> None:
-        """Raise `RecordError` unless `rec` fits block `block`'s `kind` layers of this model
-        (`whole`: a chain's whole block; else a cut's follower, whose first tokens serve).
-
-        Arrays are held to the signature learned by `save`; for a kind with none yet, to
-        the first record of that kind read into `first_read` (one `load`'s records)."""
-        signature = self.signatures.get(kind)
-        if signature is None and first_read is not None:
-            signature = first_read.get(kind)
-        check_record(
-            rec,
-            block=block,
-            kind=kind,
-            block_size=self.block_size,
-            layer_kinds=self.layer_kinds,
-            windows=self.windows,
-            classes=self.layer_classes,
-            whole=whole,
-            signature=signature,
-        )
-        if signature is None and first_read is not None:
-            first_read[kind] = record_signature(rec)
-
-    def _read(
-        self,
-        key: str,
-        block: int,
-        kind: RecordKind,
-        *,
-        whole: bool = True,
-        first_read: dict[RecordKind, Signature] | None = None,
-        arena: _Arena | None = None,
-        mapped: bool = False,
-    ) -> Record:
-        """Record `(key, kind)` decoded and checked; `RecordError` when gone or unfit. Its
-        arrays are views of the bytes read (into `arena` when it has room), or of the
-        store's file with `mapped` (see `load`)."""
-        size = self.store.size(key, kind) if arena is not None else None
-        into = arena.take(size) if arena is not None and size else None
-        data = self.store.get_buffer(key, kind, into, mapped=mapped)
-        if data is None:
-            raise RecordError("record is gone")
-        rec = record_from_buffer(data)
-        self._check(rec, block, kind, whole=whole, first_read=first_read)
-        return rec
 
     def load(
         self, plan: RestorePlan, *, mapped: bool = False
@@ -512,82 +354,25 @@ class PrefixCache:
         the plan falls back to the longest shorter chain still complete (or to
         nothing). Returns the plan actually served and its records by block.
         On success the chain is touched (see `touch`). The plan's cut is read too and
-        served under block ``n_blocks``; if one of its records is gone or damaged it is
-        deleted and the plan keeps the boundary (``kept_boundary="evicted"``).
+        served under block ``n_blocks``: the first of it and its spares whose records
+        serve it; else the plan keeps the boundary, ``kept_boundary="evicted"`` (a record
+        gone or damaged: deleted) or ``"window"`` (window records that do not reach back).
         """
-        cut, n_wanted = plan.cut, plan.n_blocks
-        loaded: dict[tuple[str, RecordKind], Record] = {}
-        first_read: dict[RecordKind, Signature] = {}
-        arena = None
-        if not (mapped and self.store.mappable):
-            items = [*plan.needed, *(cut.needed if cut is not None else ())]
-            arena = _Arena(sum(self.store.size(key, kind) or 0 for key, kind in items))
-        while plan.n_blocks > 0:
-            bad = None
-            for block, (key, kind) in self._blocks_of(plan):
-                if (key, kind) in loaded:
-                    continue
-                try:
-                    rec = self._read(
-                        key, block, kind, first_read=first_read, arena=arena, mapped=mapped
-                    )
-                except RecordError:
-                    bad = (key, kind)
-                    break
-                loaded[(key, kind)] = rec
-            if bad is None:
-                break
-            self.store.delete(*bad)
-            plan = self._plan(plan.keys, limit=plan.n_blocks, allowed=plan.allowed)
-        by_block: dict[int, dict[RecordKind, Record]] = {}
-        for block, (key, kind) in self._blocks_of(plan):
-            by_block.setdefault(block, {})[kind] = loaded[(key, kind)]
+        cut, spare_cuts, n_wanted = plan.cut, plan.spare_cuts, plan.n_blocks
+        reading = self.reader.reading(
+            [*plan.needed, *(cut.needed if cut is not None else ())], mapped=mapped
+        )
+        plan, by_block = reading.chain(plan, replan=self._plan)
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
         if cut is not None and plan.n_blocks == n_wanted:
-            records = self._load_cut(cut, first_read, arena, mapped)
-            if records is None:
-                plan = replace(plan, cut=None, kept_boundary="evicted")
+            served, records, why = reading.cut((cut, *spare_cuts))
+            if served is None:
+                plan = replace(plan, cut=None, spare_cuts=(), kept_boundary=why)
             else:
-                plan = replace(plan, cut=cut)
-                by_block[cut.block] = records
+                plan = replace(plan, cut=served, spare_cuts=())
+                by_block[served.block] = records
         return plan, by_block
-
-    def _load_cut(
-        self,
-        cut: Cut,
-        first_read: dict[RecordKind, Signature] | None = None,
-        arena: _Arena | None = None,
-        mapped: bool = False,
-    ) -> dict[RecordKind, Record] | None:
-        """The cut's records, or None (a bad one deleted) when one is gone or damaged."""
-        out: dict[RecordKind, Record] = {}
-        for key, kind in cut.needed:
-            try:
-                rec = self._read(
-                    key,
-                    cut.block,
-                    kind,
-                    whole=False,
-                    first_read=first_read,
-                    arena=arena,
-                    mapped=mapped,
-                )
-                p = cut.block * self.block_size + cut.tokens
-                if kind == "state":
-                    if any(m.get("offset") != p for m in rec.layers.values()):
-                        raise RecordError("the follower's state was taken elsewhere")
-                elif min(m["end"] for m in rec.layers.values()) < p:
-                    raise RecordError("the follower is shorter than the cut")
-            except RecordError:
-                self.store.delete(key, kind)
-                return None
-            out[kind] = rec
-        return out
-
-    def _blocks_of(self, plan: RestorePlan) -> list[tuple[int, tuple[str, RecordKind]]]:
-        index = {k: j for j, k in enumerate(plan.keys[: plan.n_blocks])}
-        return [(index[key], (key, kind)) for key, kind in plan.needed]
 
     def assemble(
         self,
@@ -644,10 +429,12 @@ class PrefixCache:
         """Merge records this process extracted from the model itself into `signatures`
         (`save` does it for every record; the engine also learns from a one-token probe
         when the model loads, so records stored by an earlier process are checked too)."""
-        for kind, rec in records.items():
-            learned = self.signatures.get(kind)
-            own = record_signature(rec)
-            self.signatures[kind] = own if learned is None else merge_signatures(learned, own)
+        self.reader.learn(records)
+
+    @property
+    def signatures(self) -> dict[RecordKind, Signature]:
+        """Per kind, the shapes and dtypes records read back must have (see `reader`)."""
+        return self.reader.signatures
 
     def touch(self, keys: Sequence[str]) -> None:
         """Mark chain `keys` (a prompt's first blocks) as just used, suffix-first.

@@ -531,7 +531,7 @@ def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[st
     """Whose records a persistent store holds: records written under another identity are
     never read (the store is set aside). The model fingerprint covers config, weights,
     dtype and CPU math variant; the rest names the formats and the layer layout."""
-    from mlx_nbengine.cache import blocks, records
+    from mlx_nbengine.cache import blocks, kinds
     from mlx_nbengine.models import gguf
 
     key_format = getattr(blocks, "_KEY_VERSION", b"")
@@ -539,11 +539,11 @@ def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[st
         "fingerprint": lm.fingerprint,
         "block_size": block_size,
         "model_type": getattr(lm, "model_type", ""),
-        "record_format": getattr(records, "_FORMAT", ""),
+        "record_format": kinds.RECORD_FORMAT,
         "key_format": key_format.decode() if isinstance(key_format, bytes) else str(key_format),
         "converter": getattr(gguf, "CONVERTER_VERSION", ""),
-        "layers": ",".join(records.layer_kinds(template_cache)),
-        "windows": ",".join(str(w) for w in records.layer_windows(template_cache)),
+        "layers": ",".join(kinds.layer_kinds(template_cache)),
+        "windows": ",".join(str(w) for w in kinds.layer_windows(template_cache)),
     }
 
 

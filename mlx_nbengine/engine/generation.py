@@ -210,6 +210,7 @@ class GenerationThread:
         self._vision: Any = None  # engine.vision.VisionRunner of a vision model
         self._split: Any = None  # models.head.SplitHead of a text model whose head splits
         self._image_checkpoints = False  # end a prefill step (and store) at each image end
+        self._prompt_partials = False  # store the prompt's partial block where prefill ends
         self._bidirectional = False  # its image tokens attend both ways
         self._hot: HotCache | None = None
         self._state_layers = False
@@ -320,6 +321,9 @@ class GenerationThread:
                     and self.to_token
                     and self._io.prefix.cut_blocker == "state"
                 )
+                # A window narrower than a block forgets the partial block's first tokens
+                # while the request decodes: take it where the prompt's prefill ends.
+                self._prompt_partials = self.to_token and self._io.prefix.window_narrower_than_block
         except BaseException as exc:
             self._load_error = exc
             self._release_streams()
@@ -660,6 +664,8 @@ class GenerationThread:
             if any(span.end == end for span in seq.images):
                 # The image-end checkpoint: a partial block with the state taken here.
                 self._save_partial(seq.prompt[:end], seq.cache, images=seq.images)
+        if self._prompt_partials and end % self.block_size and end >= len(seq.prompt) - 1:
+            self._save_partial(seq.prompt[:end], seq.cache, images=seq.images)
         if end == len(seq.prompt) - 1:
             self._join(seq, seq.prompt[-1])
         if not last:
