@@ -27,6 +27,7 @@ import html as _html
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -437,6 +438,23 @@ def _text_cell(block: Block, images: Images) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class _MapFacts:
+    """What every row of one map needs."""
+
+    edit: Block | None
+    layer_kinds: list[str]  # each once, in order (`record_kinds`)
+    images: Images
+    live: bool
+    opens_at: int | None  # the row a tall live map opens at: its first computed block
+
+    @classmethod
+    def of(cls, blocks: Sequence[Block], edit, layer_kinds, images, live) -> _MapFacts:
+        first = next((int(b["index"]) for b in blocks if b.get("source") == "computed"), None)
+        tall = live and len(blocks) > TALL_ROWS
+        return cls(edit, record_kinds(layer_kinds), images, live, first if tall else None)
+
+
 def _row(block: Block, before: Block | None, facts: _MapFacts) -> str:
     start, end = int(block.get("start", 0)), int(block.get("end", 0))
     part = _part(block, before)
@@ -444,7 +462,7 @@ def _row(block: Block, before: Block | None, facts: _MapFacts) -> str:
     source = _split_words(block) if part else escape(block.get("source", ""))
     # Live rows are the way in to the details panel, by keyboard as well.
     live = ' tabindex="0"' if facts.live else ""
-    opens = ' data-open="true"' if facts.live and block is facts.opens_at else ""
+    opens = ' data-open="true"' if int(block["index"]) == facts.opens_at else ""
     return (
         f'<tr class="mnb-block" {_block_attrs(block, facts.edit, part)}{live}{opens}>'
         f'<td class="mnb-num">{int(block["index"])}</td>'
@@ -455,20 +473,6 @@ def _row(block: Block, before: Block | None, facts: _MapFacts) -> str:
         f'<td class="mnb-num">{seconds(float(block.get("seconds") or 0.0))}</td>'
         f'<td class="mnb-records">{_records_html(block, facts.layer_kinds)}</td></tr>'
     )
-
-
-class _MapFacts:
-    """What every row of one map needs: the edit, layer kinds, images, live or not."""
-
-    def __init__(self, blocks, edit, layer_kinds, images, live) -> None:
-        self.edit = edit
-        self.layer_kinds = record_kinds(layer_kinds)
-        self.images = images
-        self.live = live
-        # The tall live map opens at its first computed block.
-        tall = live and len(blocks) > TALL_ROWS
-        self.opens_at = next((b for b in blocks if b.get("source") == "computed"), None)
-        self.opens_at = self.opens_at if tall else None
 
 
 def map_html(
@@ -490,7 +494,7 @@ def map_html(
     (``data-tall``) and the row it opens at (``data-open``), and leaves out the style.
     """
     blocks = sorted(blocks, key=lambda b: int(b["index"]))
-    facts = _MapFacts(blocks, edit, layer_kinds, images, live)
+    facts = _MapFacts.of(blocks, edit, layer_kinds, images, live)
     head = f"Block map · {_sizes(len(blocks), block_size, prompt_tokens)}"
     if facts.layer_kinds:
         head += " · layer kinds: " + " + ".join(escape(k) for k in facts.layer_kinds)
