@@ -183,7 +183,7 @@ def rss_child(model: str, mode: str, n_tokens: int, block_size: int) -> dict:
         # Warm-up of the same size: first-use buffers (BLAS workspaces, MLX's kernels'
         # scratch) are paid before the baseline, so "extra" is what the prompts leave.
         engine.submit(text_prompt(lm, n_tokens, seed=99), max_tokens=8).result()
-        engine._io.drain()
+        engine.wait_for_saves()
         gc.collect()
         time.sleep(0.5)
         before = proc.memory_info().rss
@@ -192,7 +192,7 @@ def rss_child(model: str, mode: str, n_tokens: int, block_size: int) -> dict:
         for r in reqs:
             r.result()
         seconds = time.perf_counter() - t
-        engine._io.drain()
+        engine.wait_for_saves()
         gc.collect()
         time.sleep(0.5)
         after = proc.memory_info().rss
@@ -302,20 +302,20 @@ def bench_ttft(engine: Engine, *, n_tokens: int, repeats: int, scratch: str) -> 
     edit = edited(lm, original, 100, seed=2)
     # Warm-up of the same shape (untimed): first-call allocations, the BLAS tuner's tries.
     engine.submit(text_prompt(lm, n_tokens, seed=9), max_tokens=1).result()
-    engine._io.drain()
-    engine._gen.call(engine._gen.drop_hot_cache)  # the warm-up's edit comes from the store
+    engine.wait_for_saves()
+    engine.drop_hot_cache()  # the warm-up's edit comes from the store
     engine.submit(edited(lm, text_prompt(lm, n_tokens, seed=9), 100, seed=3), max_tokens=1)
-    engine._io.drain()
+    engine.wait_for_saves()
     warm_runs, cold_runs = [], []
     for i in range(repeats):
         engine.clear_cache()  # the store and the hot cache emptied: no earlier edit is held
         engine.submit(original, max_tokens=1).result()
-        engine._io.drain()
+        engine.wait_for_saves()
         cold_runs.append(engine.submit(text_prompt(lm, n_tokens, seed=10 + i), max_tokens=1))
         cold_runs[-1] = cold_runs[-1].result().report
-        engine._io.drain()
+        engine.wait_for_saves()
         warm_runs.append(engine.submit(edit, max_tokens=1).result().report)
-        engine._io.drain()
+        engine.wait_for_saves()
     tails = [sum(b.seconds for b in r.blocks if b.source == "computed") for r in warm_runs]
     bandwidth = read_bandwidth(scratch, max(r.restored_bytes for r in warm_runs))
     floors = [t + r.restored_bytes / bandwidth for t, r in zip(tails, warm_runs, strict=True)]

@@ -117,7 +117,7 @@ class Ours:
 
     def ttft(self, tokens: list[int]) -> float:
         report = self.engine.submit(tokens, max_tokens=1).result(timeout=600).report
-        self.engine._io.drain(timeout=600)  # idle before the next call, as between cells
+        self.engine.wait_for_saves(timeout=600)  # idle before the next call, as between cells
         self.reports.append(report)
         return report.ttft_s
 
@@ -491,25 +491,21 @@ def table(r: dict, *, title: str) -> str:
 
 
 class LogitTap:
-    """Reads the logits the engine samples a request's first token from: the generation
-    thread's `_sample` is wrapped (the engine's own steps run unchanged; the logits are
+    """Reads the logits the engine samples a request's first token from
+    (`EngineInternals.watch_logits`: the engine's own steps run unchanged; the logits are
     evaluated and copied out there, so the step is not pipelined while the tap is armed)."""
 
     def __init__(self, engine: Engine) -> None:
-        gen = engine._gen
-        sample = gen._sample
         self.armed = False
         self.logits: np.ndarray | None = None
 
-        def tapped(seqs, logits):
-            tokens = sample(seqs, logits)
+        def tapped(logits):
             if self.armed and self.logits is None:
                 rows = logits.reshape(-1, logits.shape[-1])
                 mx.eval(rows)
                 self.logits = np.array(rows[0].astype(mx.float32))
-            return tokens
 
-        gen._sample = tapped
+        engine.internals.watch_logits(tapped)
         self.engine = engine
 
     def first(self, tokens: list[int]):
@@ -519,7 +515,7 @@ class LogitTap:
             done = self.engine.submit(tokens, max_tokens=1).result(timeout=600)
         finally:
             self.armed = False
-        self.engine._io.drain(timeout=600)
+        self.engine.wait_for_saves(timeout=600)
         return self.logits, done.report, done.tokens[0]
 
 
@@ -542,8 +538,8 @@ def parity_case(model: str, *, block_size: int, n_tokens: int, edits: list[int],
                 cold, cold_report, cold_token = tap.first(edit)
                 engine.clear_cache()
                 engine.submit(tokens, max_tokens=1).result(timeout=600)
-                engine._io.drain(timeout=600)
-                engine._gen.call(engine._gen.drop_hot_cache)  # the restore comes from the store
+                engine.wait_for_saves(timeout=600)
+                engine.drop_hot_cache()  # the restore comes from the store
                 warm, report, warm_token = tap.first(edit)
                 out.append(
                     {

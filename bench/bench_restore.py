@@ -106,22 +106,22 @@ def engine_prefill(
     with engine:
         for i in range(warmup):
             engine.submit(random_prompt(vocab, n_tokens, 100 + i), max_tokens=1).result()
-            engine._io.drain()
+            engine.wait_for_saves()
         prefill, reports = [], []
         for i in range(repeats):
             report = engine.submit(random_prompt(vocab, n_tokens, 200 + i), max_tokens=1)
             report = report.result().report
-            engine._io.drain()
+            engine.wait_for_saves()
             whole = [b for b in report.blocks if b.end - b.start == B]
             assert all(b.source == "computed" for b in whole), "a never-seen prompt restored"
             prefill.append(sum(b.seconds for b in whole) / len(whole))
             reports.append(report)
         restore = []
         for i in range(repeats):
-            engine._gen.call(engine._gen.drop_hot_cache)  # from the store, not memory
+            engine.drop_hot_cache()  # from the store, not memory
             report = engine.submit(random_prompt(vocab, n_tokens, 200 + i), max_tokens=1)
             report = report.result().report
-            engine._io.drain()
+            engine.wait_for_saves()
             disk = [b for b in report.blocks if b.source == "disk" and b.end - b.start == B]
             restore.append(sum(b.seconds for b in disk) / len(disk) if disk else float("nan"))
     return {

@@ -101,7 +101,7 @@ def engine_runs(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
     choice on CPU), sampled on the graph path (the engine switched to it for the run)."""
 
     def run(graph: bool = False, **sampling) -> tuple[float, int]:
-        engine._gen._host_sampling = not graph
+        engine.internals.host_sampling = not graph
         start = time.perf_counter()
         requests = [engine.submit(c, max_tokens=max_tokens, **sampling) for c in CHATS]
         tokens = sum(len(r.result().tokens) for r in requests)
@@ -119,7 +119,7 @@ def engine_runs(engine: Engine, *, max_tokens: int, repeats: int) -> dict:
             got = run(**kwargs)
             best[name] = min(got, best.get(name, got))
             print(f"engine run {i + 1} {name}: {got[0]:.2f} s, {got[1]} tokens", flush=True)
-    engine._gen._host_sampling = True
+    engine.internals.host_sampling = True
     out = {f"{k}_s": v[0] for k, v in best.items()} | {f"{k}_tokens": v[1] for k, v in best.items()}
     per_token = {k: seconds / tokens for k, (seconds, tokens) in best.items()}
     for k in ("sampled_host", "sampled_graph"):

@@ -16,8 +16,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_nbengine import Engine
-from mlx_nbengine.cache import partial_key
+from mlx_nbengine.cache import PrefixCache, extract_block_records, partial_key
 from mlx_nbengine.cache.followers import common_prefix
+from mlx_nbengine.cache.store import BlockStore
 from mlx_nbengine.engine import (
     BlockEvent,
     EngineClosedError,
@@ -27,6 +28,8 @@ from mlx_nbengine.engine import (
     PromptTooLongError,
     TextDelta,
 )
+from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.models import load
 from mlx_nbengine.testing import make_tiny_model
 
 BS = 32
@@ -76,7 +79,7 @@ def arriving_together(engine):
         entered.set()
         release.wait(30)
 
-    holder = threading.Thread(target=engine._gen.call, args=(hold,))
+    holder = threading.Thread(target=engine.on_model_thread, args=(hold,))
     holder.start()
     assert entered.wait(30)
     try:
@@ -142,7 +145,7 @@ def test_rotated_sliding_window_cache_is_never_trimmed(engine_factory):
 def test_clear_cache_empties_the_store_and_the_hot_cache(engine_factory):
     engine = engine_factory("llama")
     first = engine.submit(prompt(200), max_tokens=4).result(timeout=60)
-    engine._io.drain(timeout=30)
+    engine.wait_for_saves(timeout=30)
     assert engine.stats()["records"] > 0
     engine.clear_cache()
     assert engine.stats()["records"] == 0
@@ -150,7 +153,7 @@ def test_clear_cache_empties_the_store_and_the_hot_cache(engine_factory):
     assert again.report.restored_tokens == 0 and again.report.restore_source is None
     assert {b.source for b in again.report.blocks} == {"computed"}
     assert again.tokens == first.tokens
-    engine._io.drain(timeout=30)
+    engine.wait_for_saves(timeout=30)
     assert engine.stats()["records"] > 0  # later checkpoints store again
 
 
@@ -255,7 +258,7 @@ def test_requests_arriving_together_prefill_as_one_group_and_match_sequential(
 
     for p in longs:  # stored one by one, so the edits find their blocks on disk
         engine.submit(p, max_tokens=2).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     with arriving_together(engine):
         requests = [engine.submit(p, max_tokens=24) for p in edits]
     done = [r.result(timeout=60) for r in requests]
@@ -409,7 +412,7 @@ def test_sampled_requests_leaving_a_batch_early_leave_the_others_draws_unchanged
 def test_the_graph_sampling_path_also_repeats_alone_and_in_a_batch(engine_factory):
     # The path GPUs take (the CPU draws in numpy): forced here on the CPU.
     engine = engine_factory("llama", parallel=4)
-    engine._gen._host_sampling = False
+    engine.internals.host_sampling = False
     args = dict(max_tokens=20, temperature=0.9, top_p=0.9, seed=5)
     alone = engine.submit(prompt(30), **args).result(timeout=60).tokens
     with arriving_together(engine):
@@ -477,7 +480,7 @@ class PoisonedModel:
 def test_an_exception_on_the_generation_thread_fails_only_its_request(engine_factory):
     engine = engine_factory("llama", parallel=4)
     lm = engine.model
-    engine._gen.call(lambda: setattr(lm, "model", PoisonedModel(lm.model)))
+    engine.on_model_thread(lambda: setattr(lm, "model", PoisonedModel(lm.model)))
     good = engine.submit(prompt(50, seed=1), max_tokens=40)
     bad = engine.submit(prompt(50, seed=2)[:10] + [POISON] + prompt(50, seed=2)[10:], max_tokens=40)
     with pytest.raises(RuntimeError, match="poisoned prompt"):
@@ -539,7 +542,7 @@ def test_close_cancels_requests_in_flight(engine_factory):
 def test_stats_report_the_store_and_the_requests(engine_factory):
     engine = engine_factory("llama", parallel=3)
     engine.submit(prompt(100), max_tokens=4).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     stats = engine.stats()
     assert stats["parallel"] == 3 and stats["model"] == "llama"
     assert stats["active"] == 0 and stats["queued"] == 0
@@ -551,43 +554,45 @@ def test_stats_report_the_store_and_the_requests(engine_factory):
 def test_stored_chain_is_touched_suffix_first(engine_factory):
     engine = engine_factory("llama")
     done = engine.submit(prompt(140), max_tokens=4).result(timeout=60)
-    engine._io.drain(timeout=60)
-    prefix = engine._io.prefix
+    engine.wait_for_saves(timeout=60)
+    prefix = engine.internals.prefix_cache
     keys = prefix.keys(done.prompt_tokens)
     held = done.prompt_tokens + done.tokens[:-1]  # the last answer token was never fed
     partial = partial_key(held, fingerprint=engine.model.fingerprint, block_size=BS)
-    items = engine._io.call(prefix.store.items).result(timeout=60)  # least recent first
+    items = engine.internals.on_store_thread(lambda p: p.store.items())  # least recent first
     # The partial last block evicts first, block 0 last.
     assert [key for key, _ in items] == [partial, *reversed(keys)]
 
 
-def test_a_restore_first_stores_the_queued_saves_of_its_chain(engine_factory):
-    import mlx.core as mx
-
-    from mlx_nbengine.cache import extract_block_records
-
-    engine = engine_factory("llama")
-    lm, io = engine.model, engine._io
+def test_a_restore_first_stores_the_queued_saves_of_its_chain(models, tmp_path):
+    lm = load(models["llama"])
     tokens = prompt(100)
-
-    def block_records():
-        cache = lm.make_cache()
-        lm.model(mx.array(tokens[:96])[None], cache=cache)
-        return [extract_block_records(cache, block=b, block_size=BS) for b in range(3)]
-
-    records = engine._gen.call(block_records)
-    keys = io.prefix.keys(tokens)
-    gate = threading.Event()
-    io.call(gate.wait)  # holds the I/O thread while the saves and the restore queue up
-    for b in range(3):
-        io.save(keys[b], records[b])
-    try:  # outranks the saves in the queue
-        restore = io.restore(tokens, better_than=0, make_cache=lm.make_cache)
+    cache = lm.make_cache()
+    lm.model(mx.array(tokens[:96])[None], cache=cache)
+    records = [extract_block_records(cache, block=b, block_size=BS) for b in range(3)]
+    io = CacheIO()
+    try:
+        store = BlockStore(directory=tmp_path)
+        template = lm.make_cache()
+        io.open(
+            lambda: PrefixCache.for_cache(
+                template, fingerprint=lm.fingerprint, store=store, block_size=BS
+            )
+        )
+        keys = io.prefix.keys(tokens)
+        gate = threading.Event()
+        io.call(gate.wait)  # holds the I/O thread while the saves and the restore queue up
+        for b in range(3):
+            io.save(keys[b], records[b])
+        try:  # outranks the saves in the queue
+            restore = io.restore(tokens, better_than=0, make_cache=lm.make_cache)
+        finally:
+            gate.set()
+        result = restore.result(timeout=60)
     finally:
-        gate.set()
-    plan, restored, _ = restore.result(timeout=60)
-    assert plan.n_blocks == 3 and sorted(restored.kinds) == [0, 1, 2]
-    assert restored.cache[0].offset == 96
+        io.close()
+    assert result.plan.n_blocks == 3 and sorted(result.restored.kinds) == [0, 1, 2]
+    assert result.restored.cache[0].offset == 96
 
 
 def test_a_member_finishing_mid_pipeline_leaves_a_hot_cache_that_continues_right(
@@ -614,12 +619,12 @@ def test_a_member_finishing_mid_pipeline_leaves_a_hot_cache_that_continues_right
 def test_an_idle_engine_keeps_one_sequences_cache_not_the_whole_batch(engine_factory, family):
     engine = engine_factory(family, parallel=4)
     engine.submit(prompt(1500, seed=99), max_tokens=4).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     one_sequence = mx.get_active_memory()  # the weights and one hot cache
     requests = [engine.submit(prompt(1500, seed=i), max_tokens=4) for i in range(4)]
     for request in requests:
         request.result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     time.sleep(0.2)  # the generation thread drops the finished batch after the last step
     # Four batched sequences of the same length would hold about four times the cache.
     assert mx.get_active_memory() <= one_sequence * 1.25

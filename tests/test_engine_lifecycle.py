@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
 
     engine = Engine.load(model_dir, cache_dir=cache_dir, block_size=32)
     engine.submit(list(range(2, 200)), max_tokens=20).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     assert engine.stats()["file_size"] > 0
     assert len(files_open_in(cache_dir)) == 1, files_open_in(cache_dir)
     if mode == "close":

@@ -165,7 +165,7 @@ def test_close_leaves_the_dir_consistent_and_unlocked_and_nothing_without_persis
     scratch.mkdir()
     with Engine.load(model, block_size=16, persist_dir=store, cache_dir=scratch) as engine:
         engine.submit(PROMPT, max_tokens=4).result(timeout=120)
-        engine._io.drain(timeout=60)
+        engine.wait_for_saves(timeout=60)
         records = engine.stats()["records"]
     assert records > 0 and os.listdir(scratch) == []
     with open(store / persist.LOCK_FILE) as f:
@@ -202,7 +202,7 @@ def test_a_full_disk_turns_saving_off_warns_once_and_generation_goes_on(
     store = tmp_path / "store"
     with Engine.load(model, block_size=16, persist_dir=store) as engine:
         engine.submit(PROMPT, max_tokens=4).result(timeout=120)
-        engine._io.drain(timeout=60)
+        engine.wait_for_saves(timeout=60)
         assert engine.store_warning() is None and engine.stats()["saving"]
 
         def full_disk(fd, data, offset):
@@ -211,7 +211,7 @@ def test_a_full_disk_turns_saving_off_warns_once_and_generation_goes_on(
         monkeypatch.setattr(blobfile_module.os, "pwrite", full_disk)
         other = engine.submit(EDITED[::-1], max_tokens=4).result(timeout=120)
         assert len(other.tokens) == 4
-        engine._io.drain(timeout=60)
+        engine.wait_for_saves(timeout=60)
         stats = engine.stats()
         assert stats["saving"] is False and "No space" in stats["saving_error"]
         warning = engine.store_warning()
@@ -289,7 +289,7 @@ def test_the_cell_that_first_sees_saving_off_shows_one_warning(ip, model, tmp_pa
     monkeypatch.setattr(blobfile_module.os, "pwrite", io_error)
     words = " ".join(f"word{i}" for i in range(60))
     outputs = [cell(ip, f"%%llm --raw --max-tokens 4\n{words}")]
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     outputs += [cell(ip, f"%%llm --raw --max-tokens 4\n{i} {words}") for i in range(2)]
     monkeypatch.undo()
     warnings = [line for out in outputs for line in out.splitlines() if "saving to the" in line]

@@ -57,7 +57,7 @@ def engine_factory(tiny_model_dir, tmp_path):
 def run(engine, tokens, **kwargs):
     kwargs.setdefault("max_tokens", 4)
     done = engine.submit(tokens, **kwargs).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     return done
 
 
@@ -156,9 +156,9 @@ def test_a_prompt_whose_first_block_was_evicted_computes_the_rest_after_the_miss
     engine = engine_factory()
     run(engine, prompt(133))
     replace_hot_cache(engine)
-    prefix = engine._io.prefix
+    prefix = engine.internals.prefix_cache
     first_key = prefix.keys(prompt(133))[0]
-    assert engine._io.call(lambda: prefix.store.delete(first_key, "kv")).result(timeout=60)
+    assert engine.internals.on_store_thread(lambda prefix: prefix.store.delete(first_key, "kv"))
     done = run(engine, prompt(133))
     assert reasons(done.report) == ["evicted"] + ["after_miss"] * 7 + ["tail"]
 
@@ -187,9 +187,9 @@ def test_a_dropped_window_record_makes_its_block_computed_for_the_window(engine_
     engine = engine_factory("gemma3_text")
     run(engine, prompt(133))
     replace_hot_cache(engine)
-    prefix = engine._io.prefix
+    prefix = engine.internals.prefix_cache
     key = prefix.keys(prompt(133))[2]
-    assert engine._io.call(lambda: prefix.store.delete(key, "window")).result(timeout=60)
+    assert engine.internals.on_store_thread(lambda prefix: prefix.store.delete(key, "window"))
     done = run(engine, changed(prompt(133), 50))
     # Boundary 3 needs block 2's window record: block 2 is computed although its kv is held.
     expected = ["kv+window"] * 2 + ["window", "edited"] + ["after_miss"] * 4 + ["tail"]

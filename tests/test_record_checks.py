@@ -345,7 +345,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def run(engine: Engine, tokens, **kwargs):
     kwargs.setdefault("max_tokens", 6)
     done = engine.submit(tokens, **kwargs).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     return done
 
 
@@ -366,16 +366,15 @@ def test_an_engine_serves_a_prompt_whose_stored_record_was_replaced(
     tokens = prompt(5 * B + 5)
     with Engine.load(tiny_model_dir("llama"), block_size=B, cache_dir=tmp_path) as engine:
         first = run(engine, tokens)
-        prefix = engine._io.prefix
 
-        def plant():
+        def plant(prefix):
             key = prefix.keys(tokens)[2]
             good = prefix.store.get(key, kind)
             bad = foreign_safetensors() if change is None else rewritten(good, change)
             prefix.store.delete(key, kind)
             assert prefix.store.put(key, kind, bad)
 
-        engine._io.call(plant).result(timeout=60)
+        engine.internals.on_store_thread(plant)
         run(engine, prompt(20, seed=777), max_tokens=2)  # the hot cache holds another prompt
         again = run(engine, tokens)
 
@@ -390,10 +389,10 @@ def test_a_hybrid_engine_falls_back_past_a_state_record_of_another_shape(tiny_mo
     tokens = prompt(5 * B + 5)
     with Engine.load(tiny_model_dir("qwen3_5"), block_size=B, cache_dir=tmp_path) as engine:
         first = run(engine, tokens)
-        prefix = engine._io.prefix
+        prefix = engine.internals.prefix_cache
         state_layer = prefix.layer_kinds.index("state")
 
-        def plant():
+        def plant(prefix):
             key = prefix.keys(tokens)[4]
 
             def change(arrays, layers):
@@ -404,7 +403,7 @@ def test_a_hybrid_engine_falls_back_past_a_state_record_of_another_shape(tiny_mo
             prefix.store.delete(key, "state")
             assert prefix.store.put(key, "state", bad)
 
-        engine._io.call(plant).result(timeout=60)
+        engine.internals.on_store_thread(plant)
         run(engine, prompt(20, seed=777), max_tokens=2)
         again = run(engine, tokens)
 
@@ -427,7 +426,7 @@ def test_records_that_fail_to_assemble_are_a_miss_not_a_failed_request(
         def refuse(*args, **kwargs):
             raise RecordError("does not fit")
 
-        monkeypatch.setattr(engine._io.prefix, "assemble", refuse)
+        monkeypatch.setattr(engine.internals.prefix_cache, "assemble", refuse)
         again = run(engine, tokens)
     assert again.finish_reason == first.finish_reason
     assert again.report.restored_tokens == 0

@@ -70,6 +70,6 @@ def test_a_short_final_step_samples_the_models_greedy_token(tiny_model_dir, tmp_
         tokens.append(token)
         x = mx.array([[token]], dtype=mx.uint32)
     with Engine.load(tiny_model_dir(family), block_size=16, cache_dir=tmp_path) as engine:
-        assert engine._gen._split is not None  # the split was found and checked at load
+        assert engine.internals.splits_head  # the split was found and checked at load
         done = engine.submit(prompt, max_tokens=4).result(timeout=60)
     assert done.tokens == tokens

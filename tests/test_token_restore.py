@@ -70,7 +70,7 @@ def engine_factory(tiny_model_dir, tmp_path):
 def run(engine, tokens, **kwargs):
     kwargs.setdefault("max_tokens", 6)
     done = engine.submit(tokens, **kwargs).result(timeout=60)
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     return done
 
 
@@ -197,9 +197,9 @@ def test_an_evicted_continuation_falls_back_to_the_block_boundary(engine_factory
     engine = engine_factory(name)
     run(engine, prompt(133))
     replace_hot_cache(engine)
-    prefix = engine._io.prefix
+    prefix = engine.internals.prefix_cache
     block_2 = prefix.keys(prompt(133))[2]
-    assert engine._io.call(lambda: prefix.store.delete(block_2, "kv")).result(timeout=60)
+    assert engine.internals.on_store_thread(lambda prefix: prefix.store.delete(block_2, "kv"))
     edit = changed(prompt(133), 37)
     done = run(engine, edit)
 
@@ -299,7 +299,9 @@ def test_restore_block_caches_are_bit_identical_to_a_cold_run(engine_factory, na
             return [a for a in c.state if isinstance(a, mx.array)]
 
         # Read on the generation thread, which owns the arrays' stream.
-        return e._gen.call(lambda: [np.array(a) for c in e._gen._hot.cache for a in held(c)])
+        return e.on_model_thread(
+            lambda: [np.array(a) for c in e.internals.hot_cache.cache for a in held(c)]
+        )
 
     for a, b in zip(arrays(engine), arrays(cold_engine), strict=True):
         assert a.shape == b.shape and np.array_equal(a, b)

@@ -100,7 +100,7 @@ def follow(engine, prompt, *, on_blocks=None, max_tokens=4, images=None):
     assert completion is not None
     feed.finish(completion)
     feed.close()
-    engine._io.drain(timeout=60)
+    engine.wait_for_saves(timeout=60)
     return strip, completion, before_finish
 
 

@@ -56,6 +56,18 @@ class Restored:
     kinds: dict[int, tuple[str, ...]]
 
 
+@dataclass(frozen=True)
+class RestoreResult:
+    """What a restore job found: the `plan` served (None without a store), the cache
+    rebuilt from its records (None when another source serves more, or on a miss), and
+    the `BlockFacts` of every block from the plan's last whole block on (None without a
+    store)."""
+
+    plan: Any = None
+    restored: Restored | None = None
+    facts: dict[int, Any] | None = None
+
+
 def _rebuild(prefix: Any, plan: Any, records: dict, make_cache: Callable[[], list]) -> Any:
     """`Restored` from `records`, or None (a miss, never a failed request) when they do
     not fit the model after all."""
@@ -131,7 +143,7 @@ class CacheIO:
         list: Python objects only, so any thread may make it).
 
         With `to_token` the plan may end inside a block (a cut, see `planner`). The
-        future's result is ``(plan, restored, facts)``: `restored` is a `Restored` (the
+        future's result is a `RestoreResult`: `restored` is a `Restored` (the
         cache, evaluated, and what was read), None when the plan restores no more than
         `better_than` tokens (the caller has a better source) or its records do not fit
         the model after all (a miss); `facts` maps each block from the plan's last whole
@@ -145,7 +157,7 @@ class CacheIO:
         def job():
             prefix = self.prefix
             if prefix is None:
-                return None, None, None
+                return RestoreResult()
             keys = prefix.keys(tokens, images)
             for key in keys:
                 self._store(key)
@@ -168,7 +180,7 @@ class CacheIO:
                 del records  # views of the file: none may outlive this job
             # After the load: a record found damaged there is gone now.
             facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
-            return plan, restored, {f.index: f for f in facts}
+            return RestoreResult(plan, restored, {f.index: f for f in facts})
 
         return self.call(job, priority=RESTORE)
 
@@ -276,6 +288,6 @@ class CacheIO:
         if self.prefix is not None:
             self.prefix.store.close()
             self.prefix = None
-        # This thread's MLX stream must not outlive it (see GenerationThread._release_streams).
+        # This thread's MLX stream must not outlive it (see `generation._release_streams`).
         mx.synchronize()
         mx.clear_streams()

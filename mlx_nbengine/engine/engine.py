@@ -13,7 +13,7 @@ it leaves no file behind.
 
 `Engine.load(..., restore="token")` (the default) restores an edited prompt up to its
 first changed token where the model's layers can be cut there; ``restore="block"`` keeps
-whole blocks from disk (see `generation`). `Engine.load(..., store=False)` runs without a
+whole blocks from disk (see `scheduler`). `Engine.load(..., store=False)` runs without a
 block store (no scratch file; every whole
 prompt block is computed, with reason ``"store_off"``). `Engine.load(..., persist_dir=DIR)`
 keeps the store in DIR for the next process that loads the same model (see
@@ -27,27 +27,32 @@ finished requests, history, recent evictions).
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import Any, TypeVar
 
+from mlx_nbengine.engine.blockstore import open_prefix_cache, store_figures
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.generation import GenerationThread
+from mlx_nbengine.engine.internals import EngineInternals
 from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.engine.memory import keep_large_buffers_mapped
+from mlx_nbengine.engine.prompts import prompt_tokens, stop_strings
 from mlx_nbengine.engine.request import (
     EngineClosedError,
     InvalidRequestError,
-    PromptTooLongError,
     Request,
 )
 from mlx_nbengine.engine.sampling import validate
 from mlx_nbengine.engine.sequence import Sequence
 from mlx_nbengine.engine.text import TextStream
+
+T = TypeVar("T")
 
 RESTORE_MODES = ("token", "block")
 """`Engine.load(restore=...)`: to the first changed token, or whole blocks only."""
@@ -73,6 +78,9 @@ class Engine:
     manager (closes on exit).
     """
 
+    # Over 300 lines: this is the public face, and about a third of it is the API's
+    # documentation; the work is done by the parts it wires (`generation`, `cacheio`).
+
     def __init__(
         self,
         loader: Any,
@@ -87,24 +95,15 @@ class Engine:
         restore: str = "token",
         persist_dir: str | os.PathLike | None = None,
     ) -> None:
-        if restore not in RESTORE_MODES:
-            raise InvalidRequestError(
-                f"restore must be one of {', '.join(map(repr, RESTORE_MODES))}, got {restore!r}"
-            )
-        if not isinstance(parallel, int) or parallel < 1:
-            raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise InvalidRequestError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if cache_dir is not None and not os.path.isdir(cache_dir):
-            raise InvalidRequestError(
-                f"cache_dir {os.fspath(cache_dir)!r} is not a directory; create it or pass None "
-                "for the system temp folder"
-            )
-        if persist_dir is not None and (not store or disk_budget == 0):
-            raise InvalidRequestError(
-                "persist_dir keeps the block store on disk; it needs store=True and a disk "
-                "budget other than 0"
-            )
+        _check_options(
+            restore=restore,
+            parallel=parallel,
+            block_size=block_size,
+            cache_dir=cache_dir,
+            persist_dir=persist_dir,
+            store=store,
+            disk_budget=disk_budget,
+        )
         if persist_dir is not None:
             persist_dir = os.path.expanduser(os.fspath(persist_dir))
         self.persist_dir = persist_dir
@@ -119,35 +118,14 @@ class Engine:
         self._ledger = CacheLedger()
         self._saving_warned = False
 
-        def prefix_factory(lm: Any) -> Any:  # runs on the cache-I/O thread
-            from mlx_nbengine.cache import PrefixCache
-            from mlx_nbengine.cache.store import BlockStore
-
-            template = lm.make_cache()
-            block_store = BlockStore(
-                budget_bytes=disk_budget,
-                directory=cache_dir,
-                on_event=self._ledger.store_event,
-                persist_dir=persist_dir,
-                identity=store_identity(lm, template, block_size=block_size),
-            )
-            prefix = PrefixCache.for_cache(
-                template,
-                fingerprint=lm.fingerprint,
-                store=block_store,
-                block_size=block_size,
-            )
-            # What earlier processes saw follow each prefix (a persistent store only).
-            for key, parent, ids in block_store.remembered():
-                prefix.followers.add(key, parent, ids)
-
-            def lookup(key: str, kind: str) -> tuple[list[int] | None, bool]:
-                held = any(block_store.has(key, k) for k in prefix.kinds)
-                return prefix.followers.tokens(key), held
-
-            self._ledger.attach(lookup)
-            return prefix
-
+        prefix_factory = functools.partial(  # called on the cache-I/O thread
+            open_prefix_cache,
+            ledger=self._ledger,
+            block_size=block_size,
+            disk_budget=disk_budget,
+            cache_dir=cache_dir,
+            persist_dir=persist_dir,
+        )
         self._gen = GenerationThread(
             loader=loader,
             io=self._io,
@@ -157,6 +135,7 @@ class Engine:
             max_prefill_step=max_prefill_step,
             restore=restore,
         )
+        self.internals = EngineInternals(self._gen, self._io, closed=lambda: self._closed)
         try:
             self.model = self._gen.start()
         except BaseException:
@@ -203,7 +182,7 @@ class Engine:
         without a block store: no scratch file, nothing restored from disk, every whole
         prompt block computed (reason ``"store_off"``). `restore="token"` (the default)
         restores an edited prompt up to its first changed token where the model's layers
-        allow it (see `generation`); ``"block"`` restores whole blocks from disk only,
+        allow it (see `scheduler`); ``"block"`` restores whole blocks from disk only,
         bit-identical to a cold run of the same steps. `persist_dir` keeps the block store
         in that directory (created, or made, 0700; a data file, an index and a lock) so that a later
         process loading the same model, dtype and block size restores its blocks from disk;
@@ -266,22 +245,11 @@ class Engine:
         problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if problem:
             raise InvalidRequestError(problem)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = stop_strings(stop)
         lm = self.model
-        vision = None
-        if images is not None and not (isinstance(images, list | tuple) and not images):
-            vision = self._vision_prompt(prompt, images, template_kwargs or {})
-            tokens = vision.tokens
-        else:
-            tokens = self._tokenize(prompt, template_kwargs or {})
-        limit = lm.context_length
-        if limit is not None and len(tokens) >= limit:
-            raise PromptTooLongError(
-                f"the prompt has {len(tokens)} tokens but the model's context holds {limit} "
-                f"(including at least one generated token); shorten the prompt"
-            )
+        tokens, vision = prompt_tokens(
+            lm, prompt, images=images, template_kwargs=template_kwargs, model_name=self.model_name
+        )
         request = Request(next(self._ids), tokens, self._gen.cancel)
         seq = Sequence(
             request=request,
@@ -294,67 +262,14 @@ class Engine:
             block_size=self.block_size,
             submitted_at=time.perf_counter(),
             ledger=self._ledger,
+            images=vision.spans if vision is not None else (),
+            vision=vision,
         )
-        if vision is not None:
-            from mlx_nbengine.engine.vision import VisionInputs
-
-            seq.images = vision.spans
-            seq.vision = VisionInputs(spans=vision.spans, inputs=vision.inputs)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("this engine is closed; load a new one with Engine.load")
             self._gen.submit(seq)
         return request
-
-    def _vision_prompt(self, prompt: Any, images: Any, template_kwargs: dict[str, Any]) -> Any:
-        """The processed image prompt (`models.vision.VisionPrompt`) of `prompt` and
-        `images`; raises `ImageError` for what the caller can fix."""
-        from mlx_nbengine.errors import ImageError
-        from mlx_nbengine.models.images import load_images
-        from mlx_nbengine.models.vision import messages_with_images, prepare_vision_prompt
-
-        lm = self.model
-        if lm.kind != "vision":
-            raise ImageError(
-                f"{self.model_name} reads text only; load a vision model (one with a vision "
-                "tower, e.g. a Qwen2-VL or Gemma 4 model) to send images"
-            )
-        pictures = load_images(images)
-        if isinstance(prompt, str):
-            return prepare_vision_prompt(lm, prompt, pictures, templated=False)
-        if isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
-            messages = messages_with_images(list(prompt), len(pictures))
-            text = lm.render_chat(messages, **template_kwargs)
-            return prepare_vision_prompt(lm, text, pictures, templated=True)
-        raise InvalidRequestError(
-            "a prompt with images must be text or chat messages, not token ids (the "
-            "processor has to expand the image placeholders)"
-        )
-
-    def _tokenize(self, prompt: Any, template_kwargs: dict[str, Any]) -> list[int]:
-        lm = self.model
-        if isinstance(prompt, str):
-            tokens = lm.encode(prompt)
-        elif (
-            isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt)
-        ):
-            tokens = lm.apply_chat_template(list(prompt), **template_kwargs)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
-            tokens = [int(t) for t in prompt]
-            vocab = _vocab_size(lm)
-            bad = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise InvalidRequestError(
-                    f"token ids must be in [0, {vocab}); got {bad[:5]} - check the tokenizer"
-                )
-        else:
-            raise InvalidRequestError(
-                "prompt must be a string, a list of token ids or a list of chat messages "
-                f"(dicts with 'role' and 'content'), got {type(prompt).__name__}"
-            )
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        return tokens
 
     # --- state ------------------------------------------------------------------------------
 
@@ -367,7 +282,7 @@ class Engine:
         ``store_note`` (`store_note`, "" when none) come with a store.
         """
         out: dict[str, Any] = {}
-        if not self._closed and self._gen.has_prefix:
+        if not self._closed and self._gen.has_store:
             fut = self._io.call(lambda: self._io.prefix.store.stats().as_dict())
             try:
                 out.update(fut.result(timeout=10))
@@ -382,16 +297,14 @@ class Engine:
             restore=self.restore,
             active=self._gen.active,
             queued=self._gen.queued,
-            failures=self._gen.failures,
-            group_prefills=self._gen.group_prefills,
             save_errors=self._io.save_errors,
             closed=self._closed,
-            **self._gen.vision_counts(),
+            **self._gen.counts(),
         )
         return out
 
     def _store(self) -> Any:
-        prefix = self._io.prefix if self._gen.has_prefix and not self._closed else None
+        prefix = self.internals.prefix_cache
         return None if prefix is None else prefix.store
 
     @property
@@ -432,39 +345,7 @@ class Engine:
         most 10, ``text`` the first words of the evicted block ("" if unknown).
         """
         view: dict[str, Any] = {"model": self.model_name, "block_size": self.block_size}
-        store = None
-        prefix = self._io.prefix if self._gen.has_prefix and not self._closed else None
-        if prefix is not None:
-            store = prefix.store
-        figures: dict[str, Any] = {
-            "blocks_held": 0,
-            "records": 0,
-            "bytes_held": 0,
-            "budget_bytes": 0,
-            "file_size": 0,
-            "free_bytes": 0,
-            "backend": "off",
-            "by_kind": {k: {"records": 0, "bytes": 0} for k in ("kv", "window", "state")},
-        }
-        if store is not None:
-            try:
-                stats = store.stats()
-                blocks, by_kind = store.census()
-            except Exception:  # a store closing under us: show it empty
-                pass
-            else:
-                figures.update(
-                    blocks_held=blocks,
-                    records=stats.records,
-                    bytes_held=stats.bytes_held,
-                    budget_bytes=stats.budget_bytes,
-                    file_size=stats.file_size,
-                    free_bytes=stats.free_bytes,
-                    backend=stats.description,
-                )
-                for kind, (count, nbytes) in by_kind.items():
-                    figures["by_kind"][kind] = {"records": count, "bytes": nbytes}
-        view.update(figures)
+        view.update(store_figures(self._store()))
         ledger = self._ledger.snapshot()
         evictions = ledger.pop("recent_evictions")
         view.update(ledger)
@@ -495,9 +376,33 @@ class Engine:
         """
         if self._closed:
             return
-        self._gen.call(self._gen.drop_hot_cache)
-        if self._gen.has_prefix:
+        self.drop_hot_cache()
+        if self._gen.has_store:
             self._io.clear().result(timeout=60)
+
+    def drop_hot_cache(self) -> None:
+        """Forget the hot in-memory cache and the image features, keeping the block store
+        (the next restore comes from disk). A no-op on a closed engine."""
+        if not self._closed:
+            self._gen.call(lambda: self._gen.scheduler.drop_hot_cache())
+
+    # --- for tools and tests ----------------------------------------------------------------
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The record kind of each layer of the model's cache: "kv" (full attention),
+        "window" (sliding window) or "state" (recurrent)."""
+        return self._gen.layer_kinds
+
+    def on_model_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the generation thread, the owner of the model and of every MLX
+        array it makes, between two steps; return its result (or raise its error)."""
+        return self._gen.call(fn)
+
+    def wait_for_saves(self, timeout: float | None = None) -> None:
+        """Wait until every block save queued so far is in the store (at most `timeout`
+        seconds, None: for ever)."""
+        self._io.drain(timeout=timeout)
 
     @property
     def closed(self) -> bool:
@@ -527,26 +432,32 @@ class Engine:
         return f"<Engine {self.model_name} {state}>"
 
 
-def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[str, Any]:
-    """Whose records a persistent store holds: records written under another identity are
-    never read (the store is set aside). The model fingerprint covers config, weights,
-    dtype and CPU math variant; the rest names the formats and the layer layout."""
-    from mlx_nbengine.cache import blocks, kinds
-    from mlx_nbengine.models import gguf
-
-    key_format = getattr(blocks, "_KEY_VERSION", b"")
-    return {
-        "fingerprint": lm.fingerprint,
-        "block_size": block_size,
-        "model_type": getattr(lm, "model_type", ""),
-        "record_format": kinds.RECORD_FORMAT,
-        "key_format": key_format.decode() if isinstance(key_format, bytes) else str(key_format),
-        "converter": getattr(gguf, "CONVERTER_VERSION", ""),
-        "layers": ",".join(kinds.layer_kinds(template_cache)),
-        "windows": ",".join(str(w) for w in kinds.layer_windows(template_cache)),
-    }
-
-
-def _vocab_size(lm: Any) -> int | None:
-    config = lm.config.get("text_config", lm.config)
-    return config.get("vocab_size")
+def _check_options(
+    *,
+    restore: str,
+    parallel: Any,
+    block_size: Any,
+    cache_dir: Any,
+    persist_dir: Any,
+    store: bool,
+    disk_budget: int | None,
+) -> None:
+    """Raise `InvalidRequestError`, saying what to pass, for options `Engine` cannot use."""
+    if restore not in RESTORE_MODES:
+        raise InvalidRequestError(
+            f"restore must be one of {', '.join(map(repr, RESTORE_MODES))}, got {restore!r}"
+        )
+    if not isinstance(parallel, int) or parallel < 1:
+        raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise InvalidRequestError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if cache_dir is not None and not os.path.isdir(cache_dir):
+        raise InvalidRequestError(
+            f"cache_dir {os.fspath(cache_dir)!r} is not a directory; create it or pass None "
+            "for the system temp folder"
+        )
+    if persist_dir is not None and (not store or disk_budget == 0):
+        raise InvalidRequestError(
+            "persist_dir keeps the block store on disk; it needs store=True and a disk "
+            "budget other than 0"
+        )

@@ -1,13 +1,13 @@
 """One request as the generation thread sees it: its tokens, cache and report.
 
-A *sequence* goes through these phases, in order:
+A sequence goes through these phases (`Phase`), in order:
 
-- ``waiting``: queued, holds no cache;
-- ``restoring``: the cache-I/O thread is planning/loading its prefix;
-- ``prefilling``: owns a single-sequence cache (`cache`) and computes the rest of the
+- ``WAITING``: queued, holds no cache;
+- ``RESTORING``: the cache-I/O thread is planning/loading its prefix;
+- ``PREFILLING``: owns a single-sequence cache (`cache`) and computes the rest of the
   prompt in steps that end on block boundaries;
-- ``decoding``: a member of the `DecodeBatch`, which holds its cache rows;
-- ``done``: its request got a completion or an error.
+- ``DECODING``: a member of the `DecodeBatch`, which holds its cache rows;
+- ``DONE``: its request got a completion or an error.
 
 `cache_tokens` is always exactly the token ids whose keys/values (or states) are in
 the sequence's cache: the prompt prefix prefilled so far, then each generated token
@@ -26,11 +26,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from mlx_nbengine.engine.events import BlockEvent, BlockSource, Progress, TextDelta, disk_reason
 from mlx_nbengine.engine.request import BlockReport, Completion, Report, Request
 from mlx_nbengine.engine.text import TextStream
+
+
+class Phase(Enum):
+    """Where a sequence is on its way (see the module docstring)."""
+
+    WAITING = "waiting"
+    RESTORING = "restoring"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
 
 
 @dataclass(eq=False)
@@ -46,7 +57,7 @@ class Sequence:
     eos: frozenset[int]
     block_size: int
     submitted_at: float
-    phase: str = "waiting"
+    phase: Phase = Phase.WAITING
     sampler: Any = None
     cache: list[Any] | None = None
     cache_tokens: list[int] = field(default_factory=list)
@@ -185,7 +196,7 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         """Flush the text and hand the request its completion."""
-        self.phase = "done"
+        self.phase = Phase.DONE
         delta = self.text.finish()
         if delta:
             self.request._put(TextDelta(delta))
@@ -221,7 +232,7 @@ class Sequence:
         self.embedded = None
 
     def fail(self, error: BaseException) -> None:
-        self.phase = "done"
+        self.phase = Phase.DONE
         self.cache = None
         self.embedded = None
         self.request._fail(error)

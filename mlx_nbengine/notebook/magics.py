@@ -749,19 +749,7 @@ class LLMMagics(Magics):
         """The model's record kind per layer ("kv", "window", "state"); [] if unknown."""
         session = self.session
         if session.layer_kinds is None:
-            session.layer_kinds = []
-            call = getattr(getattr(engine, "_gen", None), "call", None)
-            model = getattr(engine, "model", None)
-            if call is not None and hasattr(model, "make_cache"):
-                from mlx_nbengine.cache import layer_kinds
-
-                # A cache belongs to the generation thread (MLX streams are per thread).
-                try:
-                    session.layer_kinds = [
-                        str(k) for k in call(lambda: layer_kinds(model.make_cache()))
-                    ]
-                except Exception:  # noqa: BLE001 - the map shows the records read without them
-                    session.layer_kinds = []
+            session.layer_kinds = [str(k) for k in getattr(engine, "layer_kinds", ())]
         return session.layer_kinds
 
     def _start_background(self, request, view, args, chat, *, after=None) -> BackgroundAnswer:

@@ -1,0 +1,172 @@
+"""The model calls of the engine: prefill steps, grouped prefill steps, decode steps.
+
+A *prefill step* feeds prompt tokens ``start:end`` of one sequence into its own
+single-sequence cache; when it ends at the prompt's end it also samples the first token
+(through the *split head* where the model has one: the output head over the last row
+only, see `models.head`). A *grouped* prefill step feeds several sequences' final steps
+in one call over their right-padded rows (mlx-lm's ``merge``, ``prepare`` and
+``finalize`` of batched caches). A *decode step* feeds one token per member of the
+`DecodeBatch` and samples the next; it is *launched* (built and started with
+``mx.async_eval``) and read later (see `decoding`). Vision models are fed embeddings
+(see `vision`). Each call runs on the BLAS thread count chosen for its size (`_blas`).
+Generation thread only: every MLX array given to the model is made here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_nbengine._blas import PARALLEL_MIN_TOKENS, blas_step, blas_threads_for
+from mlx_nbengine.cache import extract_block_records
+from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
+from mlx_nbengine.engine.sampling import HostDraw, draw_rows
+from mlx_nbengine.engine.sequence import Sequence
+from mlx_nbengine.engine.vision import VisionRunner
+from mlx_nbengine.models.head import split_head
+
+
+def prefill_blas(n_tokens: int) -> AbstractContextManager:
+    """The BLAS thread count of a prefill step over `n_tokens` tokens (see `_blas`).
+
+    A step long enough to be a prefill step there is tuned by `blas_step`. A shorter one
+    (an edit's few changed tokens) runs on the count prefill steps run faster on, without
+    being counted or timed: a tuning probe of the other count would otherwise land on it
+    and cost a whole step of the edited re-run.
+    """
+    if n_tokens >= PARALLEL_MIN_TOKENS:
+        return blas_step(n_tokens)
+    blas_threads_for(n_tokens)
+    return nullcontext()
+
+
+class Runner:
+    """Calls one loaded model (`lm`, a `models.LoadedModel`); see the module docstring."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+        self.vision = VisionRunner(lm) if lm.kind == "vision" else None
+        # A final prefill step's logits for its last row only (see `models.head`).
+        self.split = (
+            split_head(lm.model, lm.make_cache, lm.bos_token_id or 0) if lm.kind == "text" else None
+        )
+        # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
+        self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
+        # Called with every set of logits a token is sampled from (rows = sequences).
+        self.logit_watcher: Callable[[mx.array], None] | None = None
+
+    @property
+    def bidirectional(self) -> bool:
+        """The model's image tokens attend both ways (see `vision`)."""
+        return self.vision is not None and self.vision.bidirectional
+
+    # --- prefill ----------------------------------------------------------------------------
+
+    def embed(self, seq: Sequence, restored: int) -> None:
+        """Give a vision model's `seq` its prompt embeddings (its first `restored` tokens
+        are in its cache already); a no-op for text models."""
+        if self.vision is not None:
+            seq.embedded = self.vision.embed(seq.prompt, seq.vision, need_from=restored)
+            seq.rope_delta = seq.embedded.rope_delta or 0
+
+    def prefill(self, seq: Sequence, start: int, end: int) -> int | None:
+        """Feed prompt tokens ``start:end`` into `seq.cache`, evaluated; when `end` is the
+        prompt's end, the token sampled from the last row (else None)."""
+        inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
+        last = end == len(seq.prompt)
+        with prefill_blas(end - start):
+            if seq.embedded is not None:
+                kwargs = self.vision.prefill_kwargs(seq.embedded, start, end)
+                logits = _logits(self.lm.language_model(inputs, cache=seq.cache, **kwargs))
+            elif last and self.split is not None:
+                logits = self.split.last_logits(inputs, seq.cache)
+            else:
+                logits = _logits(self.lm.model(inputs, cache=seq.cache))
+            if not last:
+                mx.eval([c.state for c in seq.cache])  # the logits are never evaluated
+                return None
+            token = self.sample([seq], logits[:, -1, :])
+            mx.eval(token, [c.state for c in seq.cache])
+        return token.item()
+
+    def prefill_group(self, group: list[Sequence], spans: list[tuple[int, int]]) -> list[Any]:
+        """Feed each member's prompt tokens ``start:end`` (`spans`, row order) in one call;
+        the members' caches are consumed; their batched caches, left-padded as decode
+        steps expect, are returned."""
+        lengths = [end - start for start, end in spans]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        rows = [
+            s.prompt[a:b] + [0] * pad for s, (a, b), pad in zip(group, spans, padding, strict=True)
+        ]
+        caches = merge_caches([s.cache for s in group])
+        for seq in group:
+            seq.cache = None
+        if max(padding):
+            for c in caches:
+                c.prepare(lengths=lengths, right_padding=padding)
+        with prefill_blas(width * len(group)):
+            self.lm.model(mx.array(rows, dtype=mx.uint32), cache=caches)  # logits never read
+            if max(padding):
+                for c in caches:
+                    c.finalize()  # right padding becomes left padding
+            mx.eval([c.state for c in caches])
+        return caches
+
+    # --- decode -----------------------------------------------------------------------------
+
+    def launch(self, batch: DecodeBatch, inputs: list[int] | mx.array | HostDraw) -> Any:
+        """Build one decode step of `batch` feeding `inputs` (row i = member i) and start
+        computing it; its sampled tokens (lazy, or a `HostDraw` drawn when read)."""
+        members = list(batch.members)
+        if isinstance(inputs, HostDraw):
+            inputs = inputs.tolist()
+
+        def forward(tokens: mx.array, *, cache: list[Any]) -> mx.array:
+            if self.vision is None:
+                return self.lm.model(tokens, cache=cache)
+            kwargs = self.vision.decode_kwargs(members)  # each row's rope delta
+            return _logits(self.lm.language_model(tokens, cache=cache, **kwargs))
+
+        with blas_step(len(members)):
+            logits = batch.forward(forward, inputs)
+            if self.host_sampling and not all(m.greedy for m in members):
+                tokens = HostDraw(logits, members)
+                mx.async_eval(logits)
+            else:
+                tokens = self.sample(members, logits)
+                mx.async_eval(tokens)
+        return tokens
+
+    def sample(self, seqs: list[Sequence], logits: mx.array) -> mx.array:
+        """Each row's next token: the argmax of greedy rows, a draw for sampled ones."""
+        if self.logit_watcher is not None:
+            self.logit_watcher(logits)
+        if all(s.greedy for s in seqs):
+            return mx.argmax(logits, axis=-1)
+        if self.host_sampling:  # reads the step's logits now (see `sampling`)
+            return mx.array(draw_rows(seqs, logits), dtype=mx.uint32)
+        lazy = [
+            mx.argmax(row, axis=-1) if s.greedy else s.sampler.graph(row - row.max())
+            for s, row in zip(seqs, logits.split(len(seqs)), strict=True)
+        ]
+        return mx.concatenate([t.reshape(-1).astype(mx.uint32) for t in lazy])
+
+    # --- load -------------------------------------------------------------------------------
+
+    def probe_records(self) -> dict[str, Any]:
+        """The records of one token through the model: their arrays have the heads, widths,
+        dtypes and state shapes of every record the model will ever make."""
+        cache = self.lm.make_cache()
+        token = mx.array([[self.lm.bos_token_id or 0]], dtype=mx.uint32)
+        model = self.lm.language_model if self.lm.kind == "vision" else self.lm.model
+        model(token, cache=cache)
+        mx.eval([c.state for c in cache])
+        return extract_block_records(cache, block=0, block_size=1)
+
+
+def _logits(out: Any) -> mx.array:
+    return getattr(out, "logits", out)
