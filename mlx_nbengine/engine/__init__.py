@@ -1,12 +1,16 @@
 """The engine layer: continuous batching, streaming and the prefix cache wired together.
 
-Modules, one concept each: `engine` (the `Engine` face), `request` (the caller's handle,
+Modules, one concept each. The face: `engine` (`Engine`), `request` (the caller's handle,
 `Completion`, `Report`), `events` (what a stream yields; block sources and reasons),
-`reasons` (why a block was computed), `generation` (the generation thread), `batch` (the
-decode batch's caches), `sequence` (one request on the generation thread), `sampling`,
-`text` (detokenizing and stop strings), `cacheio` (the cache-I/O thread), `ledger` (what
-the store view shows over time), `memory` (giving freed memory back). Knows nothing of
-IPython.
+`prompts` (prompts to token ids), `internals` (what tests and tools reach). The parts the
+generation thread owns: `scheduler` (admission, restores, groups, joins; no thread),
+`steps` (where prefill steps end), `runner` (the model calls), `decoding` (pipelined
+decode steps), `batch` (the decode batch's caches), `checkpoints` (saves to the store),
+`hot` (the hot cache), `sequence` (one request), `sampling`, `text` (detokenizing, stop
+strings), `reasons` (why a block was computed), `vision`. The threads: `generation` (the
+inbox and loop around the scheduler), `cacheio` (the block store's thread), with
+`blockstore` (opening the store, its identity and figures), `ledger` (what the store view
+shows over time) and `memory` (giving freed memory back). Knows nothing of IPython.
 """
 
 from mlx_nbengine._blas import ensure_fast_blas

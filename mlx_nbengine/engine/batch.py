@@ -11,7 +11,7 @@ member ``i``. Joining merges (or extends; members prefilled together join as a g
 with their batched caches), leaving filters (or extracts back to plain caches when one
 member is left). Owned by the generation thread.
 
-*Pending tokens*: the decode steps are pipelined (see `generation`), so the batch may
+*Pending tokens*: the decode steps are pipelined (see `decoding`), so the batch may
 hold the sampled tokens of a step whose graph is built and running but whose values
 were not read yet (`pending`, row ``i`` = member ``i``); its caches then already include
 that step. Leaving members drop their pending rows; a member joins only when nothing
