@@ -138,3 +138,16 @@ def test_final_steps_due_together_are_one_grouped_model_call(lm):
     run_out(scheduler, seqs)
     assert [tokens_of(s) for s in seqs] == [greedy(lm, p, 4) for p in prompts]
     assert scheduler.group_prefills == 1
+
+
+def test_a_prompt_that_extends_the_last_answer_is_restored_from_the_hot_cache(lm):
+    scheduler = scheduler_for(lm)
+    first = submit(scheduler, lm, prompt(40, 7), max_tokens=5)
+    run_out(scheduler, [first])
+    held = first.prompt + tokens_of(first)[:-1]  # the last answer token was never fed
+    assert scheduler.hot.tokens == held
+    follow = submit(scheduler, lm, held + prompt(12, 8)[1:], max_tokens=4)
+    run_out(scheduler, [follow])
+    report = follow.request.result(timeout=0).report
+    assert report.restore_source == "memory" and report.restored_tokens == len(held)
+    assert tokens_of(follow) == greedy(lm, follow.prompt, 4)
