@@ -10,8 +10,8 @@ Terms:
 - *token split* (`token_split`): a block's (restored, computed) tokens; a *partly
   restored* block is a computed block whose first tokens were restored.
 
-These are the only words: the summary line, the static pictures and the live widgets
-all use them (the widgets' ES module holds none).
+The phrases live in `events` only; the summary line, the static pictures and the live
+widgets read them through this module (the widgets' ES module holds no words at all).
 """
 
 from __future__ import annotations
