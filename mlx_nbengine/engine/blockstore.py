@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_nbengine.cache import PrefixCache, blocks, layer_kinds, layer_windows, records
+from mlx_nbengine.cache import RECORD_FORMAT, PrefixCache, blocks, layer_kinds, layer_windows
 from mlx_nbengine.cache.store import BlockStore
 from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.models import gguf
@@ -61,7 +61,7 @@ def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[st
         "fingerprint": lm.fingerprint,
         "block_size": block_size,
         "model_type": getattr(lm, "model_type", ""),
-        "record_format": getattr(records, "_FORMAT", ""),
+        "record_format": RECORD_FORMAT,
         "key_format": key_format.decode() if isinstance(key_format, bytes) else str(key_format),
         "converter": getattr(gguf, "CONVERTER_VERSION", ""),
         "layers": ",".join(layer_kinds(template_cache)),

@@ -50,6 +50,9 @@ class Checkpoints:
         # block's end, where its state record was taken).
         self.partial_records = to_token and cut_blocker in (None, "state")
         self.image_ends = vision and to_token and cut_blocker == "state"
+        # A window narrower than a block forgets a partial block's first tokens while the
+        # request decodes: the prompt's partial block is stored where its prefill ends.
+        self.prompt_partials = to_token and io.prefix.window_narrower_than_block
 
     def keys(self, tokens: list[int], images: tuple[Any, ...] = ()) -> list[str]:
         return block_keys(
@@ -68,8 +71,9 @@ class Checkpoints:
         )
 
     def after_prefill(self, seq: Sequence, start: int, end: int) -> None:
-        """Store the blocks prefill step ``start:end`` of `seq` completed, and its
-        image-end checkpoint when the step ends where an image does."""
+        """Store the blocks prefill step ``start:end`` of `seq` completed, its image-end
+        checkpoint when the step ends where an image does, and the prompt's partial block
+        where its prefill ends (`prompt_partials`)."""
         bs = self.block_size
         if seq.prompt_keys is not None:
             done = range(start // bs, end // bs)  # the blocks whose end lies in (start, end]
@@ -77,6 +81,8 @@ class Checkpoints:
                 chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
                 self._save_block(seq.prompt_keys, seq.prompt_match, seq.cache, block, chain=chain)
         if self.image_ends and end % bs and any(s.end == end for s in seq.images):
+            self.partial(seq.prompt[:end], seq.cache, images=seq.images)
+        if self.prompt_partials and end % bs and end >= len(seq.prompt) - 1:
             self.partial(seq.prompt[:end], seq.cache, images=seq.images)
 
     def after_decode(self, seq: Sequence, cache: list[Any]) -> None:
