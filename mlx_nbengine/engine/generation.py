@@ -156,7 +156,10 @@ class GenerationThread:
     def _load(self) -> None:
         self.lm = lm = self._loader()
         self.runner = runner = Runner(lm)
-        self.layer_kinds = tuple(str(k) for k in layer_kinds(lm.make_cache()))
+        try:
+            self.layer_kinds = tuple(str(k) for k in layer_kinds(lm.make_cache()))
+        except Exception:  # a layer cache no record kind claims: no store can serve it anyway
+            self.layer_kinds = ()
         checkpoints = None
         if self._prefix_factory is not None:
             self._io.open(lambda: self._prefix_factory(lm))
