@@ -54,6 +54,7 @@ __all__ = [
     "CutOutOfReach",
     "FullAttention",
     "LayerKind",
+    "LayerPart",
     "Recurrent",
     "SlidingWindow",
     "assemble",
@@ -89,6 +90,14 @@ class BlockSpan:
         return self.start + self.block_size
 
 
+@dataclass(frozen=True)
+class LayerPart:
+    """What one layer keeps of a block: its metadata (JSON-ready) and its arrays."""
+
+    meta: dict[str, Any]
+    arrays: dict[str, mx.array]
+
+
 class LayerKind(ABC):
     """The questions every kind answers for its layers (see the module docstring)."""
 
@@ -108,9 +117,9 @@ class LayerKind(ABC):
     @abstractmethod
     def extract(
         self, layer_cache: Any, i: int, span: BlockSpan, *, seen: int | None
-    ) -> tuple[dict[str, Any], dict[str, mx.array]] | None:
-        """Layer `i`'s metadata and arrays for `span`, taken from a live cache that has seen
-        `seen` tokens; None when it keeps nothing there; `RecordError` when no longer held."""
+    ) -> LayerPart | None:
+        """Layer `i`'s part of `span`'s record, taken from a live cache that has seen `seen`
+        tokens; None when it keeps nothing there; `RecordError` when no longer held."""
 
     @abstractmethod
     def check_layer(
@@ -200,7 +209,7 @@ class FullAttention(LayerKind):
             f"L{i}.k": mx.contiguous(c.keys[..., start:end, :]),
             f"L{i}.v": mx.contiguous(c.values[..., start:end, :]),
         }
-        return {"class": type(c).__name__, "start": start, "end": end}, arrays
+        return LayerPart({"class": type(c).__name__, "start": start, "end": end}, arrays)
 
     def check_layer(self, rec, i, meta, span, *, whole, window):
         start, end = _ints(meta, i, "start", "end")
@@ -303,7 +312,7 @@ class SlidingWindow(LayerKind):
             f"L{i}.v": mx.contiguous(values[..., reach - first : end - first, :]),
         }
         meta = {"class": type(c).__name__, "start": reach, "end": end, "max_size": int(c.max_size)}
-        return meta, arrays
+        return LayerPart(meta, arrays)
 
     def check_layer(self, rec, i, meta, span, *, whole, window):
         start, end, size = _ints(meta, i, "start", "end", "max_size")
@@ -375,7 +384,8 @@ class Recurrent(LayerKind):
             return None
         arrays: dict[str, mx.array] = {}
         snapshot = take_snapshot(layer_cache, arrays, f"L{i}")
-        return {"class": type(layer_cache).__name__, **snapshot, "offset": span.end}, arrays
+        meta = {"class": type(layer_cache).__name__, **snapshot, "offset": span.end}
+        return LayerPart(meta, arrays)
 
     def check_layer(self, rec, i, meta, span, *, whole, window):
         (offset,) = _ints(meta, i, "offset")
@@ -489,10 +499,10 @@ def extract_block_records(
     arrays: dict[RecordKind, dict[str, mx.array]] = {k.name: {} for k in KINDS}
     for i, c in enumerate(cache):
         kind = kind_of(c)
-        taken = kind.extract(c, i, span, seen=seen)
-        if taken is not None:
-            layers[kind.name][str(i)], own = taken
-            arrays[kind.name].update(own)
+        part = kind.extract(c, i, span, seen=seen)
+        if part is not None:
+            layers[kind.name][str(i)] = part.meta
+            arrays[kind.name].update(part.arrays)
     records = {
         k.name: Record(k.name, arrays[k.name], _meta(k, span, layers[k.name]))
         for k in KINDS

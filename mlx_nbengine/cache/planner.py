@@ -53,6 +53,7 @@ from mlx_nbengine.cache.kinds import KINDS, LayerKind, assemble, layer_kinds, la
 from mlx_nbengine.cache.reader import RecordReader
 from mlx_nbengine.cache.records import (
     Record,
+    RecordKey,
     RecordKind,
     Signature,
     record_to_bytes,
@@ -72,7 +73,7 @@ class Cut:
     block: int
     key: str
     tokens: int
-    needed: tuple[tuple[str, RecordKind], ...]
+    needed: tuple[RecordKey, ...]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class RestorePlan:
     keys: tuple[str, ...]
     n_blocks: int
     block_size: int
-    needed: tuple[tuple[str, RecordKind], ...]
+    needed: tuple[RecordKey, ...]
     limit: int
     allowed: tuple[bool, ...] = field(repr=False)
     cut: Cut | None = None
@@ -169,11 +170,11 @@ class PrefixCache:
             windows=self.windows,
             layer_classes=self.layer_classes,
         )
-        # The model's kinds, in record order, and their names.
-        self.layer_kinds_present: tuple[LayerKind, ...] = tuple(
+        # The kinds of the model's layers, in record order, and their names.
+        self.model_kinds: tuple[LayerKind, ...] = tuple(
             k for k in KINDS if k.name in self.layer_kinds
         )
-        self.kinds: tuple[RecordKind, ...] = tuple(k.name for k in self.layer_kinds_present)
+        self.kinds: tuple[RecordKind, ...] = tuple(k.name for k in self.model_kinds)
         present = [w for w, k in zip(self.windows, self.layer_kinds, strict=True) if k == "window"]
         if any(w is None or w <= 0 for w in present):
             raise ValueError("every window layer needs a positive window size")
@@ -185,7 +186,7 @@ class PrefixCache:
         self.root_min_shared = max(1, block_size // 2)
         # What stops a cut inside a block (None: every layer can be cut to the token).
         self.cut_blocker: str | None = next(
-            (k.name for k in self.layer_kinds_present if not k.cuts_inside_blocks), None
+            (k.name for k in self.model_kinds if not k.cuts_inside_blocks), None
         )
         # A window narrower than a block forgets a partial block's first tokens while the
         # request decodes: the engine takes the prompt's partial block where prefill ends.
@@ -212,7 +213,7 @@ class PrefixCache:
             tokens, fingerprint=self.fingerprint, block_size=self.block_size, images=images
         )
 
-    def needed(self, keys: Sequence[str], n_blocks: int) -> list[tuple[str, RecordKind]]:
+    def needed(self, keys: Sequence[str], n_blocks: int) -> list[RecordKey]:
         """The records restoring the first `n_blocks` blocks of chain `keys` needs: by
         block, each in record order (`kinds`)."""
         if n_blocks <= 0:
@@ -220,9 +221,14 @@ class PrefixCache:
         B, W = self.block_size, self.max_window
         reads = [
             (kind.name, set(kind.restore_blocks(n_blocks, block_size=B, window=W)))
-            for kind in self.layer_kinds_present
+            for kind in self.model_kinds
         ]
-        return [(keys[j], name) for j in range(n_blocks) for name, blocks in reads if j in blocks]
+        return [
+            RecordKey(keys[j], name)
+            for j in range(n_blocks)
+            for name, blocks in reads
+            if j in blocks
+        ]
 
     def plan(
         self,
@@ -284,7 +290,7 @@ class PrefixCache:
         for key, k, length in candidates:
             refusing = [
                 kind.name
-                for kind in self.layer_kinds_present
+                for kind in self.model_kinds
                 if not kind.cuts_at(k, follower_length=length, block_size=B)
             ]
             if refusing:
@@ -295,7 +301,12 @@ class PrefixCache:
             return replace(plan, kept_boundary=refused_by)
         # Every held one, best first: `load` reads on past one that cannot serve the cut.
         cuts = tuple(
-            Cut(block=n, key=key, tokens=k, needed=tuple((key, kind) for kind in self.kinds))
+            Cut(
+                block=n,
+                key=key,
+                tokens=k,
+                needed=tuple(RecordKey(key, kind) for kind in self.kinds),
+            )
             for key, k in cuttable
             if all(self.store.has(key, kind) for kind in self.kinds)
         )
@@ -366,12 +377,12 @@ class PrefixCache:
         if plan.n_blocks:
             self.touch(plan.keys[: plan.n_blocks])
         if cut is not None and plan.n_blocks == n_wanted:
-            served, records, why = reading.cut((cut, *spare_cuts))
-            if served is None:
-                plan = replace(plan, cut=None, spare_cuts=(), kept_boundary=why)
+            read = reading.cut((cut, *spare_cuts))
+            if read.cut is None:
+                plan = replace(plan, cut=None, spare_cuts=(), kept_boundary=read.kept_boundary)
             else:
-                plan = replace(plan, cut=served, spare_cuts=())
-                by_block[served.block] = records
+                plan = replace(plan, cut=read.cut, spare_cuts=())
+                by_block[read.cut.block] = read.records
         return plan, by_block
 
     def assemble(

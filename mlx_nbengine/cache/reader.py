@@ -26,6 +26,7 @@ from mlx_nbengine.cache.kinds import CutOutOfReach, check_record, kind_named
 from mlx_nbengine.cache.records import (
     Record,
     RecordError,
+    RecordKey,
     RecordKind,
     Signature,
     merge_signatures,
@@ -35,7 +36,7 @@ from mlx_nbengine.cache.records import (
 if TYPE_CHECKING:  # the plan types live with the planner, which imports this module
     from mlx_nbengine.cache.planner import Cut, RestorePlan
 
-__all__ = ["Arena", "Reading", "RecordReader"]
+__all__ = ["Arena", "CutRead", "Reading", "RecordReader"]
 
 RecordsByBlock = dict[int, dict[RecordKind, Record]]
 
@@ -56,6 +57,16 @@ class Arena:
         out = self.buffer[self.used : self.used + nbytes]
         self.used += nbytes
         return out
+
+
+@dataclass(frozen=True)
+class CutRead:
+    """The cut a reading could serve and its records by kind; None and why it could not
+    (``"evicted"`` or ``"window"``, see `Reading.cut`)."""
+
+    cut: Cut | None
+    records: dict[RecordKind, Record]
+    kept_boundary: str | None = None
 
 
 class RecordReader:
@@ -84,7 +95,7 @@ class RecordReader:
             own = kind_named(kind).signature(rec)
             self.signatures[kind] = own if learned is None else merge_signatures(learned, own)
 
-    def reading(self, items: Iterable[tuple[str, RecordKind]], *, mapped: bool) -> Reading:
+    def reading(self, items: Iterable[RecordKey], *, mapped: bool) -> Reading:
         """A reading of (at least) `items`: into one arena sized for them, or `mapped`
         where the store maps its blobs."""
         arena = None
@@ -147,7 +158,7 @@ class Reading:
     ) -> tuple[RestorePlan, RecordsByBlock]:
         """The plan's chain records by block; a bad one is deleted and the chain falls back
         to `replan(keys, limit=, allowed=)`, the longest shorter one still complete."""
-        loaded: dict[tuple[str, RecordKind], Record] = {}
+        loaded: dict[RecordKey, Record] = {}
         while plan.n_blocks > 0:
             bad = None
             for block, (key, kind) in _blocks_of(plan):
@@ -167,7 +178,7 @@ class Reading:
             by_block.setdefault(block, {})[kind] = loaded[(key, kind)]
         return plan, by_block
 
-    def cut(self, cuts: tuple[Cut, ...]) -> tuple[Cut | None, dict[RecordKind, Record], str]:
+    def cut(self, cuts: tuple[Cut, ...]) -> CutRead:
         """The first of `cuts` whose records serve it, with them; else None and why:
         ``"evicted"`` (a record gone or damaged: deleted) or ``"window"`` (sound window
         records that do not reach back to what the cut needs: kept)."""
@@ -185,11 +196,12 @@ class Reading:
                 continue
             except RecordError:
                 self.reader.store.delete(key, kind)
-                return None, {}, "evicted"
-            return cut, records, why
-        return None, {}, why
+                return CutRead(None, {}, "evicted")
+            return CutRead(cut, records)
+        return CutRead(None, {}, why)
 
 
-def _blocks_of(plan: RestorePlan) -> list[tuple[int, tuple[str, RecordKind]]]:
+def _blocks_of(plan: RestorePlan) -> list[tuple[int, RecordKey]]:
+    """Each record the plan's chain needs, with the block it is for."""
     index = {k: j for j, k in enumerate(plan.keys[: plan.n_blocks])}
-    return [(index[key], (key, kind)) for key, kind in plan.needed]
+    return [(index[item.key], item) for item in plan.needed]

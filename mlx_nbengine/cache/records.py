@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +35,7 @@ __all__ = [
     "HostArray",
     "Record",
     "RecordError",
+    "RecordKey",
     "RecordKind",
     "Signature",
     "check_signature",
@@ -53,6 +54,13 @@ BLOB_FORMAT = "mlx_nbengine.record.v2"
 """The blob's layout (v2: each record names its kind's version, ``kind_version``)."""
 
 TOKEN_AXIS = 2  # keys/values are (batch, heads, tokens, head_dim)
+
+
+class RecordKey(NamedTuple):
+    """Where the store holds one record: its block's key and its kind."""
+
+    key: str
+    kind: RecordKind
 
 
 class RecordError(ValueError):
