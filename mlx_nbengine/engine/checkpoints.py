@@ -45,9 +45,8 @@ class Checkpoints:
         self.recurrent = recurrent  # a state checkpoint is due at every boundary
         self.store_off = store_off  # a store with a zero budget
         self.bidirectional = bidirectional
-        # Partial blocks keep records where cuts can use them: every model but one with
-        # windows narrower than a block (recurrent states are cut only at a partial
-        # block's end, where its state record was taken).
+        # Partial blocks keep records where cuts can use them: every model (recurrent
+        # states are cut only at a partial block's end, where its state record was taken).
         self.partial_records = to_token and cut_blocker in (None, "state")
         self.image_ends = vision and to_token and cut_blocker == "state"
         # A window narrower than a block forgets a partial block's first tokens while the

@@ -76,7 +76,7 @@ REASONS: dict[str, str] = {
 
 KEPT_BOUNDARY: dict[str, str] = {
     "state": "recurrent layers resume only where a state was stored",
-    "window": "the sliding window is narrower than a block",
+    "window": "the stored block's window records lack its first tokens",
     "block": "the engine restores whole blocks only (restore='block')",
     "evicted": "the stored continuation's records were evicted",
 }
