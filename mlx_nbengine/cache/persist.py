@@ -514,6 +514,15 @@ class PersistentBlobs:
         temp = self.path / (INDEX_FILE + TEMP_SUFFIX)
         if os.path.lexists(temp):
             os.unlink(temp)  # a compaction a crash interrupted; the log is whole
+        state = self._replay(index, data)
+        if state is None:
+            self._create()
+        else:
+            self._adopt(state, index, data)
+
+    def _replay(self, index: Path, data: Path) -> Replay | None:
+        """The index replayed, if it is this identity's store; else None, with a foreign or
+        incompatible store set aside (and an orphaned data file of ours removed)."""
         state: Replay | None = None
         if os.path.lexists(index):
             try:
@@ -544,9 +553,10 @@ class PersistentBlobs:
                 os.unlink(data)
             else:
                 self._set_aside("a data file that is not a block store's, without an index")
-        if state is None:
-            self._create()
-            return
+        return state
+
+    def _adopt(self, state: Replay, index: Path, data: Path) -> None:
+        """Serve the replayed `state`: its extents adopted, damage noted and reclaimed."""
         store_id = state.header["store_id"]
         fresh_data = not os.path.lexists(data)
         if fresh_data:
