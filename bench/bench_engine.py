@@ -304,7 +304,8 @@ def bench_ttft(engine: Engine, *, n_tokens: int, repeats: int, scratch: str) -> 
     engine.submit(text_prompt(lm, n_tokens, seed=9), max_tokens=1).result()
     engine.wait_for_saves()
     engine.drop_hot_cache()  # the warm-up's edit comes from the store
-    engine.submit(edited(lm, text_prompt(lm, n_tokens, seed=9), 100, seed=3), max_tokens=1)
+    warm_edit = edited(lm, text_prompt(lm, n_tokens, seed=9), 100, seed=3)
+    engine.submit(warm_edit, max_tokens=1).result()
     engine.wait_for_saves()
     warm_runs, cold_runs = [], []
     for i in range(repeats):
