@@ -137,6 +137,25 @@ def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> li
     return steps
 
 
+def _cuttable(
+    candidates: list[tuple[str, int, int]], kinds: Sequence[LayerKind], *, block_size: int
+) -> tuple[list[tuple[str, int]], str | None]:
+    """The ``(key, tokens)`` of the candidate cuts ``(key, tokens, follower length)`` every
+    kind can make, and the first kind that refused one."""
+    cuttable, refused_by = [], None
+    for key, k, length in candidates:
+        refusing = [
+            kind.name
+            for kind in kinds
+            if not kind.cuts_at(k, follower_length=length, block_size=block_size)
+        ]
+        if refusing:
+            refused_by = refused_by or refusing[0]
+        else:
+            cuttable.append((key, k))
+    return cuttable, refused_by
+
+
 class PrefixCache:
     """Keys, records, store, planner and assembly for one model (see the module docstring)."""
 
@@ -286,17 +305,7 @@ class PrefixCache:
             return plan
         if not to_token:
             return replace(plan, kept_boundary="block")
-        cuttable, refused_by = [], None
-        for key, k, length in candidates:
-            refusing = [
-                kind.name
-                for kind in self.model_kinds
-                if not kind.cuts_at(k, follower_length=length, block_size=B)
-            ]
-            if refusing:
-                refused_by = refused_by or refusing[0]
-            else:
-                cuttable.append((key, k))
+        cuttable, refused_by = _cuttable(candidates, self.model_kinds, block_size=B)
         if not cuttable:
             return replace(plan, kept_boundary=refused_by)
         # Every held one, best first: `load` reads on past one that cannot serve the cut.
@@ -420,10 +429,9 @@ class PrefixCache:
         `load` holds the records it reads to.
         With `parent` (the previous block's key, `ROOT` for block 0) and the block's
         `tokens` (`blocks.match_ids` where it overlaps images), a block now held is added
-        to `followers`; so is one saved with no records at all (a partial block whose
-        records a model that cannot be cut does not keep: its tokens still tell where a
-        later prompt is edited). Call `touch` with the chain afterwards so the recency
-        order is right.
+        to `followers`; so is one saved with no records at all (a partial block of an
+        engine restoring whole blocks: its tokens still tell where a later prompt is
+        edited). Call `touch` with the chain afterwards so the recency order is right.
         """
         ok = True
         self.learn(records)
@@ -458,7 +466,7 @@ class PrefixCache:
         needed = self.needed(keys, n)
         needed_set = set(needed)
         others = [
-            (keys[j], kind)
+            RecordKey(keys[j], kind)
             for j in range(n - 1, -1, -1)
             for kind in self.kinds
             if (keys[j], kind) not in needed_set
