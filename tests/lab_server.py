@@ -9,7 +9,9 @@ the server, whatever happened. Terms:
 - *home*: ``tmp/home``, the server's own Jupyter config, data and runtime directories and
   its IPython directory, so nothing of the user's Jupyter setup is read or written. The
   data directory holds one kernelspec, `KERNEL_NAME`: this interpreter's ipykernel with
-  the repository on ``PYTHONPATH``. The interpreter's own ``share/jupyter`` stays on
+  the repository on ``PYTHONPATH``, and the repository's own build of the lab extension
+  (``labextension/prebuilt``), which comes first on the data path, so the tests drive the
+  committed build whatever is installed. The interpreter's own ``share/jupyter`` stays on
   Jupyter's data path, which is where the lab extensions of ipywidgets and anywidget are.
 - *user settings*: JupyterLab settings written before the server starts: no news or
   update checks (their pop-ups would cover the notebook), no auto-closed brackets in the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LAB_EXTENSION = REPO / "labextension"
+LAB_EXTENSION_NAME = "mlx-nbengine"
 KERNEL_NAME = "mlx-nbengine-test"
 START_TIMEOUT = 90.0
 STOP_TIMEOUT = 15.0
@@ -99,6 +104,13 @@ def write_kernelspec(data_dir: Path, env: dict[str, str]) -> None:
         "env": env,
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
+
+
+def install_lab_extension(data_dir: Path) -> None:
+    """The repository's prebuilt lab extension, where JupyterLab looks for it first."""
+    target = data_dir / "labextensions" / LAB_EXTENSION_NAME
+    shutil.copytree(LAB_EXTENSION / "prebuilt", target, dirs_exist_ok=True)
+    shutil.copy2(LAB_EXTENSION / "install.json", target / "install.json")
 
 
 def write_user_settings(settings_dir: Path, *, theme: str) -> None:
@@ -175,6 +187,7 @@ def lab_server(
     for d in (root, config, data, runtime, settings, workspaces):
         d.mkdir(parents=True, exist_ok=True)
     write_kernelspec(data, kernel_env(kernel_extra_env))
+    install_lab_extension(data)
     write_user_settings(settings, theme=theme)
     write_config(config)
     env = os.environ | {

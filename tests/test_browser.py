@@ -38,11 +38,13 @@ sync_api = module("playwright.sync_api", PLAYWRIGHT_MISSING)
 CHROMIUM = chromium()
 
 from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
+from llm_editing import TYPED_LINES, saved_source, styled_spans, type_lines  # noqa: E402
 from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
 from test_nbconvert import chat_tokens, first_change  # noqa: E402
 
 FIRST_LAST_LINE = "Summarize this text."
 EDITED_LAST_LINE = "Translate this text."
+TYPED_HEAD = "%%llm --max-tokens 2"
 RESTORED = {"memory", "disk"}
 # Every wait in the browser, in milliseconds: generous for a busy 2-core machine.
 WAIT_MS = 90_000
@@ -72,6 +74,12 @@ class LabRun:
     store: Step | None = None
     screenshots: dict[str, Path] = field(default_factory=dict)
     console_errors: list[str] = field(default_factory=list)
+    # The issue's lines typed into a `%%llm` cell and into a Python cell (the control):
+    # the sources saved, and the words the editor coloured in each.
+    typed_llm: str = ""
+    typed_python: str = ""
+    styled_llm: int = -1
+    styled_python: int = -1
 
     @property
     def n_blocks(self) -> int:
@@ -216,6 +224,8 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         f"%load_ext mlx_nbengine\n%load_model tiny-llama --block-size {BLOCK} --cache-dir scratch",
         f"%%llm --max-tokens 4 --blocks\n{first_prompt}",
         "%llm_cache",
+        TYPED_HEAD,
+        "x = 1",
     ]
     tokens_first = chat_tokens(model, first_prompt)
     tokens_edited = chat_tokens(model, f"{LONG_PROMPT}\n{EDITED_LAST_LINE}")
@@ -268,9 +278,15 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     )
                     store = read_cell(page, 2)
 
+                    type_lines(page, 3)
+                    type_lines(page, 4)
+                    styled = {i: styled_spans(page, i) for i in (3, 4)}
+                    typed = {i: saved_source(page, server.root / "browser_tiny.ipynb", i)
+                             for i in (3, 4)}  # fmt: skip
+
                     # Let the answer's last update and the widgets settle before pictures.
                     page.wait_for_timeout(500)
-                    cells_to_shoot = {"llm-cell": 1, "store": 2}
+                    cells_to_shoot = {"llm-cell": 1, "store": 2, "typed": 3}
                     shots = screenshot(page, out, "light", cells_to_shoot)
                     set_theme(page, "JupyterLab Dark", light=False)
                     shots |= screenshot(page, out, "dark", cells_to_shoot)
@@ -296,6 +312,10 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         store=store,
         screenshots=shots,
         console_errors=console_errors,
+        typed_llm=typed[3],
+        typed_python=typed[4],
+        styled_llm=styled[3],
+        styled_python=styled[4],
     )
 
 
@@ -362,11 +382,28 @@ def test_the_store_view_shows_the_blocks_held(lab_run):
     assert int(restored.replace(",", "")) >= lab_run.edit_at // BLOCK
 
 
+def test_lines_typed_into_an_llm_cell_are_saved_without_added_spaces(lab_run):
+    assert lab_run.typed_llm == "\n".join([TYPED_HEAD, *TYPED_LINES])
+
+
+def test_an_llm_cell_shows_no_python_highlighting(lab_run):
+    assert lab_run.styled_python > 0, "the control: the same lines in a Python cell are coloured"
+    assert lab_run.styled_llm == 0
+
+
+def test_a_python_cell_is_still_edited_as_python(lab_run):
+    # The extension changes `%%llm` cells only: a Python cell indents "Summary:" (the bug
+    # the issue met in `%%llm` cells).
+    assert "\n    Summary:" in lab_run.typed_python
+
+
 def test_screenshots_are_saved_in_light_and_dark(lab_run):
     for theme in ("light", "dark"):
-        for name in ("notebook", "llm-cell", "store"):
+        # A picture with something in it (the typed cell is a few lines of text only).
+        for name, least in (("notebook", 10_000), ("llm-cell", 10_000), ("store", 10_000),
+                            ("typed", 3_000)):  # fmt: skip
             path = lab_run.screenshots[f"{name}-{theme}"]
-            assert path.stat().st_size > 10_000, path
+            assert path.stat().st_size > least, path
             assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     light = lab_run.screenshots["store-light"].read_bytes()
     assert light != lab_run.screenshots["store-dark"].read_bytes()

@@ -34,6 +34,7 @@ module("notebook", "Jupyter Notebook 7 (`notebook`) is missing")
 CHROMIUM = chromium()
 
 from lab_server import lab_server, notebook_json  # noqa: E402  (tests/ is on sys.path)
+from llm_editing import TYPED_LINES, saved_source, styled_spans, type_lines  # noqa: E402
 from test_kernel import BLOCK, LONG_PROMPT  # noqa: E402
 from test_nbconvert import chat_tokens, first_change  # noqa: E402
 
@@ -42,6 +43,7 @@ EDITED_LAST_LINE = "Translate this text."
 RESTORED = {"memory", "disk"}
 WAIT_MS = 90_000
 NOTEBOOK_NAME = "nb7_tiny.ipynb"
+TYPED_HEAD = "%%llm --max-tokens 2"
 
 
 @dataclass
@@ -64,6 +66,9 @@ class Nb7Run:
     store: Step
     screenshot: Path
     console_errors: list[str] = field(default_factory=list)
+    typed_llm: str = ""  # the issue's lines typed into a `%%llm` cell, as saved
+    styled_llm: int = -1  # words the editor coloured in that cell
+    styled_python: int = -1  # and in the same lines typed into a Python cell (the control)
 
     def n_blocks(self, tokens: list[int]) -> int:
         return math.ceil(len(tokens) / BLOCK)
@@ -107,6 +112,20 @@ def run_all_from_menu(page) -> None:
     """Run > Run All Cells in Notebook 7's menu bar."""
     page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-item", has_text="Run All Cells").first.click()
+
+
+def add_cell_below(page, index: int, source: str) -> None:
+    """A new code cell under cell `index` holding `source` (set through the model)."""
+    page.evaluate(
+        """([index, source]) => {
+          const notebook = window.jupyterapp.shell.currentWidget.content;
+          notebook.model.sharedModel.insertCell(index + 1, {cell_type: 'code', source});
+        }""",
+        [index, source],
+    )
+    page.wait_for_function(
+        "(n) => document.querySelectorAll('.jp-Notebook .jp-Cell').length >= n", arg=index + 2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +180,13 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
                     page.wait_for_selector(f"{CELLS} >> nth=3 >> .mnb-store")
                     page.wait_for_timeout(500)  # the last updates settle before the picture
                     first, edited, store = (Step(**page.evaluate(READ_CELL, i)) for i in (1, 2, 3))
+                    # Two cells added below (not run): the issue's lines typed into each.
+                    add_cell_below(page, 3, TYPED_HEAD)
+                    add_cell_below(page, 4, "x = 1")
+                    type_lines(page, 4)
+                    type_lines(page, 5)
+                    styled = {i: styled_spans(page, i) for i in (4, 5)}
+                    typed_llm = saved_source(page, server.root / NOTEBOOK_NAME, 4)
                     page.locator(CELLS).nth(1).evaluate("(e) => e.scrollIntoView({block: 'start'})")
                     page.wait_for_timeout(200)
                     page.screenshot(path=shot, full_page=True)
@@ -178,6 +204,9 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
         store=store,
         screenshot=shot,
         console_errors=console_errors,
+        typed_llm=typed_llm,
+        styled_llm=styled[4],
+        styled_python=styled[5],
     )
 
 
@@ -216,3 +245,9 @@ def test_notebook7_block_map_and_store_view_are_shown(nb7_run):
     assert nb7_run.store.stores >= 1
     png = nb7_run.screenshot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_notebook7_llm_cells_are_edited_as_text(nb7_run):
+    assert nb7_run.typed_llm == "\n".join([TYPED_HEAD, *TYPED_LINES])
+    assert nb7_run.styled_python > 0, "the control: the same lines in a Python cell are coloured"
+    assert nb7_run.styled_llm == 0

@@ -98,6 +98,17 @@ def test_wheel_ships_the_notebooks_for_the_demo(wheel):
             assert shipped == notebook.read_bytes(), notebook.name
 
 
+def test_wheel_installs_the_prebuilt_lab_extension_where_jupyterlab_finds_it(wheel):
+    # Data files: installed under sys.prefix, share/jupyter/labextensions/mlx-nbengine.
+    data = "mlx_nbengine-0.1.0.data/data/share/jupyter/labextensions/mlx-nbengine"
+    prebuilt = REPO / "labextension" / "prebuilt"
+    with zipfile.ZipFile(wheel) as zf:
+        for path in [prebuilt / "package.json", *(prebuilt / "static").iterdir()]:
+            shipped = zf.read(f"{data}/{path.relative_to(prebuilt).as_posix()}")
+            assert shipped == path.read_bytes(), path.name
+        assert json.loads(zf.read(f"{data}/install.json"))["packageName"] == "mlx_nbengine"
+
+
 def test_wheel_holds_every_module_of_the_source_tree(wheel):
     # The package list in pyproject.toml is explicit: a new subpackage must be added there.
     with zipfile.ZipFile(wheel) as zf:
