@@ -78,6 +78,19 @@ def test_the_demo_ends_with_the_table_of_what_the_edited_rerun_restored_and_comp
     assert re.fullmatch(r"\d+\.\dx", speedup), speedup
 
 
+def test_a_run_all_of_the_quickstart_ends_with_the_model_still_loaded(demo_run):
+    # Run All must leave the model (and its block store) for the "your turn" edit: the
+    # notebook shows `%unload_model` in Markdown and runs `%llm_status` last.
+    _, folder = demo_run
+    nb = json.loads((folder / "quickstart.ipynb").read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert not any("%unload_model" in source for source in code)
+    last = [c for c in nb["cells"] if c["cell_type"] == "code"][-1]
+    assert "".join(last["source"]).startswith("%llm_status")
+    shown = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in last["outputs"])
+    assert "active requests" in shown and "no model loaded" not in shown
+
+
 def test_speedups_compare_each_rerun_with_its_documents_cold_run():
     rows = add_speedups(
         [
