@@ -45,6 +45,8 @@ from test_nbconvert import chat_tokens, first_change  # noqa: E402
 FIRST_LAST_LINE = "Summarize this text."
 EDITED_LAST_LINE = "Translate this text."
 TYPED_HEAD = "%%llm --max-tokens 2"
+# Tokens the stopped answers may write: far more than they get to before their Stop click.
+LONG_ANSWER = 6000
 RESTORED = {"memory", "disk"}
 # Every wait in the browser, in milliseconds: generous for a busy 2-core machine.
 WAIT_MS = 90_000
@@ -80,6 +82,12 @@ class LabRun:
     typed_python: str = ""
     styled_llm: int = -1
     styled_python: int = -1
+    # A --bg answer and a foreground one stopped with their Stop buttons (`stop_answer`),
+    # the --bg one's text as its Copy button copied it, and what its handle said after.
+    stopped_bg: dict = field(default_factory=dict)
+    stopped_fg: dict = field(default_factory=dict)
+    copied: dict = field(default_factory=dict)
+    job: str = ""
 
     @property
     def n_blocks(self) -> int:
@@ -169,6 +177,60 @@ def replace_last_line(page, index: int, text: str) -> None:
     page.keyboard.type(text)
 
 
+def start_cell(page, index: int) -> None:
+    """Run cell `index` (Shift+Enter) without waiting for it to end."""
+    page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+
+
+ANSWER_STATE = """(index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const status = cell.querySelector('.mnb-answer .mnb-status');
+  const text = cell.querySelector('.mnb-answer .mnb-text');
+  return {
+    state: status ? status.dataset.state : '',
+    status: status ? status.textContent : '',
+    text: text ? text.textContent : '',
+    buttons: [...cell.querySelectorAll('.mnb-strip .mnb-controls button')]
+      .map(b => b.dataset.action),
+    outputs: cell.querySelector('.jp-OutputArea').innerText,
+  };
+}"""
+
+
+def stop_answer(page, index: int) -> dict:
+    """Once cell `index`'s answer has text, click its Stop button; wait for the answer to
+    end and its Copy button; return its `ANSWER_STATE` before and after."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    stop = cell.locator(".mnb-strip .mnb-controls button[data-action='stop']")
+    stop.wait_for(state="visible")
+    page.wait_for_function(f"(i) => ({ANSWER_STATE})(i).text.length > 0", arg=index)
+    before = page.evaluate(ANSWER_STATE, index)
+    stop.click()
+    page.wait_for_function(
+        f"(i) => {{ const s = ({ANSWER_STATE})(i); return s.state !== 'running' "
+        "&& s.buttons.includes('copy'); }",
+        arg=index,
+    )
+    return {"before": before, "after": page.evaluate(ANSWER_STATE, index)}
+
+
+def copy_answer(page, index: int) -> dict:
+    """Click cell `index`'s Copy button; the clipboard's text and the answer's shown text."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".mnb-strip .mnb-controls button[data-action='copy']").click()
+    page.wait_for_function("() => navigator.clipboard.readText().then(t => t.length > 0)")
+    return {
+        "clipboard": page.evaluate("() => navigator.clipboard.readText()"),
+        "shown": page.evaluate(ANSWER_STATE, index)["text"],
+    }
+
+
+def output_text(page, index: int) -> str:
+    outputs = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea-output")
+    return "\n".join(outputs.all_inner_texts())
+
+
 def read_cell(page, index: int) -> Step:
     return Step(**page.evaluate(READ_CELL, index))
 
@@ -226,6 +288,10 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         "%llm_cache",
         TYPED_HEAD,
         "x = 1",
+        f"%%llm --bg -o job --max-tokens {LONG_ANSWER}\nTell a long story.",
+        f"%%llm --max-tokens {LONG_ANSWER}\nTell another long story.",
+        "job.result().finish_reason, len(job.result().tokens) < "
+        f"{LONG_ANSWER}, job.text == job.result().text",
     ]
     tokens_first = chat_tokens(model, first_prompt)
     tokens_edited = chat_tokens(model, f"{LONG_PROMPT}\n{EDITED_LAST_LINE}")
@@ -284,9 +350,21 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     typed = {i: saved_source(page, server.root / "browser_tiny.ipynb", i)
                              for i in (3, 4)}  # fmt: skip
 
+                    page.context.grant_permissions(
+                        ["clipboard-read", "clipboard-write"], origin=server.base_url
+                    )
+                    run_cell(page, 5)  # a --bg cell: returns at once, the answer streams on
+                    stopped_bg = stop_answer(page, 5)
+                    copied = copy_answer(page, 5)
+                    start_cell(page, 6)  # a foreground answer: the cell stays busy
+                    stopped_fg = stop_answer(page, 6)
+                    wait_kernel_idle(page)
+                    run_cell(page, 7)
+                    job = output_text(page, 7)
+
                     # Let the answer's last update and the widgets settle before pictures.
                     page.wait_for_timeout(500)
-                    cells_to_shoot = {"llm-cell": 1, "store": 2, "typed": 3}
+                    cells_to_shoot = {"llm-cell": 1, "store": 2, "typed": 3, "stopped": 5}
                     shots = screenshot(page, out, "light", cells_to_shoot)
                     set_theme(page, "JupyterLab Dark", light=False)
                     shots |= screenshot(page, out, "dark", cells_to_shoot)
@@ -312,6 +390,10 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         store=store,
         screenshots=shots,
         console_errors=console_errors,
+        stopped_bg=stopped_bg,
+        stopped_fg=stopped_fg,
+        copied=copied,
+        job=job,
         typed_llm=typed[3],
         typed_python=typed[4],
         styled_llm=styled[3],
@@ -397,11 +479,35 @@ def test_a_python_cell_is_still_edited_as_python(lab_run):
     assert "\n    Summary:" in lab_run.typed_python
 
 
+def test_a_stop_button_stops_a_background_answer_keeping_its_text_and_summary(lab_run):
+    before, after = lab_run.stopped_bg["before"], lab_run.stopped_bg["after"]
+    assert before["state"] == "running" and "stop" in before["buttons"]
+    assert after["state"] == "interrupted", after
+    assert re.search(r"cancelled after [\d,]+ tokens?$", after["status"]), after["status"]
+    assert after["text"].startswith(before["text"]), "the partial answer stays"
+    assert after["buttons"] == ["copy"], "no Stop button once it has stopped"
+    assert lab_run.job.strip() == "('cancelled', True, True)", lab_run.job
+
+
+def test_a_stop_button_stops_a_foreground_answer_as_an_interrupt_does(lab_run):
+    before, after = lab_run.stopped_fg["before"], lab_run.stopped_fg["after"]
+    assert before["state"] == "running"
+    assert after["state"] == "interrupted", after
+    assert "cancelled after" in after["status"]
+    assert (
+        "interrupted: generation cancelled; the partial answer is kept above" in (after["outputs"])
+    )
+
+
+def test_the_copy_button_copies_the_answer_as_written(lab_run):
+    assert lab_run.copied["clipboard"] == lab_run.copied["shown"] != ""
+
+
 def test_screenshots_are_saved_in_light_and_dark(lab_run):
     for theme in ("light", "dark"):
         # A picture with something in it (the typed cell is a few lines of text only).
         for name, least in (("notebook", 10_000), ("llm-cell", 10_000), ("store", 10_000),
-                            ("typed", 3_000)):  # fmt: skip
+                            ("typed", 3_000), ("stopped", 10_000)):  # fmt: skip
             path = lab_run.screenshots[f"{name}-{theme}"]
             assert path.stat().st_size > least, path
             assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -973,6 +973,33 @@ def test_summary_line_tells_the_block_story():
     )
 
 
+def test_summary_line_of_a_request_stopped_in_its_prefill_says_where_and_nothing_generated():
+    blocks = [Block(0, 0, 256, "computed"), Block(1, 256, 512, "computed")]
+    report = Report(blocks, restored_tokens=0, computed_tokens=512, ttft_s=None)
+    stopped = Completion("", [], 861, "cancelled", report)
+    assert summary_line(stopped) == "stopped during prefill at token 512 of 861; nothing generated"
+    assert str(GenerationInterrupted.of(stopped)) == summary_line(stopped)
+
+
+def test_summary_line_of_a_prefill_stopped_after_a_restore_names_the_restore_too():
+    blocks = [Block(0, 0, 256, "disk"), Block(1, 256, 512, "computed")]
+    report = Report(blocks, restored_tokens=256, computed_tokens=256)
+    stopped = Completion("", [], 861, "cancelled", report)
+    assert summary_line(stopped) == (
+        "256 restored (1 block from disk); stopped during prefill at token 512 of 861; "
+        "nothing generated"
+    )
+
+
+def test_an_interrupt_after_some_text_keeps_saying_the_partial_answer_is_kept():
+    report = Report([Block(0, 0, 16, "computed")], restored_tokens=0, computed_tokens=16)
+    partial = Completion("Once", [1, 2], 16, "cancelled", report)
+    assert str(GenerationInterrupted.of(partial)) == (
+        "generation cancelled; the partial answer is kept above"
+    )
+    assert summary_line(partial).endswith("; cancelled after 2 tokens")
+
+
 def test_summary_line_counts_memory_and_disk_blocks_separately():
     blocks = [Block(0, 0, 16, "memory"), Block(1, 16, 32, "memory"), Block(2, 32, 48, "disk")]
     report = Report(blocks, restored_tokens=48, computed_tokens=2, ttft_s=None, tokens_per_s=None)
@@ -1467,3 +1494,26 @@ def test_image_option_is_in_the_llm_help():
     doc = magics_mod.LLMMagics.llm.__doc__
     assert "--image IMG" in doc
     assert "repeatable" in doc and "variable" in doc
+
+
+def test_a_store_view_is_redrawn_when_a_later_request_finishes(ip, notebook):
+    from mlx_nbengine.notebook.widgets import StoreView
+
+    run(ip, "%load_model default")
+    assert error_of(run(ip, "%llm_cache")) is None
+    (store,) = [obj for obj, _ in notebook.calls if isinstance(obj, StoreView)]
+    engine().cache_view = lambda: dict(CACHE_VIEW, requests=CACHE_VIEW["requests"] + 1)
+    assert error_of(run(ip, "%%llm\nHello")) is None
+    assert store.view["requests"] == CACHE_VIEW["requests"] + 1
+
+
+def test_store_views_of_an_unloaded_engine_are_left_as_they_were(ip, notebook):
+    from mlx_nbengine.notebook.widgets import StoreView
+
+    run(ip, "%load_model default")
+    run(ip, "%llm_cache")
+    (store,) = [obj for obj, _ in notebook.calls if isinstance(obj, StoreView)]
+    run(ip, "%load_model default")
+    engine().cache_view = lambda: dict(CACHE_VIEW, requests=99)
+    run(ip, "%%llm\nHello")
+    assert store.view["requests"] == CACHE_VIEW["requests"]

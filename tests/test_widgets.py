@@ -760,6 +760,37 @@ def test_strip_add_block_from_many_threads_loses_nothing():
     assert [b["index"] for b in strip.blocks] == list(range(64))
 
 
+def buttons(strip: BlockStrip) -> list[str]:
+    return re.findall(r'data-action="(\w+)"', strip.controls)
+
+
+def test_strip_shows_a_stop_button_while_its_answer_runs_then_a_copy_button():
+    strip = BlockStrip(n_blocks=2, block_size=16)
+    assert buttons(strip) == []
+    strip.stoppable("message", lambda: None)
+    assert buttons(strip) == ["stop"]
+    strip.ended("Once upon a <time>")
+    assert buttons(strip) == ["copy"] and strip.answer == "Once upon a <time>"
+    assert "data-action" not in strip.html(), "no buttons in the static picture"
+
+
+def front_end_says(widget, content: dict) -> None:
+    """`content` arrives as the ES module's ``model.send(content)`` (through the comm)."""
+    data = {"method": "custom", "content": content}
+    widget.comm.handle_msg({"content": {"data": data}, "buffers": []})
+
+
+def test_strip_stop_message_calls_the_stop_only_while_running():
+    stops = []
+    strip = BlockStrip(n_blocks=1, block_size=16)
+    strip.stoppable("message", lambda: stops.append(1))
+    front_end_says(strip, {"action": "stop"})
+    assert stops == [1]
+    strip.ended("")
+    front_end_says(strip, {"action": "stop"})
+    assert stops == [1], "an ended answer is not stopped again"
+
+
 def test_strip_set_edit_marks_and_clears():
     strip = BlockStrip(n_blocks=6, blocks=rerun_blocks())
     strip.set_edit(EDIT)

@@ -40,9 +40,65 @@ function patch(node, next) {
 
 // --- strip --------------------------------------------------------------------------------
 
+// Stop asks the kernel to stop the answer. A foreground answer's kernel is busy following
+// it and hears no widget message, so the page's lab extension (labextension/) interrupts
+// that notebook's kernel on the `mnb-stop` event, as Kernel > Interrupt does; a --bg
+// answer's kernel is free, and the message reaches it. Copy puts the answer on the
+// clipboard as the model wrote it, and says so for a moment.
+function buttons(model, root) {
+  const bar = document.createElement("div");
+  bar.mnbOwn = true;
+  root.append(bar);
+  const draw = () => {
+    const next = parse(model.get("controls"));
+    if (!next) bar.replaceChildren();
+    else if (bar.firstElementChild) patch(bar.firstElementChild, next);
+    else bar.append(next);
+  };
+  const stop = (button) => {
+    button.disabled = true; // a second interrupt would cut the wait for the partial answer
+    if (model.get("stop_by") === "interrupt") {
+      const event = new CustomEvent("mnb-stop", { bubbles: true, cancelable: true });
+      if (!root.dispatchEvent(event)) return; // the extension interrupted the kernel
+    }
+    model.send({ action: "stop" });
+  };
+  const copied = (button) => {
+    const label = button.textContent;
+    button.textContent = button.dataset.done || label;
+    setTimeout(() => (button.textContent = label), 1500);
+  };
+  const copy = (button) => {
+    const text = model.get("answer") || "";
+    const fallback = () => {
+      const area = document.createElement("textarea");
+      area.value = text;
+      area.style.position = "fixed";
+      area.style.opacity = "0";
+      document.body.append(area);
+      area.select();
+      if (document.execCommand("copy")) copied(button);
+      area.remove();
+    };
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(() => copied(button), fallback);
+    } else fallback();
+  };
+  bar.addEventListener("click", (event) => {
+    const button = event.target.closest("button[data-action]");
+    if (!button) return;
+    if (button.dataset.action === "stop") stop(button);
+    else if (button.dataset.action === "copy") copy(button);
+  });
+  model.on("change:controls", draw);
+  draw();
+  return () => model.off("change:controls", draw);
+}
+
 // The strip's hover box: over an image block's cell, the thumbnails of its images, just
 // under the cell (kept inside the strip); hidden elsewhere.
 function strip(model, root) {
+  const cleanup = buttons(model, root);
   const preview = document.createElement("div");
   preview.className = "mnb-preview";
   preview.hidden = true;
@@ -68,7 +124,7 @@ function strip(model, root) {
     else hide();
   });
   root.addEventListener("mouseleave", hide);
-  return {};
+  return { cleanup };
 }
 
 // --- map ----------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from mlx_nbengine import _blas
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
+from mlx_nbengine.notebook.livestore import LiveStores
 from mlx_nbengine.notebook.prompting import (
     build_prompt,
     engine_options,
@@ -123,6 +124,8 @@ class LLMSession:
     chat_calls: int = 0
     # The loaded model's record kind per layer, for the block map (asked once per load).
     layer_kinds: list[str] | None = None
+    # The `%llm_cache` views of the loaded engine, redrawn as requests finish.
+    stores: LiveStores = field(default_factory=LiveStores)
 
     def next_turn_key(self, source: str) -> str:
         """Key of the next chat call in the running cell (`source` where IPython gave none)."""
@@ -339,6 +342,7 @@ class LLMMagics(Magics):
         engine, model = session.engine, session.model
         session.engine, session.model, session.options = None, None, {}
         session.layer_kinds = None
+        session.stores.clear()
         if engine is None:
             return None
         for handle in session.background:
@@ -589,7 +593,9 @@ class LLMMagics(Magics):
         tokens came from, the speed and why generation stopped. In a notebook a strip
         under the answer shows each prompt block: from memory, from disk, computed, or
         the tail; --blocks adds a map of every block, its words and why it was computed.
-        Interrupting the kernel cancels the request and keeps the partial answer. `-o VAR`
+        Interrupting the kernel, or the Stop button under the answer (a --bg answer:
+        the Stop button or the handle's `.cancel()`), cancels the request and keeps the
+        partial answer; Copy copies the answer as written. `-o VAR`
         stores the `Completion` (with --bg: the `BackgroundAnswer` handle, whose
         `.result()` waits for it).
 
@@ -659,6 +665,9 @@ class LLMMagics(Magics):
             )
         else:
             view = TerminalView(title=args.chat or "")
+        if view.strip is not None and not args.bg:
+            # The main thread follows this answer: the front end's Stop interrupts the kernel.
+            view.strip.stoppable("interrupt", request.cancel)
         view.show()
         after = (
             (lambda completion: self._show_block_map(engine, completion, images=thumbs))
@@ -672,13 +681,14 @@ class LLMMagics(Magics):
             completion, interrupted = follow(request, view, turn=chat)
         except EngineError as exc:
             raise UsageError(short_error(exc)) from None
+        self.session.stores.refresh(engine)
         if args.output is not None:
             self.shell.user_ns[args.output] = completion
         if after is not None and completion is not None:
             after(completion)
         self._warn_saving(engine)
         if interrupted:
-            raise GenerationInterrupted()
+            raise GenerationInterrupted.of(completion)
         return None
 
     def _warn_saving(self, engine: Any) -> None:
@@ -756,7 +766,17 @@ class LLMMagics(Magics):
         session = self.session
         session.background_count += 1
         label = args.output or args.chat or f"bg{session.background_count}"
-        handle = BackgroundAnswer(request, view, label=label, turn=chat, after=after)
+        engine, stores = session.engine, session.stores
+
+        def finished(completion: Any) -> None:
+            if after is not None:
+                after(completion)
+            stores.refresh(engine)
+
+        handle = BackgroundAnswer(request, view, label=label, turn=chat, after=finished)
+        if view.strip is not None:
+            # The main thread is free: the Stop button's message reaches the kernel.
+            view.strip.stoppable("message", handle.cancel)
         # Finished handles live on in the user's variables, not here.
         session.background = [h for h in session.background if not h.done()]
         session.background.append(handle)
@@ -799,7 +819,9 @@ class LLMMagics(Magics):
         if self._updates_in_place() and widgets is not None:
             if args.action == "clear":
                 self._display({"text/plain": "block store cleared"})
-            self._display(widgets.StoreView(view=view))
+            store_view = widgets.StoreView(view=view)
+            self.session.stores.add(store_view)
+            self._display(store_view)
             return
         model = view.get("model")
         self._display(key_value_bundle(f"{title}: {model}" if model else title, cache_rows(view)))

@@ -13,6 +13,8 @@ Terms:
 - *details panel* (`map_details`): the live map's box that shows the hovered or chosen
   block (by default the edited block), with an image block's thumbnails.
 - *preview* (`previews`): the thumbnail the live strip shows over an image block's cell.
+- *answer buttons* (`controls_html`): the live strip's Stop (while the answer runs) and
+  Copy (once it has text) buttons; never in the static HTML.
 - *static* vs *live*: static HTML starts with a ``<style>`` block and needs no
   JavaScript (exported notebooks); live HTML is what a widget sends its ES module, which
   adds the behaviour (hover, scroll) and no words.
@@ -45,6 +47,7 @@ __all__ = [
     "TALL_ROWS",
     "block_text",
     "by_index",
+    "controls_html",
     "escape",
     "image_ids",
     "image_label",
@@ -407,6 +410,28 @@ def strip_html(
         f'<span class="mnb-caption">{_sizes(n, block_size, prompt_tokens)}</span></div>'
         f"{_edit_html(edit) if show_edit else ''}</div>"
     )
+
+
+# The answer buttons' words, and what the Copy button says once it has copied.
+STOP_LABEL, STOP_TITLE = "Stop", "stop this answer; what it wrote so far stays"
+COPY_LABEL, COPY_TITLE, COPIED = "Copy", "copy the answer as the model wrote it", "Copied"
+
+
+def controls_html(*, stop: bool, copy: bool) -> str:
+    """The live strip's answer buttons: Stop while the answer runs, Copy once it has text
+    ("" for neither)."""
+    buttons = []
+    if stop:
+        buttons.append(
+            f'<button type="button" class="mnb-button" data-action="stop" '
+            f'title="{STOP_TITLE}">{STOP_LABEL}</button>'
+        )
+    if copy:
+        buttons.append(
+            f'<button type="button" class="mnb-button" data-action="copy" '
+            f'data-done="{COPIED}" title="{COPY_TITLE}">{COPY_LABEL}</button>'
+        )
+    return f'<div class="mnb-controls">{"".join(buttons)}</div>' if buttons else ""
 
 
 # --- the block map --------------------------------------------------------------------------

@@ -61,12 +61,14 @@ __all__ = [
     "images_bundle",
     "images_text",
     "key_value_bundle",
+    "prefill_stop_phrase",
     "model_rows",
     "models_bundle",
     "models_text",
     "progress_bundle",
     "stats_rows",
     "stop_phrase",
+    "stopped_in_prefill",
     "summary_line",
 ]
 
@@ -111,14 +113,37 @@ def stop_phrase(completion: Any) -> str:
     return f"stopped after {_plural(n, 'token')}"
 
 
-def summary_line(completion: Any) -> str:
-    """One line: where the prompt's tokens came from, speed, why generation stopped, and
-    why a restore kept to a block boundary when a stored continuation shared more."""
+def stopped_in_prefill(completion: Any) -> bool:
+    """The request was cancelled before it generated a token (during its prefill)."""
+    return completion.finish_reason == "cancelled" and not completion.tokens
+
+
+def prefill_stop_phrase(completion: Any) -> str:
+    """ "stopped during prefill at token 512 of 861; nothing generated" (the tokens
+    restored, when any, before it)."""
     report = completion.report
+    n_prompt = _n_prompt(completion)
+    done = int(getattr(report, "restored_tokens", 0) or 0) + int(report.computed_tokens or 0)
+    restored = _restored_part(report)
+    where = f"at token {done:,} of {n_prompt:,}" if done else "before it began"
+    stop = f"stopped during prefill {where}; nothing generated"
+    return f"{restored}; {stop}" if restored else stop
+
+
+def _n_prompt(completion: Any) -> int:
     # `prompt_tokens` is the list of prompt ids (an int is accepted too).
     n_prompt = completion.prompt_tokens
-    if not isinstance(n_prompt, int):
-        n_prompt = len(n_prompt)
+    return n_prompt if isinstance(n_prompt, int) else len(n_prompt)
+
+
+def summary_line(completion: Any) -> str:
+    """One line: where the prompt's tokens came from, speed, why generation stopped, and
+    why a restore kept to a block boundary when a stored continuation shared more. A
+    request stopped during its prefill says where (`prefill_stop_phrase`)."""
+    if stopped_in_prefill(completion):
+        return prefill_stop_phrase(completion)
+    report = completion.report
+    n_prompt = _n_prompt(completion)
     restored = _restored_part(report)
     if restored is None:
         head = f"{_plural(n_prompt, 'prompt token')}, all computed"
@@ -387,7 +412,7 @@ class AnswerView:
         """The request ended: send the final state now."""
         self.refresh(force=True)
         if self.strip is not None:
-            self.strip.close()
+            self.strip.close(answer=self.text)
 
 
 def _progress_phrase(event: Any) -> str:
@@ -515,6 +540,10 @@ class StripFeed:
     def show(self) -> None:
         self._handle = self._display(self.strip, display_id=True)
 
+    def stoppable(self, stop_by: str, stop: Callable[[], Any] | None = None) -> None:
+        """Give the strip its Stop button (see `BlockStrip.stoppable`)."""
+        self.strip.stoppable(stop_by, stop)
+
     def add(self, event: Any) -> None:
         """A `BlockEvent` arrived: fill in its cell."""
         self.strip.add_block(self._block_dicts([event], self.tokens)[0])
@@ -542,7 +571,10 @@ class StripFeed:
     def _block_dicts(self, blocks: Sequence[Any], tokens: Sequence[int] | None) -> list[dict]:
         return block_dicts(blocks, decode=self.decode, tokens=tokens, special=self.special)
 
-    def close(self) -> None:
+    def close(self, *, answer: str = "") -> None:
+        """The answer ended with `answer`: the Stop button goes, Copy comes; the display is
+        sent again (its saved text/html becomes the final picture)."""
+        self.strip.ended(answer)
         if self._handle is not None:
             self._handle.update(self.strip)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.notebook.render import AnswerView
+from mlx_nbengine.notebook.render import AnswerView, prefill_stop_phrase, stopped_in_prefill
 
 if TYPE_CHECKING:
     from mlx_nbengine.notebook.prompting import ChatTurn
@@ -77,6 +77,13 @@ class GenerationInterrupted(KeyboardInterrupt):
 
     def __init__(self, message: str = "generation cancelled; the partial answer is kept above"):
         super().__init__(message)
+
+    @classmethod
+    def of(cls, completion: Any) -> GenerationInterrupted:
+        """The interrupt of the request that ended with `completion` (None: not heard)."""
+        if completion is not None and stopped_in_prefill(completion):
+            return cls(prefill_stop_phrase(completion))
+        return cls()
 
     def _render_traceback_(self) -> list[str]:
         return [f"interrupted: {self}"]

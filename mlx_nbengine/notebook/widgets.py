@@ -7,7 +7,8 @@ shipped as ``mlx_nbengine/notebook/static/``) puts it on the page, patches it in
 when it changes and adds the behaviour: hover, scroll. Terms:
 
 - `BlockStrip`: under every ``%%llm`` answer, one cell per prompt block, filled in as the
-  blocks' sources become known; `previews` are its image blocks' hover thumbnails.
+  blocks' sources become known; `previews` are its image blocks' hover thumbnails;
+  `controls` its answer's Stop and Copy buttons.
 - `BlockMap` (``%%llm --blocks``): one row per block; `details` is its details panel
   per block, shown on hover or click.
 - `StoreView` (``%llm_cache``): the engine's `cache_view()` dict.
@@ -20,7 +21,7 @@ widget state still shows it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import anywidget
@@ -31,6 +32,7 @@ from mlx_nbengine.notebook.pictures import (
     STATIC,
     TALL_ROWS,
     by_index,
+    controls_html,
     image_ids,
     image_label,
     kind_counts,
@@ -127,10 +129,37 @@ class BlockStrip(_Widget):
     images = traitlets.List(traitlets.Dict()).tag(sync=True)
     # Image index (a string) -> the thumbnail shown over its blocks' cells.
     previews = traitlets.Dict().tag(sync=True)
+    # How the Stop button stops the running answer: "interrupt" (the kernel's main thread
+    # follows it, so the front end interrupts the kernel), "message" (a --bg answer: the
+    # widget's message calls the stop given to `stoppable`), "" (not running: no button).
+    stop_by = traitlets.Unicode("").tag(sync=True)
+    # The finished answer's text as the model wrote it, for the Copy button.
+    answer = traitlets.Unicode("").tag(sync=True)
+    # The buttons' live HTML (`controls_html`).
+    controls = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, **kwargs: Any) -> None:
         self._lock = threading.Lock()
+        self._stop: Callable[[], Any] | None = None
         super().__init__(**kwargs)
+        self.on_msg(self._on_msg)
+
+    def stoppable(self, stop_by: str, stop: Callable[[], Any] | None = None) -> None:
+        """Show the Stop button (`stop_by` as in the traitlet); a "stop" message from the
+        front end calls `stop`."""
+        self._stop = stop
+        self.stop_by = stop_by
+
+    def ended(self, answer: str) -> None:
+        """The answer ended with `answer`: no Stop button, a Copy button for its text."""
+        with self.hold_sync():
+            self.stop_by = ""
+            self.answer = answer
+
+    def _on_msg(self, widget: Any, content: Any, buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("action") == "stop":
+            if self.stop_by and self._stop is not None:
+                self._stop()
 
     def _picture(self, *, live: bool) -> str:
         return strip_html(
@@ -152,6 +181,8 @@ class BlockStrip(_Widget):
         "edit",
         "show_edit",
         "images",
+        "stop_by",
+        "answer",
     )
 
     def _redraw(self, change: Any = None) -> None:
@@ -159,6 +190,7 @@ class BlockStrip(_Widget):
             # Equal previews are not sent again: traitlets sync changes only.
             self.previews = previews(self.blocks, self.images)
             self.markup = self._picture(live=True)
+            self.controls = controls_html(stop=bool(self.stop_by), copy=bool(self.answer))
 
     def add_block(self, block: Mapping[str, Any]) -> None:
         """Add (or replace) the block dict with `block["index"]`, keeping index order."""
