@@ -82,7 +82,14 @@ from pathlib import Path
 from mlx_nbengine import _blaslib
 from mlx_nbengine._blaslib import BlasBuildError
 
-__all__ = ["BlasStatus", "blas_status", "blas_step", "blas_threads_for", "ensure_fast_blas"]
+__all__ = [
+    "BlasStatus",
+    "blas_status",
+    "blas_step",
+    "blas_threads_for",
+    "current_threads",
+    "ensure_fast_blas",
+]
 
 _ENV = "MLX_NBENGINE_BLAS"
 
@@ -399,6 +406,16 @@ def _ensure() -> BlasStatus:
         threads=threads,
         verdict=said,
     )
+
+
+def current_threads() -> int:
+    """The BLAS thread count set now (for the step in progress); 1 without OpenBLAS.
+
+    Our own kernels (`mlx_nbengine.kernels`) split their work over the same count.
+    """
+    if _openblas is None:
+        return 1
+    return max(1, int(_openblas.openblas_get_num_threads()))
 
 
 def blas_status() -> BlasStatus | None:

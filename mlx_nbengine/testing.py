@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "make_tiny_gemma4_vlm",
     "make_tiny_gguf",
     "make_tiny_model",
+    "make_tiny_quantized_model",
     "make_tiny_qwen3_5_vlm",
     "make_tiny_tokenizer",
     "make_tiny_vlm",
@@ -282,6 +284,25 @@ def make_tiny_model(
     _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(directory)
+    return directory
+
+
+def make_tiny_quantized_model(
+    family: str,
+    directory: str | Path,
+    *,
+    bits: int = 4,
+    group_size: int = 32,
+    seed: int = 0,
+) -> Path:
+    """A tiny text model of `family` quantized by mlx-lm (MLX's affine format, as the
+    mlx-community checkpoints are), written into `directory` (which must not exist)."""
+    from mlx_lm import convert
+
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = make_tiny_model(family, Path(tmp) / "float32", seed=seed)
+        convert(str(source), str(directory), quantize=True, q_group_size=group_size, q_bits=bits)
     return directory
 
 

@@ -136,7 +136,14 @@ def speed_up(model: Any) -> int:
         if cls not in classes:
             continue
         gate = getattr(module, "gate_proj", None)
-        if not isinstance(gate, nn.Linear) or gate.weight.dtype != mx.float32:
+        # A quantized gate computes in its scales' dtype (float32 after a float32 cast).
+        if isinstance(gate, nn.QuantizedLinear):
+            dtype = gate.scales.dtype
+        elif isinstance(gate, nn.Linear):
+            dtype = gate.weight.dtype
+        else:
+            continue
+        if dtype != mx.float32:
             continue
         fast = _fast_class(cls)
         if fast is None:

@@ -20,6 +20,9 @@ processor); anything else is a text model (mlx-lm, with its tokenizer).
 The *dtype* the floating-point weights are cast to defaults to float32 on a
 CPU device (the CPU has no fast half-precision matmul) and to the stored dtype
 on a GPU.
+
+On the CPU, quantized layers run on our kernels (`mlx_nbengine.kernels`, routed by
+`qroute`).
 """
 
 from __future__ import annotations
@@ -192,10 +195,34 @@ def fingerprint_directory(
     return h.hexdigest()
 
 
-def _default_dtype() -> str | None:
+def _on_cpu() -> bool:
     import mlx.core as mx
 
-    return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _default_dtype() -> str | None:
+    return "float32" if _on_cpu() else None
+
+
+# The default model's weights on the CPU where our kernels run (tests/test_default_q8.py
+# measures what it loses against float32).
+DEFAULT_CPU_BITS = 8
+DEFAULT_CPU_GROUP_SIZE = 64
+
+
+def _route_quantized(model: Any, *, requantize: bool) -> str | None:
+    """Put quantized layers on our CPU kernels; requantize the model first if asked and
+    they run. Returns the variant the fingerprint records, or None."""
+    if not _on_cpu():
+        return None
+    from mlx_nbengine.models import qroute
+
+    if not (requantize or qroute.has_quantized_layers(model)) or not qroute.install():
+        return None
+    if not requantize:
+        return None
+    return qroute.quantize_for_cpu(model, bits=DEFAULT_CPU_BITS, group_size=DEFAULT_CPU_GROUP_SIZE)
 
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -313,12 +340,15 @@ def load(
         model, tokenizer = _load_text(path, config)
         processor = None
 
+    requantize = False
     dtype = dtype or _default_dtype()
     if dtype is not None:
         _cast(model, dtype)
     from mlx_nbengine.models import cpu_math
 
-    variant = cpu_math.VARIANT if cpu_math.speed_up(model) else None
+    variants = [_route_quantized(model, requantize=requantize)]
+    variants.append(cpu_math.VARIANT if cpu_math.speed_up(model) else None)
+    variant = "+".join(v for v in variants if v) or None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -1,0 +1,68 @@
+// The Python face of the kernels: module mlx_nbengine_qmv (built into the cache home).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "qmatvec.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+mnb::Isa parse_isa(const std::string& name) {
+  if (name == "avx512") {
+    return mnb::Isa::avx512;
+  }
+  if (name == "avx2") {
+    return mnb::Isa::avx2;
+  }
+  if (name == "portable") {
+    return mnb::Isa::portable;
+  }
+  throw std::invalid_argument("isa must be avx512, avx2 or portable, not " + name);
+}
+
+const char* isa_name(mnb::Isa isa) {
+  switch (isa) {
+    case mnb::Isa::avx512:
+      return "avx512";
+    case mnb::Isa::avx2:
+      return "avx2";
+    default:
+      return "portable";
+  }
+}
+
+} // namespace
+
+NB_MODULE(mlx_nbengine_qmv, m) {
+  m.doc() = "mlx_nbengine's quantized matrix-vector kernels for MLX's affine layout";
+  m.def(
+      "quantized_matvec",
+      [](const mnb::mx::array& x,
+         const mnb::mx::array& w,
+         const mnb::mx::array& scales,
+         const mnb::mx::array& biases,
+         int group_size,
+         int bits,
+         const std::string& isa,
+         int threads) {
+        return mnb::quantized_matvec(
+            x, w, scales, biases, group_size, bits, parse_isa(isa), threads);
+      },
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "isa"_a,
+      "threads"_a);
+  m.def(
+      "usable_isa",
+      [](const std::string& isa) { return std::string(isa_name(mnb::usable(parse_isa(isa)))); },
+      "isa"_a,
+      "The kernel set that runs for `isa` on this CPU (a lesser one where it lacks `isa`).");
+  m.def("max_rows", [] { return mnb::kMaxRows; });
+}

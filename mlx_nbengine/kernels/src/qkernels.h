@@ -1,0 +1,96 @@
+// Row kernels of the quantized matrix-vector product, one set per instruction set.
+//
+// The weights are MLX's affine layout (what mx.quantize writes): row n of W holds K values
+// packed little-endian into uint32 words (element i of a word at bits [i*bits, (i+1)*bits)),
+// and group g of a row dequantizes as scale[n, g] * q + bias[n, g].
+
+#pragma once
+
+#include <cstdint>
+
+namespace mnb {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+enum class Isa : int { portable = 0, avx2 = 1, avx512 = 2 };
+
+struct QJob {
+  const float* x; // M x K, row-major
+  const uint8_t* w; // N rows of K * bits / 8 bytes
+  const void* scales; // N x K / group
+  const void* biases; // N x K / group
+  float* out; // M x N, row-major
+  int M, K, N, group, bits;
+  ScaleType scale_type;
+};
+
+// Computes out[:, n0:n1]. The *_rows functions give nullptr where a set has no kernel for
+// the job (or was not built: avx2/avx512 off x86-64).
+using RowsFn = void (*)(const QJob& job, int n0, int n1);
+
+RowsFn portable_rows(const QJob& job);
+RowsFn avx2_rows(const QJob& job);
+RowsFn avx512_rows(const QJob& job);
+
+bool cpu_has_avx2();
+bool cpu_has_avx512();
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else { // subnormal: normalize
+      int e = -1;
+      do {
+        mant <<= 1;
+        ++e;
+      } while ((mant & 0x400) == 0);
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (mant & 0x3FF) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000 | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Groups a row may have: each row's scales and biases are widened into a stack buffer.
+constexpr int kMaxGroups = 4096;
+
+inline float scale_at(const void* p, ScaleType t, int64_t i) {
+  switch (t) {
+    case ScaleType::f32:
+      return static_cast<const float*>(p)[i];
+    case ScaleType::f16:
+      return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: {
+      uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      __builtin_memcpy(&f, &bits, 4);
+      return f;
+    }
+  }
+}
+
+} // namespace mnb
+
+namespace mnb {
+
+// Row n's scales and biases as float32.
+inline void widen_row(const QJob& job, int n, float* s, float* b) {
+  const int G = job.K / job.group;
+  const int64_t base = int64_t(n) * G;
+  for (int g = 0; g < G; ++g) {
+    s[g] = scale_at(job.scales, job.scale_type, base + g);
+    b[g] = scale_at(job.biases, job.scale_type, base + g);
+  }
+}
+
+} // namespace mnb

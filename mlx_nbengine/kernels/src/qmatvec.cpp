@@ -1,0 +1,238 @@
+#include "qmatvec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mnb {
+
+namespace {
+
+// Workers that split one product's output columns. A call wakes them, does its own share
+// and waits for the rest; between calls they spin briefly (decode calls come back to back)
+// and then sleep.
+class Pool {
+ public:
+  void run(int threads, const QJob& job, RowsFn fn) {
+    const int N = job.N;
+    // Chunks several times more than threads: a thread slowed by other load takes fewer.
+    const int chunk = std::max(16, (N + threads * 8 - 1) / (threads * 8));
+    if (threads <= 1 || N <= chunk) {
+      fn(job, 0, N);
+      return;
+    }
+    std::lock_guard<std::mutex> one_call(call_);
+    ensure(threads - 1);
+    {
+      // Workers read the call's fields under this lock, with the epoch that announces them.
+      std::lock_guard<std::mutex> lock(m_);
+      job_ = &job;
+      fn_ = fn;
+      chunk_ = chunk;
+      next_.store(0, std::memory_order_relaxed);
+      helpers_ = threads - 1;
+      pending_.store(threads - 1, std::memory_order_relaxed);
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    work();
+    while (pending_.load(std::memory_order_acquire) != 0) {
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  void ensure(int helpers) {
+    while (int(workers_.size()) < helpers) {
+      const int index = int(workers_.size());
+      const uint64_t seen = epoch_.load(std::memory_order_acquire);
+      workers_.emplace_back([this, index, seen] { loop(index, seen); });
+      workers_.back().detach(); // lives as long as the process
+    }
+  }
+
+  void work() {
+    const int N = job_->N;
+    for (;;) {
+      const int n0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (n0 >= N) {
+        return;
+      }
+      fn_(*job_, n0, std::min(N, n0 + chunk_));
+    }
+  }
+
+  void loop(int index, uint64_t seen) {
+    for (;;) {
+      for (int spin = 0; spin < 20000; ++spin) {
+        if (epoch_.load(std::memory_order_acquire) != seen) {
+          break;
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      bool mine;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        seen = epoch_.load(std::memory_order_acquire);
+        mine = index < helpers_;
+      }
+      if (mine) {
+        work();
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  std::mutex call_;
+  std::mutex m_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> next_{0};
+  std::atomic<int> pending_{0};
+  const QJob* job_ = nullptr;
+  RowsFn fn_ = nullptr;
+  int chunk_ = 16;
+  int helpers_ = 0;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool(); // never destroyed: its threads outlive static destructors
+  return *p;
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) {
+    return ScaleType::f32;
+  }
+  if (t == mx::float16) {
+    return ScaleType::f16;
+  }
+  if (t == mx::bfloat16) {
+    return ScaleType::bf16;
+  }
+  throw std::invalid_argument("quantized_matvec: scales must be float32, float16 or bfloat16");
+}
+
+RowsFn rows_for(Isa isa, const QJob& job) {
+  RowsFn fn = nullptr;
+  if (isa == Isa::avx512) {
+    fn = avx512_rows(job);
+  }
+  if (fn == nullptr && isa != Isa::portable) {
+    fn = avx2_rows(job);
+  }
+  return fn != nullptr ? fn : portable_rows(job);
+}
+
+mx::array contiguous_input(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) {
+    return a;
+  }
+  return mx::contiguous(a, false, s);
+}
+
+} // namespace
+
+Isa usable(Isa isa) {
+  if (isa == Isa::avx512 && !cpu_has_avx512()) {
+    isa = Isa::avx2;
+  }
+  if (isa == Isa::avx2 && !cpu_has_avx2()) {
+    isa = Isa::portable;
+  }
+  return isa;
+}
+
+mx::array quantized_matvec(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    Isa isa,
+    int threads) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("quantized_matvec: w must be a 2-D uint32 array");
+  }
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  if (int64_t(w.shape(1)) * 32 / bits != K || K % group_size != 0 ||
+      scales.shape() != mx::Shape{N, K / group_size} || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("quantized_matvec: x, w, scales and biases do not fit together");
+  }
+  scale_type(scales.dtype());
+  const int M = int(x.size() / K);
+  if (M < 1 || M > kMaxRows) {
+    throw std::invalid_argument("quantized_matvec: x must have 1 to 8 rows");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto x2 = mx::contiguous(mx::reshape(mx::astype(x, mx::float32, s), {M, K}, s), false, s);
+  auto out = mx::array(
+      {M, N},
+      mx::float32,
+      std::make_shared<QuantizedMatVec>(s, group_size, bits, usable(isa), std::max(1, threads)),
+      {x2, contiguous_input(w, s), contiguous_input(scales, s), contiguous_input(biases, s)});
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::astype(mx::reshape(out, shape, s), x.dtype(), s);
+}
+
+void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  QJob job{
+      x.data<float>(),
+      w.data<uint8_t>(),
+      scales.data<void>(),
+      biases.data<void>(),
+      out.data<float>(),
+      x.shape(0),
+      x.shape(1),
+      w.shape(0),
+      group_size_,
+      bits_,
+      scale_type(scales.dtype())};
+  RowsFn fn = rows_for(isa_, job);
+  if (fn == nullptr) {
+    throw std::runtime_error("quantized_matvec: no kernel for this shape");
+  }
+  // Weights of a small matrix are read faster than threads wake.
+  const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
+  const int threads = bytes < (int64_t(1) << 18) ? 1 : threads_;
+  encoder.dispatch([job, fn, threads]() { pool().run(threads, job, fn); });
+}
+
+void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("quantized_matvec runs on the CPU only");
+}
+
+bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatVec&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_ &&
+      threads_ == o.threads_;
+}
+
+} // namespace mnb

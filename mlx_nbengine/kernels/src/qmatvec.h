@@ -1,0 +1,56 @@
+// QuantizedMatVec: x (M x K, M <= 8) times the transpose of an MLX affine-quantized W (N x K),
+// as an MLX primitive on the CPU device.
+
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "qkernels.h"
+
+namespace mnb {
+
+namespace mx = mlx::core;
+
+constexpr int kMaxRows = 8;
+
+// x @ dequantize(w, scales, biases).T for x of any leading shape with at most kMaxRows rows
+// in all; the result has x's dtype. `threads` splits the output columns.
+mx::array quantized_matvec(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    Isa isa,
+    int threads);
+
+class QuantizedMatVec : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits, Isa isa, int threads)
+      : mx::UnaryPrimitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        isa_(isa),
+        threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "MnbQuantizedMatVec";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+  Isa isa_;
+  int threads_;
+};
+
+// The kernel set `isa` asks for, or the portable one where this CPU lacks it.
+Isa usable(Isa isa);
+
+} // namespace mnb

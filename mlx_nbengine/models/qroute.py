@@ -1,0 +1,179 @@
+"""Route MLX's quantized layers to our kernels on the CPU: the one module that patches them.
+
+`install` replaces two methods of mlx.nn's quantized layers, for every model in the process:
+
+- ``QuantizedLinear.__call__``: every projection of an MLX-quantized model;
+- ``QuantizedEmbedding.as_linear``: the output head of a model whose head is tied to its
+  quantized embedding (Gemma's).
+
+A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
+32, 64 or 128) with at most `kernels.MAX_ROWS` rows of input on the CPU device: a decode
+step. Prefill (more rows) dequantizes the weights into float32 and multiplies on the BLAS,
+about ten times faster on the CPU than ``mx.quantized_matmul``; anything else (other modes,
+the GPU) calls the library's own method. Both methods are patched only while their source is
+the expression we restate (`EXPECTED_SOURCE`), so an MLX that changes them keeps its own and
+one line says so; tests/test_qkernels.py fails loudly on such an MLX.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_nbengine import kernels
+
+__all__ = [
+    "EXPECTED_SOURCE",
+    "has_quantized_layers",
+    "install",
+    "installed",
+    "matches_library",
+    "quantize_for_cpu",
+    "routed_matmul",
+    "uninstall",
+]
+
+_QUANTIZED_MATMUL = """\
+mx.quantized_matmul(
+    x,
+    self["weight"],
+    scales=self["scales"],
+    biases=self.get("biases"),
+    transpose=True,
+    group_size=self.group_size,
+    bits=self.bits,
+    mode=self.mode,
+)"""
+
+# The library's bodies we restate, as `inspect.getsource` gives them (dedented, no docstring).
+EXPECTED_SOURCE = {
+    (nn.QuantizedLinear, "__call__"): (
+        "x = " + _QUANTIZED_MATMUL + '\nif "bias" in self:\n    x = x + self["bias"]\nreturn x'
+    ),
+    (nn.QuantizedEmbedding, "as_linear"): "return " + _QUANTIZED_MATMUL,
+}
+
+_originals: dict[tuple[type, str], Any] = {}
+
+
+def _body(function: Any) -> str:
+    """A method's body without its signature and docstring, dedented, blank lines dropped."""
+    lines = textwrap.dedent(inspect.getsource(function)).splitlines()[1:]
+    body = textwrap.dedent("\n".join(lines)).strip()
+    doc = inspect.getdoc(function)
+    if doc is not None and body.startswith(('"""', "'''")):
+        body = body[body.index('"""', 3) + 3 :].strip()
+    return "\n".join(line for line in body.splitlines() if line.strip())
+
+
+def matches_library(cls: type, name: str) -> bool:
+    """Whether the library's method is still the one `EXPECTED_SOURCE` restates."""
+    original = _originals.get((cls, name), getattr(cls, name))
+    return _body(original) == EXPECTED_SOURCE[(cls, name)]
+
+
+def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
+    """``x @ W.T`` of a quantized layer on our kernels or dequantized on the BLAS; None where
+    the layer's own method should run (see the module docstring)."""
+    if (
+        layer.mode != "affine"
+        or "biases" not in layer
+        or not kernels.supports(bits=layer.bits, group_size=layer.group_size)
+        or mx.default_device() != mx.cpu
+    ):
+        return None
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if 1 <= rows <= kernels.MAX_ROWS:
+        return kernels.quantized_matmul(
+            x, w, scales, biases, group_size=layer.group_size, bits=layer.bits
+        )
+    dense = mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits)
+    return x @ dense.T.astype(x.dtype)
+
+
+def _linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
+    y = routed_matmul(self, x)
+    if y is None:
+        return _originals[(nn.QuantizedLinear, "__call__")](self, x)
+    if "bias" in self:
+        y = y + self["bias"]
+    return y
+
+
+def _embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    y = routed_matmul(self, x)
+    if y is None:
+        return _originals[(nn.QuantizedEmbedding, "as_linear")](self, x)
+    return y
+
+
+_REPLACEMENTS = {
+    # Decode steps of every quantized projection: MLX's CPU kernel is scalar on x86.
+    (nn.QuantizedLinear, "__call__"): _linear_call,
+    # The tied output head of a quantized embedding: the largest matrix of a small model.
+    (nn.QuantizedEmbedding, "as_linear"): _embedding_as_linear,
+}
+
+
+def installed() -> bool:
+    """Whether the quantized layers route to our kernels in this process."""
+    return bool(_originals)
+
+
+def install() -> bool:
+    """Route the quantized layers to our kernels (once) where they are active; never raises.
+
+    Returns whether they are routed.
+    """
+    if _originals:
+        return True
+    if not kernels.status().active:
+        return False
+    changed = [key for key in _REPLACEMENTS if not matches_library(*key)]
+    if changed:
+        names = ", ".join(f"{cls.__name__}.{name}" for cls, name in changed)
+        print(
+            f"mlx_nbengine: quantized kernels not used: this MLX changed {names}",
+            file=sys.stderr,
+        )
+        return False
+    for (cls, name), replacement in _REPLACEMENTS.items():
+        _originals[(cls, name)] = getattr(cls, name)
+        setattr(cls, name, replacement)
+    return True
+
+
+def uninstall() -> None:
+    """Give the quantized layers their library methods back (tests compare both ways)."""
+    for (cls, name), original in _originals.items():
+        setattr(cls, name, original)
+    _originals.clear()
+
+
+def has_quantized_layers(model: Any) -> bool:
+    return any(
+        isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for _, m in model.named_modules()
+    )
+
+
+def quantize_for_cpu(model: Any, *, bits: int, group_size: int) -> str:
+    """Quantize `model`'s linear and embedding layers in place for our kernels; return the
+    variant name the fingerprint records (e.g. ``q8g64``)."""
+
+    def fits(_: str, module: Any) -> bool:
+        weight = getattr(module, "weight", None)
+        return (
+            isinstance(module, nn.Linear | nn.Embedding)
+            and weight is not None
+            and weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=fits)
+    mx.eval(model.parameters())
+    return f"q{bits}g{group_size}"

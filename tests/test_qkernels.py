@@ -1,0 +1,228 @@
+"""Our quantized matrix-vector kernels (`mlx_nbengine.kernels`) and their routing (`qroute`).
+
+Every kernel is checked against ``mx.dequantize`` + matmul in float32 within
+`tolerance`: the float32 rounding bound of a K-term dot product, 4 K eps times the sum of
+the terms' magnitudes (the kernels widen the packed weights to float32 and keep the
+activations float32, so they differ from MLX only in summation order). Vectorized sets this
+CPU lacks are skipped; the portable set always runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_nbengine import kernels
+from mlx_nbengine.models import load, qroute
+from mlx_nbengine.models.loader import fingerprint_directory
+from mlx_nbengine.testing import make_tiny_quantized_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ISAS = ("avx512", "avx2", "portable")
+EPS32 = float(np.finfo(np.float32).eps)
+
+pytestmark = pytest.mark.skipif(
+    not kernels.status().active, reason=f"kernels not active: {kernels.status().reason}"
+)
+
+
+def isa_or_skip(isa: str) -> str:
+    if kernels.usable_isa(isa) != isa:
+        pytest.skip(f"this CPU has no {isa}")
+    return isa
+
+
+def quantized(n: int, k: int, *, bits: int, group_size: int, seed: int = 0, dtype=mx.float32):
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(dtype)
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+def reference(x, q, s, b, *, bits: int, group_size: int):
+    # Scales widened first: the kernels dequantize in float32 whatever the scales' dtype.
+    s, b = s.astype(mx.float32), b.astype(mx.float32)
+    dense = mx.dequantize(q, s, b, group_size=group_size, bits=bits)
+    x32 = x.astype(mx.float32)
+    return x32 @ dense.T, mx.abs(x32) @ mx.abs(dense).T
+
+
+def tolerance(magnitudes: mx.array, k: int) -> mx.array:
+    return 4 * k * EPS32 * magnitudes + 1e-6
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_matches_dequantize_then_matmul(isa, rows, group_size, bits):
+    isa_or_skip(isa)
+    # N odd; K three groups, not a multiple of the widest vector step (4 x 16 floats).
+    n, k = 77, 3 * group_size
+    q, s, b = quantized(n, k, bits=bits, group_size=group_size)
+    x = mx.random.normal((rows, k), key=mx.random.key(1))
+    got = kernels.quantized_matmul(x, q, s, b, group_size=group_size, bits=bits, isa=isa)
+    want, magnitudes = reference(x, q, s, b, bits=bits, group_size=group_size)
+    assert got.shape == (rows, n) and got.dtype == mx.float32
+    assert mx.all(mx.abs(got - want) <= tolerance(magnitudes, k)).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_split_the_columns_without_changing_the_result(isa):
+    isa_or_skip(isa)
+    q, s, b = quantized(1031, 512, bits=8, group_size=64)  # big enough to be split
+    x = mx.random.normal((2, 512), key=mx.random.key(2))
+    one = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa, threads=1)
+    two = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa, threads=2)
+    assert mx.array_equal(one, two).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_precision_scales_and_inputs(isa, dtype):
+    isa_or_skip(isa)
+    q, s, b = quantized(65, 128, bits=4, group_size=64, dtype=dtype)
+    assert s.dtype == dtype
+    x = mx.random.normal((3, 128), key=mx.random.key(3)).astype(dtype)
+    got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=4, isa=isa)
+    want, magnitudes = reference(x, q, s, b, bits=4, group_size=64)
+    assert got.dtype == dtype
+    # The result is rounded to the half type at the end.
+    half_eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
+    bound = tolerance(magnitudes, 128) + half_eps * mx.abs(want)
+    assert mx.all(mx.abs(got.astype(mx.float32) - want) <= bound).item()
+
+
+def test_leading_dimensions_are_kept():
+    q, s, b = quantized(33, 64, bits=8, group_size=32)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(4))
+    got = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8)
+    want, _ = reference(x.reshape(6, 64), q, s, b, bits=8, group_size=32)
+    assert got.shape == (2, 3, 33)
+    assert mx.allclose(got.reshape(6, 33), want, atol=1e-4).item()
+
+
+def test_more_rows_than_the_kernels_take_is_refused():
+    q, s, b = quantized(16, 64, bits=8, group_size=64)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        kernels.quantized_matmul(mx.zeros((9, 64)), q, s, b, group_size=64, bits=8)
+
+
+def test_the_patched_library_methods_are_what_we_restate():
+    # Fails when an MLX update changes QuantizedLinear.__call__ or QuantizedEmbedding.as_linear:
+    # then read the new methods and update qroute's EXPECTED_SOURCE and replacements.
+    for cls, name in qroute.EXPECTED_SOURCE:
+        assert qroute.matches_library(cls, name), f"mlx changed {cls.__name__}.{name}"
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> Path:
+    return make_tiny_quantized_model(
+        "gemma3_text", tmp_path_factory.mktemp("q") / "tiny-q4", bits=4, group_size=32
+    )
+
+
+def greedy(lm, prompt: list[int], *, rows: int, steps: int) -> list[list[int]]:
+    cache = lm.make_cache()
+    token = mx.argmax(lm.model(mx.array([prompt] * rows), cache=cache)[:, -1:, :], axis=-1)
+    out = [token]
+    for _ in range(steps - 1):
+        token = mx.argmax(lm.model(token, cache=cache)[:, -1:, :], axis=-1)
+        out.append(token)
+    return mx.concatenate(out, axis=1).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_quantized_model_decodes_the_same_tokens_with_and_without_the_kernels(tiny_q4, rows):
+    lm = load(tiny_q4)
+    assert qroute.installed()
+    prompt = lm.tokenizer.encode("The Eiffel Tower is located in the city of")
+    with_kernels = greedy(lm, prompt, rows=rows, steps=24)
+    qroute.uninstall()
+    try:
+        without = greedy(lm, prompt, rows=rows, steps=24)
+    finally:
+        qroute.install()
+    assert with_kernels == without
+
+
+def test_a_routed_layer_computes_on_the_kernels(tiny_q4):
+    lm = load(tiny_q4)
+    layer = next(m for _, m in lm.model.named_modules() if isinstance(m, nn.QuantizedLinear))
+    x = mx.random.normal((1, layer.weight.shape[1] * 32 // layer.bits), key=mx.random.key(5))
+    direct = kernels.quantized_matmul(
+        x, layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits
+    )
+    if "bias" in layer:
+        direct = direct + layer.bias
+    assert mx.array_equal(layer(x), direct).item()
+
+
+def test_fingerprints_of_variants_differ(tiny_q4):
+    plain = fingerprint_directory(tiny_q4, dtype="float32")
+    assert plain != fingerprint_directory(tiny_q4, dtype="float32", variant="q8g64")
+
+
+def _status_in_child(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = (
+        "import mlx_nbengine\n"
+        "from mlx_nbengine import kernels\n"
+        "s = kernels.status()\n"
+        "print(s.active, s.isa)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_the_switch_forces_a_kernel_set(isa):
+    isa_or_skip(isa)
+    done = _status_in_child({kernels.MODE_ENV: isa})
+    assert done.stdout.split() == ["True", isa]
+
+
+def test_the_switch_turns_the_kernels_off():
+    done = _status_in_child({kernels.MODE_ENV: "off"})
+    assert done.stdout.split() == ["False", "None"]
+    assert done.stderr == ""
+
+
+def test_a_failed_build_says_one_line_and_models_run_as_before(tmp_path, tiny_q4):
+    code = (
+        "import mlx_nbengine\n"
+        "import mlx.core as mx\n"
+        "from mlx_nbengine import kernels\n"
+        "from mlx_nbengine.models import load, qroute\n"
+        f"lm = load({str(tiny_q4)!r})\n"
+        "logits = lm.model(mx.array([[1, 2, 3]]))\n"
+        "mx.eval(logits)\n"
+        "print(kernels.status().active, qroute.installed(), logits.shape[-1])\n"
+    )
+    env = {**os.environ, "CXX": "false", "MLX_NBENGINE_HOME": str(tmp_path / "home")}
+    env.pop(kernels.MODE_ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+    assert done.stdout.split() == ["False", "False", "512"]
+    said = [line for line in done.stderr.splitlines() if "quantized kernels" in line]
+    assert len(said) == 1 and "not used" in said[0]
