@@ -73,6 +73,8 @@ class LabRun:
     first: Step
     rerun: Step
     store_figures: dict[str, str] = field(default_factory=dict)
+    # The same store view's figures after the stopped answers below it ended.
+    store_figures_later: dict[str, str] = field(default_factory=dict)
     store: Step | None = None
     screenshots: dict[str, Path] = field(default_factory=dict)
     console_errors: list[str] = field(default_factory=list)
@@ -183,6 +185,11 @@ def start_cell(page, index: int) -> None:
     page.keyboard.press("Shift+Enter")
 
 
+# The store view's figures in cell `index`: data-name -> the number shown.
+STORE_FIGURES = """(index) => Object.fromEntries([...document.querySelectorAll(
+  '.jp-Notebook .jp-Cell')[index].querySelectorAll('.mnb-store .mnb-figure')].map(
+  f => [f.dataset.name, f.querySelector('.mnb-value').textContent.trim()]))"""
+
 ANSWER_STATE = """(index) => {
   const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
   const status = cell.querySelector('.mnb-answer .mnb-status');
@@ -212,6 +219,7 @@ def stop_answer(page, index: int) -> dict:
         "&& s.buttons.includes('copy'); }",
         arg=index,
     )
+    wait_kernel_idle(page)  # a foreground cell ends after its answer: its error line comes
     return {"before": before, "after": page.evaluate(ANSWER_STATE, index)}
 
 
@@ -336,12 +344,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     page.wait_for_selector(
                         ".jp-Notebook .jp-Cell >> nth=2 >> .mnb-store", timeout=WAIT_MS
                     )
-                    store_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
-                    figures = store_cell.evaluate(
-                        """(cell) => Object.fromEntries([...cell.querySelectorAll(
-                             '.mnb-store .mnb-figure')].map(f => [f.dataset.name,
-                             f.querySelector('.mnb-value').textContent.trim()]))"""
-                    )
+                    figures = page.evaluate(STORE_FIGURES, 2)
                     store = read_cell(page, 2)
 
                     type_lines(page, 3)
@@ -358,9 +361,14 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     copied = copy_answer(page, 5)
                     start_cell(page, 6)  # a foreground answer: the cell stays busy
                     stopped_fg = stop_answer(page, 6)
-                    wait_kernel_idle(page)
                     run_cell(page, 7)
                     job = output_text(page, 7)
+                    # The store view shown before these answers counts them now.
+                    page.wait_for_function(
+                        f"([i, n]) => ({STORE_FIGURES})(i).requests !== n",
+                        arg=[2, figures["requests"]],
+                    )
+                    figures_later = page.evaluate(STORE_FIGURES, 2)
 
                     # Let the answer's last update and the widgets settle before pictures.
                     page.wait_for_timeout(500)
@@ -387,6 +395,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         first=first,
         rerun=rerun,
         store_figures=figures,
+        store_figures_later=figures_later,
         store=store,
         screenshots=shots,
         console_errors=console_errors,
@@ -501,6 +510,15 @@ def test_a_stop_button_stops_a_foreground_answer_as_an_interrupt_does(lab_run):
 
 def test_the_copy_button_copies_the_answer_as_written(lab_run):
     assert lab_run.copied["clipboard"] == lab_run.copied["shown"] != ""
+
+
+def test_the_store_view_updates_after_later_requests(lab_run):
+    def count(figures: dict[str, str], name: str) -> int:
+        return int(figures[name].replace(",", ""))
+
+    before, later = lab_run.store_figures, lab_run.store_figures_later
+    assert count(later, "requests") > count(before, "requests"), (before, later)
+    assert count(later, "blocks_computed") > count(before, "blocks_computed")
 
 
 def test_screenshots_are_saved_in_light_and_dark(lab_run):
