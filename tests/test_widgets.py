@@ -219,6 +219,31 @@ def store_view(**extra) -> dict:
 # --- blockinfo ------------------------------------------------------------------------------
 
 
+def test_an_image_run_reads_as_its_picture_label_in_the_blocks_words():
+    from mlx_nbengine.engine.events import BlockEvent
+
+    # Ids 1-4 are words, 9 is the image placeholder; picture 1 spans tokens 2:1026.
+    tokens = [1, 2] + [9] * 1024 + [3, 4]
+    words = {1: "Describe", 2: "this", 3: "in", 4: "words", 9: "<|image_pad|>"}
+
+    def decode(ids):
+        return " ".join(words[i] for i in ids)
+
+    def block(start, end):
+        event = BlockEvent(index=0, start=start, end=end, source="computed", seconds=0.0,
+                           reason="new")  # fmt: skip
+        return block_dict(event, decode=decode, tokens=tokens, spans=[(2, 1026)])
+
+    whole = block(0, len(tokens))
+    assert (whole["head"], whole["last"]) == (
+        "Describe this [picture 1: 1,024 image tokens]",
+        "in words",
+    )
+    inside = block(512, 768)
+    assert (inside["head"], inside["last"]) == ("[picture 1: 1,024 image tokens]", "")
+    assert "image_pad" not in str(block(0, 300))
+
+
 def test_block_dict_reads_an_engine_block_event():
     from mlx_nbengine.engine.events import BlockEvent
 

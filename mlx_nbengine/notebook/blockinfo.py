@@ -18,8 +18,10 @@ Terms:
   *partly restored* block, a computed block whose first tokens were restored (a
   token-exact restore ended inside it, at an edit or before the tail). `head` and `last`
   are the first and last words of the block's text (``""`` when no tokenizer is at
-  hand). `images` are the 0-based indices of the request's images whose tokens overlap
-  the block (``[]`` for a text block, and from engines without images).
+  hand); an image's run of tokens reads as one *picture label* there,
+  ``[picture 1: 1,024 image tokens]``, never as its placeholder tokens. `images` are the
+  0-based indices of the request's images whose tokens overlap the block (``[]`` for a
+  text block, and from engines without images).
 - *special tokens* (`special`): token ids the caller marks special (a tokenizer's
   ``all_special_ids``: ``<bos>``, ``<|im_start|>``...). They are dropped before decoding,
   so the words shown are the prompt's text, never its chat template's markers, whatever
@@ -47,7 +49,9 @@ __all__ = [
     "edit_dict",
     "first_words",
     "image_dicts",
+    "image_spans",
     "last_words",
+    "picture_label",
     "report_edit",
 ]
 
@@ -106,13 +110,50 @@ def _decode(
         return ""
 
 
-def _head_last(text: str) -> tuple[str, str]:
-    words = _clean(text).split()
+def picture_label(index: int, n_tokens: int) -> str:
+    """How a block's words show the run of image `index` (0-based): "[picture 1: 64 image
+    tokens]"."""
+    return f"[picture {index + 1}: {n_tokens:,} image token{'' if n_tokens == 1 else 's'}]"
+
+
+# A word of a block's text; `whole` for a picture label (never split or cut).
+Word = tuple[str, bool]
+
+
+def _words(
+    decode: Decode | None,
+    tokens: Sequence[int] | None,
+    start: int,
+    end: int,
+    special: frozenset[int],
+    spans: Sequence[tuple[int, int]],
+) -> list[Word]:
+    """The words of tokens ``start:end``, each image's run (`spans`) as its picture label."""
+    if decode is None or tokens is None:
+        return []
+    runs = sorted((s, e, i) for i, (s, e) in enumerate(spans) if s < end and e > start)
+    words: list[Word] = []
+    pos = start
+    for s, e, i in runs:
+        words += [(w, False) for w in _clean(_decode(decode, tokens, pos, s, special)).split()]
+        words.append((picture_label(i, e - s), True))
+        pos = max(pos, e)
+    words += [(w, False) for w in _clean(_decode(decode, tokens, pos, end, special)).split()]
+    return words
+
+
+def _join(words: list[Word], *, from_end: bool = False) -> str:
+    if len(words) == 1 and not words[0][1]:
+        return _cut(words[0][0], from_end=from_end)
+    return " ".join(w for w, _ in words)
+
+
+def _head_last(words: list[Word]) -> tuple[str, str]:
     if len(words) <= 2 * WORDS:
         # Short block: its head shows all of it, so the last words would repeat it.
         half = (len(words) + 1) // 2
-        return first_words(text, half), last_words(text, len(words) - half)
-    return first_words(text), last_words(text)
+        return _join(words[:half]), _join(words[half:], from_end=True)
+    return _join(words[:WORDS]), _join(words[-WORDS:], from_end=True)
 
 
 def block_dict(
@@ -121,13 +162,15 @@ def block_dict(
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
     special: Collection[int] = frozenset(),
+    spans: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """The block dict of an engine `BlockEvent` or `BlockReport`.
 
     `tokens` are the prompt's token ids and `decode` turns ids into text (the tokenizer's
     ``decode``); with both, `head`/`last` hold the block's first and last words (without
-    the `special` token ids), and a computed block ending at the prompt's end counts as
-    the tail even when the engine names no reason.
+    the `special` token ids; the tokens of image *i*, ``spans[i]`` = (start, end), as its
+    picture label), and a computed block ending at the prompt's end counts as the tail
+    even when the engine names no reason.
     """
     block = event_or_report
     start, end = int(block.start), int(block.end)
@@ -147,7 +190,7 @@ def block_dict(
     restored = min(length, max(0, int(restored or 0)))
     is_last = tokens is not None and end >= len(tokens)
     kind = "tail" if source == "computed" and (reason == "tail" or is_last) else source
-    head, last = _head_last(_decode(decode, tokens, start, end, frozenset(special)))
+    head, last = _head_last(_words(decode, tokens, start, end, frozenset(special), spans))
     return {
         "index": int(block.index),
         "start": start,
@@ -170,11 +213,19 @@ def block_dicts(
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
     special: Collection[int] = frozenset(),
+    spans: Sequence[tuple[int, int]] = (),
 ) -> list[dict[str, Any]]:
     """`block_dict` of each block (e.g. ``report.blocks``), in index order."""
     special = frozenset(special)
-    out = [block_dict(b, decode=decode, tokens=tokens, special=special) for b in blocks]
+    out = [
+        block_dict(b, decode=decode, tokens=tokens, special=special, spans=spans) for b in blocks
+    ]
     return sorted(out, key=lambda b: b["index"])
+
+
+def image_spans(report: Any) -> list[tuple[int, int]]:
+    """(start, end) of each image's tokens in a finished report (its `images` spans)."""
+    return [(int(s.start), int(s.end)) for s in getattr(report, "images", None) or ()]
 
 
 # Longest side of the thumbnails the widgets show on an image block.

@@ -60,7 +60,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from mlx_nbengine import _blas
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts, image_spans
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.notebook.livestore import LiveStores
 from mlx_nbengine.notebook.prompting import (
@@ -737,7 +737,13 @@ class LLMMagics(Magics):
         decode, special = _decoder(engine), _special_ids(engine)
         edit_at = getattr(report, "edit_at", None)
         block_map = widgets.BlockMap(
-            blocks=block_dicts(report.blocks, decode=decode, tokens=tokens, special=special),
+            blocks=block_dicts(
+                report.blocks,
+                decode=decode,
+                tokens=tokens,
+                special=special,
+                spans=image_spans(report),
+            ),
             edit=(
                 None
                 if edit_at is None

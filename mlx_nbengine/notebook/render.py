@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_spans
 from mlx_nbengine.notebook.words import format_bytes, kept_boundary_phrase
 from mlx_nbengine.notebook.words import plural as _plural
 
@@ -555,7 +555,8 @@ class StripFeed:
             tokens = self.tokens
         report = completion.report
         if report.blocks:
-            self.strip.add_blocks(self._block_dicts(report.blocks, tokens))
+            spans = image_spans(report)
+            self.strip.add_blocks(self._block_dicts(report.blocks, tokens, spans=spans))
         position = getattr(report, "edit_at", None)
         if position is not None and tokens is not None:
             self.strip.set_edit(
@@ -568,8 +569,16 @@ class StripFeed:
                 )
             )
 
-    def _block_dicts(self, blocks: Sequence[Any], tokens: Sequence[int] | None) -> list[dict]:
-        return block_dicts(blocks, decode=self.decode, tokens=tokens, special=self.special)
+    def _block_dicts(
+        self,
+        blocks: Sequence[Any],
+        tokens: Sequence[int] | None,
+        *,
+        spans: Sequence[tuple[int, int]] = (),
+    ) -> list[dict]:
+        return block_dicts(
+            blocks, decode=self.decode, tokens=tokens, special=self.special, spans=spans
+        )
 
     def close(self, *, answer: str = "") -> None:
         """The answer ended with `answer`: the Stop button goes, Copy comes; the display is
