@@ -349,14 +349,14 @@ def test_cache_view_without_a_store_is_off_and_empty(engine_factory):
 # --- the follower index ----------------------------------------------------------------------
 
 
-def test_closest_follower_shares_the_longest_common_prefix():
+def test_ranked_followers_share_the_longest_common_prefix_first():
     index = FollowerIndex()
     index.add("a", ROOT, [2, 10, 11, 12])
     index.add("b", ROOT, [2, 10, 20, 21])
     index.add("c", "a", [30, 31, 32, 33])
-    assert index.closest(ROOT, [2, 10, 11, 99]) == ("a", 3)
-    assert index.closest("a", [30, 31]) == ("c", 2)
-    assert index.closest("b", [1, 2]) is None
+    assert index.ranked(ROOT, [2, 10, 11, 99]) == [("a", 3, 4), ("b", 2, 4)]
+    assert index.ranked("a", [30, 31]) == [("c", 2, 4)]
+    assert index.ranked("b", [1, 2]) == []
     assert "a" in index and index.tokens("b") == [2, 10, 20, 21]
 
 

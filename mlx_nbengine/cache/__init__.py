@@ -23,7 +23,6 @@ from mlx_nbengine.cache.kinds import (
     layer_windows,
 )
 from mlx_nbengine.cache.planner import (
-    BOUNDARY_REASONS,
     Cut,
     PrefixCache,
     RestorePlan,
@@ -40,7 +39,6 @@ from mlx_nbengine.cache.records import (
 )
 
 __all__ = [
-    "BOUNDARY_REASONS",
     "KINDS",
     "RECORD_FORMAT",
     "ROOT",

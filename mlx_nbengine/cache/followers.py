@@ -107,12 +107,6 @@ class FollowerIndex:
         out.sort(key=lambda item: -item[1])  # stable: recency order kept on ties
         return out
 
-    def closest(self, parent: str, tokens: Sequence[int]) -> tuple[str, int] | None:
-        """The follower of `parent` sharing the longest common prefix with `tokens`, and
-        that length (the most recent one on a tie); None when `parent` has none."""
-        ranked = self.ranked(parent, tokens)
-        return (ranked[0][0], ranked[0][1]) if ranked else None
-
 
 def _ids(packed: bytes) -> np.ndarray:
     return np.frombuffer(packed, dtype=np.int64)

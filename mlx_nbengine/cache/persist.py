@@ -73,7 +73,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_nbengine.cache.blobfile import CHECKSUM, BlobFile, CorruptBlobError, Entry, checksum
+from mlx_nbengine.cache.blobfile import CHECKSUM, BlobFile, Entry, checksum
 from mlx_nbengine.errors import CacheError
 
 try:
@@ -822,17 +822,6 @@ class PersistentBlobs:
     def followers(self) -> list[tuple[str, str, bytes]]:
         """``(key, parent, packed ids)`` of the followers known, oldest first."""
         return [(key, parent, ids) for key, (parent, ids) in self._followers.items()]
-
-    def verify(self) -> list[Item]:
-        """Read every record and check its checksum; return the damaged items (not
-        removed: the owner removes them). For tests and repair tools; reads everything."""
-        bad = []
-        for item in list(self._items):
-            try:
-                self.blobs.read(item)
-            except (CorruptBlobError, OSError):
-                bad.append(item)
-        return bad
 
 
 def _item(key: Hashable) -> Item:

@@ -16,7 +16,7 @@ and whose records are held, gives its first ``k`` tokens too, up to ``p = b + k`
 the prompt's last token but one; into block 0 only past half a block or every prompt
 token but the last, as for the hot cache). `load` checks that its records serve the cut
 (`LayerKind.check_cut`) and reads on to the next follower when not. Without a cut the
-plan says why (`RestorePlan.kept_boundary`, one of `BOUNDARY_REASONS`): ``"state"``
+plan says why (`RestorePlan.kept_boundary`, a `KeptBoundary`): ``"state"``
 (recurrent layers resume only where a state was taken: the whole length of a partial
 follower the prompt holds entirely), ``"window"`` (the followers' window records do not
 reach back to ``max(b, p - W)``: blocks decoded one token at a time keep only their last
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from mlx_nbengine.cache.blocks import ImageSpan, block_keys, match_ids
 from mlx_nbengine.cache.facts import BlockFacts, block_facts
@@ -59,9 +59,9 @@ from mlx_nbengine.cache.records import (
     record_to_bytes,
 )
 
-__all__ = ["BOUNDARY_REASONS", "Cut", "PrefixCache", "RestorePlan", "prefill_steps"]
+__all__ = ["Cut", "KeptBoundary", "PrefixCache", "RestorePlan", "prefill_steps"]
 
-BOUNDARY_REASONS = ("state", "window", "block", "evicted")
+KeptBoundary = Literal["state", "window", "block", "evicted"]
 """Why a restore kept to a block boundary although a stored follower shared more tokens."""
 
 
@@ -87,8 +87,8 @@ class RestorePlan:
     the chain takes, in block order. ``limit`` and ``allowed`` are the planner's
     constraints (at most ``limit`` blocks; boundaries where ``allowed[n]`` is
     false are never used), kept so `PrefixCache.load` can fall back to a shorter chain.
-    ``kept_boundary`` says why there is no cut although a follower shared tokens (one of
-    `BOUNDARY_REASONS`), else None. ``spare_cuts`` are the other held followers, best
+    ``kept_boundary`` says why there is no cut although a follower shared tokens (a
+    `KeptBoundary`), else None. ``spare_cuts`` are the other held followers, best
     first, that `load` tries when the cut's records cannot serve it.
     """
 
@@ -99,7 +99,7 @@ class RestorePlan:
     limit: int
     allowed: tuple[bool, ...] = field(repr=False)
     cut: Cut | None = None
-    kept_boundary: str | None = None
+    kept_boundary: KeptBoundary | None = None
     spare_cuts: tuple[Cut, ...] = field(default=(), repr=False)
 
     @property

@@ -107,7 +107,6 @@ class CacheIO:
         self.save_errors = 0
         self._queued_saves: dict[str, tuple] = {}  # key -> (records, parent, tokens)
         self._queued_lock = threading.Lock()
-        self.saves_dropped = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -239,9 +238,6 @@ class CacheIO:
 
         return self.call(job)
 
-    def pending(self) -> int:
-        return self._jobs.qsize()
-
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every job queued so far (saves included) has run."""
         self.call(lambda: None, priority=SAVE + 1).result(timeout)
@@ -282,7 +278,6 @@ class CacheIO:
                 _, _, fn, fut = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            self.saves_dropped += 1
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the cache-I/O thread closed"))
         if self.prefix is not None:

@@ -21,7 +21,7 @@ Every block also carries a *reason*, named here and nowhere else:
 - source disk: the *record kinds* read for the block joined with "+" in the order kv,
   window, state (``"kv"``, ``"kv+window"``, ``"kv+state"``...; ``"none"`` when none
   was read for it, e.g. a window-only model's block outside the window);
-- source computed: one of `COMPUTED_REASONS`, decided when the request is admitted
+- source computed: one of `ComputedReason`, decided when the request is admitted
   (see `reasons`): ``"new"`` never seen; ``"edited"`` a stored block followed the same
   prefix but its tokens differ (`edit_at` is the first changed position); ``"evicted"``
   this very block was stored once and its records are gone; ``"store_off"`` the engine
@@ -49,15 +49,6 @@ if TYPE_CHECKING:
 
 BlockSource = Literal["memory", "disk", "computed"]
 ComputedReason = Literal["new", "edited", "evicted", "store_off", "after_miss", "tail", "window"]
-COMPUTED_REASONS: tuple[ComputedReason, ...] = (
-    "new",
-    "edited",
-    "evicted",
-    "store_off",
-    "after_miss",
-    "tail",
-    "window",
-)
 RECORD_ORDER = ("kv", "window", "state")
 
 REASONS: dict[str, str] = {
