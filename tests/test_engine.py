@@ -585,7 +585,7 @@ def test_a_restore_first_stores_the_queued_saves_of_its_chain(models, tmp_path):
         for b in range(3):
             io.save(keys[b], records[b])
         try:  # outranks the saves in the queue
-            restore = io.restore(tokens, better_than=0, make_cache=lm.make_cache)
+            restore = io.restore(tokens, other_source_tokens=0, make_cache=lm.make_cache)
         finally:
             gate.set()
         result = restore.result(timeout=60)

@@ -366,7 +366,7 @@ def stored(request, tiny_model_dir, tmp_path_factory):
         cache = lm.make_cache()
         pc = PrefixCache.for_cache(cache, fingerprint=lm.fingerprint, store=store, block_size=BS)
         keys = pc.keys(tokens)
-        max_step = BS if pc.cut_blocker == "state" else 1024  # the engine's steps
+        max_step = BS if pc.uncuttable_kind == "state" else 1024  # the engine's steps
         for s, e in prefill_steps(0, PROMPT, block_size=BS, max_step=max_step):
             mx.eval(lm.model(mx.array(tokens[s:e])[None], cache=cache), [c.state for c in cache])
             for b in range(s // BS, e // BS):
@@ -381,7 +381,7 @@ def test_a_cut_cache_holds_exactly_what_a_cold_prefill_computes(stored, edit_at)
     lm, pc, tokens = stored
     edit = tokens[:edit_at] + [t % 400 + 7 for t in tokens[edit_at:]]
     plan, records = pc.load(pc.plan(edit, to_token=True))
-    if pc.cut_blocker == "state":
+    if pc.uncuttable_kind == "state":
         assert plan.cut is None and plan.kept_boundary == "state"
         assert plan.tokens == edit_at // BS * BS
         return

@@ -204,7 +204,7 @@ class PrefixCache:
         # first block counts as the same prompt edited only when it shares half a block.
         self.root_min_shared = max(1, block_size // 2)
         # What stops a cut inside a block (None: every layer can be cut to the token).
-        self.cut_blocker: str | None = next(
+        self.uncuttable_kind: str | None = next(
             (k.name for k in self.model_kinds if not k.cuts_inside_blocks), None
         )
         # A window narrower than a block forgets a partial block's first tokens while the

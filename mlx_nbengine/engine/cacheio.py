@@ -131,21 +131,22 @@ class CacheIO:
         self,
         tokens: list[int],
         *,
-        better_than: int,
+        other_source_tokens: int,
         make_cache: Callable[[], list],
         to_token: bool = False,
         images: tuple = (),
         bidirectional_images: bool = False,
     ) -> Future:
-        """Plan the longest restorable prefix of `tokens`; if it beats `better_than`, load
-        its records and rebuild the cache from them here, in `make_cache()` (a fresh cache
-        list: Python objects only, so any thread may make it).
+        """Plan the longest restorable prefix of `tokens`; if it beats `other_source_tokens`
+        (what another source, the hot cache, serves), load its records and rebuild the cache
+        from them here, in `make_cache()` (a fresh cache list: Python objects only, so any
+        thread may make it).
 
         With `to_token` the plan may end inside a block (a cut, see `planner`). The
         future's result is a `RestoreResult`: `restored` is a `Restored` (the
         cache, evaluated, and what was read), None when the plan restores no more than
-        `better_than` tokens (the caller has a better source) or its records do not fit
-        the model after all (a miss); `facts` maps each block from the plan's last whole
+        `other_source_tokens` tokens (the caller has a better source) or its records do not
+        fit the model after all (a miss); `facts` maps each block from the plan's last whole
         block to the prompt's last to its `BlockFacts`. `images` are the prompt's
         `ImageSpan`s (in the keys); with `bidirectional_images` no restore ends inside one.
 
@@ -159,7 +160,7 @@ class CacheIO:
                 return RestoreResult()
             keys = prefix.keys(tokens, images)
             for key in keys:
-                self._store(key)
+                self._flush_save(key)
             # And the queued blocks that followed the prompt's prefixes: the facts compare
             # the prompt with them and a cut restores from them (an edit of a prompt that
             # just ran).
@@ -167,14 +168,14 @@ class CacheIO:
             with self._queued_lock:
                 followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
             for key in followers:
-                self._store(key)
+                self._flush_save(key)
             plan = prefix.plan(
                 tokens, images, bidirectional_images=bidirectional_images, to_token=to_token
             )
             restored = None
-            if plan.tokens > better_than:
+            if plan.tokens > other_source_tokens:
                 plan, records = prefix.load(plan, mapped=True)
-                if plan.tokens > better_than:
+                if plan.tokens > other_source_tokens:
                     restored = _rebuild(prefix, plan, records, make_cache)
                 del records  # views of the file: none may outlive this job
             # After the load: a record found damaged there is gone now.
@@ -202,13 +203,15 @@ class CacheIO:
             self._queued_saves[key] = (records, parent, tokens)
 
         def job():
-            self._store(key)
+            self._flush_save(key)
             if chain and self.prefix is not None:
                 self.prefix.touch(chain)
 
         self.call(job, priority=SAVE)
 
-    def _store(self, key: str) -> bool:
+    def _flush_save(self, key: str) -> bool:
+        """Store the save queued under `key` now, if it is still queued (saves run in
+        order, but a restore stores the blocks it may read first)."""
         with self._queued_lock:
             queued = self._queued_saves.pop(key, None)
         if queued is None or self.prefix is None:

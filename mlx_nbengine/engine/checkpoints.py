@@ -32,7 +32,7 @@ class Checkpoints:
         fingerprint: str,
         block_size: int,
         to_token: bool,
-        cut_blocker: str | None,
+        uncuttable_kind: str | None,
         recurrent: bool,
         store_off: bool,
         vision: bool,
@@ -47,8 +47,8 @@ class Checkpoints:
         self.bidirectional = bidirectional
         # Partial blocks keep records where cuts can use them: every model (recurrent
         # states are cut only at a partial block's end, where its state record was taken).
-        self.partial_records = to_token and cut_blocker in (None, "state")
-        self.image_ends = vision and to_token and cut_blocker == "state"
+        self.partial_records = to_token and uncuttable_kind in (None, "state")
+        self.image_ends = vision and to_token and uncuttable_kind == "state"
         # A window narrower than a block forgets a partial block's first tokens while the
         # request decodes: the prompt's partial block is stored where its prefill ends.
         self.prompt_partials = to_token and io.prefix.window_narrower_than_block
@@ -58,11 +58,11 @@ class Checkpoints:
             tokens, fingerprint=self.fingerprint, block_size=self.block_size, images=images
         )
 
-    def restore(self, seq: Sequence, *, better_than: int, make_cache: Any) -> Future:
+    def restore(self, seq: Sequence, *, other_source_tokens: int, make_cache: Any) -> Future:
         """Ask the cache-I/O thread for `seq`'s prefix (a `cacheio.RestoreResult`)."""
         return self._io.restore(
             seq.prompt,
-            better_than=better_than,
+            other_source_tokens=other_source_tokens,
             make_cache=make_cache,
             to_token=self.to_token,
             images=seq.images,

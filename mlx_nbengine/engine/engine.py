@@ -303,7 +303,7 @@ class Engine:
         )
         return out
 
-    def _store(self) -> Any:
+    def _block_store(self) -> Any:
         prefix = self.internals.prefix_cache
         return None if prefix is None else prefix.store
 
@@ -312,13 +312,13 @@ class Engine:
         """One line when the block store is not what `persist_dir` asked for (another
         process holds the directory, an incompatible store was set aside, records were
         dropped on open); None otherwise. Safe from any thread."""
-        store = self._store()
+        store = self._block_store()
         return (getattr(store, "note", "") or None) if store is not None else None
 
     def store_warning(self) -> str | None:
         """The one-line warning that saving to the block store is off (a full disk, an I/O
         error), the first time it is asked after that happened; None otherwise."""
-        store = self._store()
+        store = self._block_store()
         error = getattr(store, "saving_error", None) if store is not None else None
         with self._lock:
             if error is None:
@@ -345,7 +345,7 @@ class Engine:
         most 10, ``text`` the first words of the evicted block ("" if unknown).
         """
         view: dict[str, Any] = {"model": self.model_name, "block_size": self.block_size}
-        view.update(store_figures(self._store()))
+        view.update(store_figures(self._block_store()))
         ledger = self._ledger.snapshot()
         evictions = ledger.pop("recent_evictions")
         view.update(ledger)

@@ -173,7 +173,7 @@ class GenerationThread:
                 fingerprint=lm.fingerprint,
                 block_size=self._options["block_size"],
                 to_token=self._to_token,
-                cut_blocker=prefix.cut_blocker,
+                uncuttable_kind=prefix.uncuttable_kind,
                 recurrent="state" in self.layer_kinds,
                 store_off=prefix.store.budget_bytes == 0,
                 vision=runner.vision is not None,

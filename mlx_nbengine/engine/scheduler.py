@@ -148,7 +148,7 @@ class Scheduler:
             return
         seq.restore_started = time.perf_counter()
         fut = self.checkpoints.restore(
-            seq, better_than=self._hot_tokens(seq), make_cache=self.runner.lm.make_cache
+            seq, other_source_tokens=self._hot_tokens(seq), make_cache=self.runner.lm.make_cache
         )
         seq.restore_future = fut
         if self._on_restored is not None:
