@@ -42,12 +42,24 @@ why, one of `KEPT_BOUNDARY`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from mlx_nbengine.engine.request import Completion
+from mlx_nbengine.engine.results import BlockReport, BlockSource, Finished
 
-BlockSource = Literal["memory", "disk", "computed"]
+__all__ = [
+    "KEPT_BOUNDARY",
+    "REASONS",
+    "BlockEvent",
+    "BlockSource",
+    "Event",
+    "Finished",
+    "Progress",
+    "TextDelta",
+    "disk_reason",
+]
+
+BlockEvent = BlockReport
+"""A block's event is its report: the stream yields the `BlockReport` the report keeps."""
 ComputedReason = Literal["new", "edited", "evicted", "store_off", "after_miss", "tail", "window"]
 RECORD_ORDER = ("kv", "window", "state")
 
@@ -87,44 +99,12 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
-class BlockEvent:
-    """Prompt block `index` (tokens ``start:end``) came from `source` in `seconds`.
-
-    `reason` says why (see the module docstring); `records` are the record kinds read
-    from disk for it (empty for memory and computed blocks); `edit_at` is the absolute
-    position of the first changed token when this block is where the prompt leaves a
-    stored continuation (an ``"edited"`` block, or the tail), else None; `restored` is
-    how many of its tokens were restored (``end - start`` for memory and disk blocks, 0
-    for computed ones, the unchanged tokens before a cut inside the block); `images` are
-    the 0-based numbers of the request's images whose tokens overlap the block.
-    """
-
-    index: int
-    start: int
-    end: int
-    source: BlockSource
-    seconds: float
-    reason: str
-    records: tuple[str, ...] = ()
-    edit_at: int | None = None
-    restored: int = 0
-    images: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
 class Progress:
     """`done` of `total` prompt tokens are in the cache after the named phase."""
 
     phase: Literal["restore", "prefill"]
     done: int
     total: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The request ended; `completion` is what `Request.result()` returns."""
-
-    completion: Completion
 
 
 Event = TextDelta | BlockEvent | Progress | Finished

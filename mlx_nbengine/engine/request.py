@@ -1,14 +1,12 @@
-"""The caller's side of a request: the handle, its result and its report.
+"""The caller's side of a request: the handle.
 
 A *request* is one prompt submitted to the engine. `Engine.submit` returns its
 `Request` handle at once; the generation thread fills it in. The handle is shared by
 two threads and keeps one rule: the generation thread only *puts* (events, the final
 outcome); the caller only *reads* (stream, result) and asks to cancel.
 
-- `Completion`: the outcome of a request that ended normally or was cancelled.
-- `Report`: where every prompt block came from, why, and what it cost (`BlockReport`
-  each; the reasons are named in `events`), where the prompt first leaves a stored
-  continuation (`edit_at`), plus time to first token and decode speed.
+What it ends with (`Completion`, its `Report`) is in `results`.
+
 - `InvalidRequestError`, `PromptTooLongError`, `EngineClosedError` (defined in
   `mlx_nbengine.errors`, re-exported here): raised in the caller by `submit` for
   problems the caller can fix.
@@ -19,90 +17,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
-from mlx_nbengine.engine.events import BlockSource, Event, Finished
+from mlx_nbengine.engine.events import Event
+from mlx_nbengine.engine.results import Completion, Finished
 from mlx_nbengine.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
 
-__all__ = [
-    "BlockReport",
-    "Completion",
-    "EngineClosedError",
-    "InvalidRequestError",
-    "PromptTooLongError",
-    "Report",
-    "Request",
-]
-
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-@dataclass(frozen=True)
-class BlockReport:
-    """Prompt block `index` covers tokens ``start:end`` and came from `source` in `seconds`.
-
-    Blocks are `block_size` tokens; the last one may be shorter (the prompt's tail).
-    A block only partly restored (the restore ended inside it, a cut) counts as computed
-    and its `restored` says how many of its tokens were restored. `reason`, `records`,
-    `edit_at`, `restored` and `images` are those of its `BlockEvent`.
-    """
-
-    index: int
-    start: int
-    end: int
-    source: BlockSource
-    seconds: float
-    reason: str
-    records: tuple[str, ...] = ()
-    edit_at: int | None = None
-    restored: int = 0
-    images: tuple[int, ...] = ()
-
-
-@dataclass
-class Report:
-    """How the prompt reached the cache and how fast the answer came.
-
-    `restored_tokens` came from memory or disk, `computed_tokens` were prefilled
-    (their sum is the prompt length); `ttft_s` runs from submit to the first token;
-    `tokens_per_s` is the decode speed after the first token (0.0 for one token).
-    `restored_bytes` is the size of the records read from disk (or of the hot cache
-    reused from memory); `restore_source` names where the restored prefix came from.
-    `edit_at` is the absolute position of the first prompt token that differs from a
-    stored continuation of its prefix (also when it falls in the tail), else None.
-    `kept_boundary` says why the restore stopped at a block boundary although a stored
-    continuation shared more tokens (one of `events.KEPT_BOUNDARY`: ``"state"``,
-    ``"window"``, ``"block"``, ``"evicted"``), else None. `images` are the request's
-    image spans (token range and content digest), in order.
-    """
-
-    blocks: list[BlockReport] = field(default_factory=list)
-    restored_tokens: int = 0
-    computed_tokens: int = 0
-    ttft_s: float | None = None
-    tokens_per_s: float = 0.0
-    restore_source: BlockSource | None = None
-    restored_bytes: int = 0
-    edit_at: int | None = None
-    kept_boundary: str | None = None
-    images: list[Any] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    """A finished request: generated `text` and `tokens`, the `prompt_tokens` ids.
-
-    `stop_reason` says what stopped a ``finish_reason == "stop"`` request: ``"eos"``
-    (an end-of-text token) or the stop string that matched; None for other endings.
-    """
-
-    text: str
-    tokens: list[int]
-    prompt_tokens: list[int]
-    finish_reason: FinishReason
-    report: Report
-    stop_reason: str | None = None
+__all__ = ["EngineClosedError", "InvalidRequestError", "PromptTooLongError", "Request"]
 
 
 class Request:

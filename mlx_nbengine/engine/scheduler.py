@@ -33,9 +33,9 @@ from typing import Any
 
 from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.decoding import Decoder, Ended
-from mlx_nbengine.engine.events import BlockSource
 from mlx_nbengine.engine.hot import HotCache
 from mlx_nbengine.engine.reasons import computed_reasons
+from mlx_nbengine.engine.results import BlockSource
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.sampling import RequestSampler
 from mlx_nbengine.engine.sequence import Phase, Sequence

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mlx_nbengine.engine.events import BlockEvent, BlockSource, Progress, TextDelta, disk_reason
-from mlx_nbengine.engine.request import BlockReport, Completion, Report, Request
+from mlx_nbengine.engine.events import Progress, TextDelta, disk_reason
+from mlx_nbengine.engine.request import Request
+from mlx_nbengine.engine.results import BlockReport, BlockSource, Completion, Report
 from mlx_nbengine.engine.text import TextStream
 
 
@@ -168,9 +169,11 @@ class Sequence:
             edit_at = self.edits.get(index)
             restored = self._partial.get(index, 0)
         images = self.block_images(index)
-        fields = (index, start, end, source, seconds, reason, records, edit_at, restored, images)
-        self.blocks[index] = BlockReport(*fields)
-        self.request._put(BlockEvent(*fields))
+        block = BlockReport(
+            index, start, end, source, seconds, reason, records, edit_at, restored, images
+        )
+        self.blocks[index] = block
+        self.request._put(block)
 
     def accept(self, token: int, *, context_length: int | None) -> str | None:
         """Take one sampled token; return the finish reason if the sequence is done."""
