@@ -1505,6 +1505,23 @@ READ_IMAGE_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
   getComputedStyle(e, "::after").content])"""
 
 
+# The floating preview of the strip drawn in `#id`: hidden, its figures, and whether its
+# box lies inside the window (None: no preview).
+PREVIEW = """(id) => {
+  const root = document.querySelector(`#${id} .mnb-strip`);
+  const box = [...document.querySelectorAll('.mnb-preview')].find((e) => e.mnbStrip === root);
+  if (!box) return null;
+  const r = box.getBoundingClientRect();
+  return {
+    hidden: box.hidden,
+    figures: [...box.querySelectorAll('figure')].map((f) => [f.dataset.imageIndex,
+      f.querySelector('img').getAttribute('src'), f.textContent]),
+    inside: r.left >= 0 && r.top >= 0 && r.right <= innerWidth && r.bottom <= innerHeight,
+    height: r.height,
+  };
+}"""
+
+
 def test_live_strip_marks_image_blocks_and_hover_shows_their_thumbnails(page):
     from mlx_nbengine.notebook.blockinfo import image_dicts
 
@@ -1521,23 +1538,24 @@ def test_live_strip_marks_image_blocks_and_hover_shows_their_thumbnails(page):
     # The mark: a pseudo-element on image blocks only.
     assert [row[4] != "none" for row in live] == [False, True, True, False, False]
     assert page.get_attribute("#imgstrip .mnb-key[data-images]", "data-count") == "2"
-    assert page.is_hidden("#imgstrip .mnb-preview")
+    assert page.evaluate(PREVIEW, "imgstrip")["hidden"]
     page.hover("#imgstrip .mnb-block[data-index='2']")
-    assert page.is_visible("#imgstrip .mnb-preview")
-    thumbs = page.evaluate(
-        "() => [...document.querySelectorAll('#imgstrip .mnb-preview figure')].map((f) => "
-        "[f.dataset.imageIndex, f.querySelector('img').getAttribute('src'), f.textContent])"
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.mnb-preview img')].every((i) => i.complete)"
     )
-    assert thumbs == [
+    shown = page.evaluate(PREVIEW, "imgstrip")
+    assert not shown["hidden"] and shown["height"] > 60, "the whole thumbnail, never clipped"
+    assert shown["inside"], "the preview lies inside the window"
+    assert shown["figures"] == [
         ["0", images[0]["src"], "cat.png · 640x480"],
         ["1", images[1]["src"], "<b>dog</b>.jpg · 30x90"],
     ]
     page.hover("#imgstrip .mnb-block[data-index='0']")
-    assert page.is_hidden("#imgstrip .mnb-preview")  # a text block shows none
+    assert page.evaluate(PREVIEW, "imgstrip")["hidden"]  # a text block shows none
     page.hover("#imgstrip .mnb-block[data-index='1']")
-    assert page.evaluate("document.querySelectorAll('#imgstrip .mnb-preview figure').length") == 1
+    assert len(page.evaluate(PREVIEW, "imgstrip")["figures"]) == 1
     page.mouse.move(0, 0)
-    assert page.is_hidden("#imgstrip .mnb-preview")
+    assert page.evaluate(PREVIEW, "imgstrip")["hidden"]
 
 
 def test_live_strip_keeps_its_preview_while_blocks_arrive(page):
@@ -1548,9 +1566,9 @@ def test_live_strip_keeps_its_preview_while_blocks_arrive(page):
     draw(page, "imgfill", strip)
     strip.add_blocks(image_blocks())
     resync(page, "imgfill", strip)
-    assert page.locator("#imgfill .mnb-preview").count() == 1
     page.hover("#imgfill .mnb-block[data-index='1']")
-    assert page.is_visible("#imgfill .mnb-preview figure img")
+    shown = page.evaluate(PREVIEW, "imgfill")
+    assert not shown["hidden"] and shown["figures"]
 
 
 def test_live_map_marks_image_rows_and_its_details_show_the_thumbnails(page):

@@ -95,18 +95,34 @@ function buttons(model, root) {
   return () => model.off("change:controls", draw);
 }
 
-// The strip's hover box: over an image block's cell, the thumbnails of its images, just
-// under the cell (kept inside the strip); hidden elsewhere.
+// The strip's hover box: over an image block's cell, the thumbnails of its images. It
+// floats on the page (fixed, a child of the document's body: the output area clips what
+// overflows it), just above the cell, or below it where the window has no room above,
+// kept inside the window, following the cell when the page scrolls; hidden elsewhere.
 function strip(model, root) {
   const cleanup = buttons(model, root);
   const preview = document.createElement("div");
-  preview.className = "mnb-preview";
+  preview.className = "mnb-root mnb-preview";
   preview.hidden = true;
   preview.setAttribute("aria-hidden", "true");
-  preview.mnbOwn = true;
-  root.append(preview);
+  preview.mnbStrip = root; // which strip it belongs to (tests find it so)
+  document.body.append(preview);
+  let current = null; // the cell whose images the preview shows
   const hide = () => {
     preview.hidden = true;
+    current = null;
+  };
+  const place = () => {
+    if (!current) return;
+    const cell = current;
+    const gap = 4;
+    const box = cell.getBoundingClientRect();
+    const { offsetWidth: width, offsetHeight: height } = preview;
+    const above = box.top - gap - height;
+    const top = above >= gap ? above : Math.min(box.bottom + gap, innerHeight - height - gap);
+    const left = Math.min(box.left, innerWidth - width - gap);
+    preview.style.left = `${Math.max(gap, left)}px`;
+    preview.style.top = `${Math.max(gap, top)}px`;
   };
   const show = (cell) => {
     const ids = (cell.getAttribute("data-image") || "").split(" ").filter(Boolean);
@@ -114,9 +130,8 @@ function strip(model, root) {
     const thumbs = model.get("previews") || {};
     preview.innerHTML = ids.map((i) => thumbs[i] || "").join("");
     preview.hidden = false;
-    const maxLeft = Math.max(0, root.clientWidth - preview.offsetWidth);
-    preview.style.left = `${Math.min(cell.offsetLeft, maxLeft)}px`;
-    preview.style.top = `${cell.offsetTop + cell.offsetHeight + 4}px`;
+    current = cell;
+    place();
   };
   root.addEventListener("mouseover", (event) => {
     const cell = event.target.closest(".mnb-block");
@@ -124,7 +139,15 @@ function strip(model, root) {
     else hide();
   });
   root.addEventListener("mouseleave", hide);
-  return { cleanup };
+  addEventListener("scroll", place, true); // the cell moved: the preview follows
+  preview.addEventListener("load", place, true); // a thumbnail decoded: its size is known
+  return {
+    cleanup: () => {
+      cleanup();
+      removeEventListener("scroll", place, true);
+      preview.remove();
+    },
+  };
 }
 
 // --- map ----------------------------------------------------------------------------------
