@@ -721,6 +721,15 @@ def test_store_chart_axis_title_sits_below_the_tick_labels():
         assert len(tick_ys) == 1 and float(title.attrs["y"]) >= max(tick_ys) + 10, n
 
 
+def test_store_chart_y_axis_title_runs_along_the_axis_apart_from_its_labels():
+    elements = parse(store_html(store_view(history=_history(5))))
+    (title,) = select(elements, "mnb-axis-y")
+    assert title.text == "blocks" and title.attrs["transform"] == "rotate(-90)"
+    # Rotated: its x is minus the height on the page, between the labels 0 and the top.
+    ys = sorted(float(t.attrs["y"]) for t in elements if t.tag == "text" and t.text in {"0", "8"})
+    assert ys[0] + 10 < -float(title.attrs["x"]) < ys[-1] - 10
+
+
 def test_store_chart_of_one_request_draws_a_line_across():
     history = [{"t": 9.0, "restored": 0, "computed": 13, "evicted": 0}]
     elements = parse(store_html(store_view(history=history)))

@@ -134,8 +134,9 @@ def _axes(plot: _Plot) -> str:
         f'<text class="mnb-axis" x="{label_x}" y="{_f(plot.y(0) + 4)}" text-anchor="end">0</text>'
         f'<text class="mnb-axis" x="{label_x}" y="{_f(plot.y(plot.y_max) + 4)}" '
         f'text-anchor="end">{plot.y_max:,}</text>'
-        f'<text class="mnb-axis" x="{label_x}" y="{_f(plot.y(plot.y_max) + 15)}" '
-        f'text-anchor="end">blocks</text>{ticks}'
+        # The y axis title runs along the axis, clear of its labels (0 and the top).
+        f'<text class="mnb-axis mnb-axis-y" transform="rotate(-90)" '
+        f'x="{_f(-(TOP + plot.height / 2))}" y="12" text-anchor="middle">blocks</text>{ticks}'
         f'<text class="mnb-axis mnb-axis-title" x="{_f(LEFT + plot.width / 2)}" '
         f'y="{CHART_H - 4}" text-anchor="middle">requests</text>'
     )
