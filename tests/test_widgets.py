@@ -621,6 +621,26 @@ def test_strip_legend_has_a_key_for_partly_restored_blocks_only_when_there_are()
     assert not [k for k in keys if "data-part" in k.attrs]
 
 
+def test_strip_legend_draws_the_partly_restored_swatch_like_the_cell():
+    elements = parse(strip_html(cut_blocks(), n_blocks=4))
+    cut = select(elements, "mnb-block", within="mnb-strip")[2]
+    (key,) = [k for k in select(elements, "mnb-key") if "data-part" in k.attrs]
+    (swatch,) = [e for e in select(elements, "mnb-swatch") if e.parent is key]
+    assert (swatch.attrs["data-kind"], swatch.text) == (cut.attrs["data-kind"], cut.text)
+    (fill,) = [e for e in select(elements, "mnb-fill") if e.parent is swatch]
+    (cut_fill,) = [e for e in select(elements, "mnb-fill") if e.parent is cut]
+    assert fill.attrs["style"] == cut_fill.attrs["style"]
+
+
+def test_strip_legend_has_a_key_for_the_edited_cells_ring_only_with_an_edit():
+    elements = parse(strip_html(cut_blocks(), n_blocks=4, edit=CUT_EDIT))
+    (key,) = [k for k in select(elements, "mnb-key") if k.attrs.get("data-edit") == "true"]
+    assert "first change" in key.all_text(elements)
+    assert [e for e in select(elements, "mnb-swatch") if e.attrs.get("data-edit") == "true"]
+    keys = select(parse(strip_html(cut_blocks(), n_blocks=4)), "mnb-key")
+    assert not [k for k in keys if "data-edit" in k.attrs]
+
+
 def test_map_row_of_a_partly_restored_block_splits_its_tokens():
     elements = parse(map_html(cut_blocks(), edit=CUT_EDIT, layer_kinds=["kv"]))
     rows = select(elements, "mnb-block", within="mnb-map")

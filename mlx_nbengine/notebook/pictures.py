@@ -299,9 +299,16 @@ def _swatch(block: Block, part: str | None) -> str:
     )
 
 
-def _legend(counts: Mapping[str, int], parts: Sequence[str] = (), image_key: str = "") -> str:
+def _legend(
+    counts: Mapping[str, int],
+    partial: Sequence[tuple[Block, str]] = (),
+    image_key: str = "",
+    *,
+    edited: Block | None = None,
+) -> str:
     """One key per kind with its count; a key for the partly restored blocks when there
-    are (`parts`: each one's part), its swatch filled like theirs; then `image_key`."""
+    are (`partial`: each one with its part), its swatch drawn like the first of them (kind,
+    letter, fill); a key for the ring of the `edited` block's cell; then `image_key`."""
     items = []
     for kind, (letter, label) in KINDS.items():
         n = counts.get(kind, 0)
@@ -310,13 +317,21 @@ def _legend(counts: Mapping[str, int], parts: Sequence[str] = (), image_key: str
             f'<span class="mnb-swatch" data-kind="{kind}">{letter}</span>'
             f'{label} <b class="mnb-count">{n:,}</b></span>'
         )
-    if parts:
-        part = escape(parts[0])
+    if partial:
+        first, part = partial[0]
+        kind = escape(_kind(first))
         items.append(
-            f'<span class="mnb-key" data-part="{part}" data-count="{len(parts)}">'
-            f'<span class="mnb-swatch" data-kind="computed" data-part="{part}">'
-            '<span class="mnb-fill" style="--mnb-share: 0.5"></span></span>'
-            f'partly restored <b class="mnb-count">{len(parts):,}</b></span>'
+            f'<span class="mnb-key" data-part="{escape(part)}" data-count="{len(partial)}">'
+            f'<span class="mnb-swatch" data-kind="{kind}" data-part="{escape(part)}">'
+            f"{_fill(first)}{_letter(_kind(first))}</span>"
+            f'partly restored <b class="mnb-count">{len(partial):,}</b></span>'
+        )
+    if edited is not None:
+        kind = escape(_kind(edited))
+        items.append(
+            f'<span class="mnb-key" data-edit="true">'
+            f'<span class="mnb-swatch" data-kind="{kind}" data-edit="true">'
+            f"{_letter(_kind(edited))}</span>first change</span>"
         )
     return f'<div class="mnb-legend">{"".join(items)}{image_key}</div>'
 
@@ -400,9 +415,10 @@ def strip_html(
     leaves out the ``<style>`` block (a widget has its CSS).
     """
     known = by_index(blocks)
-    parts = [p for i, b in sorted(known.items()) if (p := _part(b, known.get(i - 1)))]
+    partial = [(b, p) for i, b in sorted(known.items()) if (p := _part(b, known.get(i - 1)))]
     n = max(n_blocks, max(known, default=-1) + 1)
-    legend = _legend(kind_counts(blocks, n), parts, _image_key(blocks))
+    edited = known.get(int(edit["block"])) if edit and "block" in edit else None
+    legend = _legend(kind_counts(blocks, n), partial, _image_key(blocks), edited=edited)
     return (
         f'{"" if live else style()}<div class="mnb-root mnb-strip" data-n-blocks="{n}">'
         f"{_cells(n, known, edit, images)}"
