@@ -87,6 +87,9 @@ class LabRun:
     # A --bg answer and a foreground one stopped with their Stop buttons (`stop_answer`),
     # the --bg one's text as its Copy button copied it, and what its handle said after.
     stopped_bg: dict = field(default_factory=dict)
+    # The block map's details title after hovering a strip cell, and its selected row
+    # after clicking that cell (`point_at_block`).
+    strip_to_map: dict = field(default_factory=dict)
     stopped_fg: dict = field(default_factory=dict)
     copied: dict = field(default_factory=dict)
     job: str = ""
@@ -177,6 +180,33 @@ def replace_last_line(page, index: int, text: str) -> None:
     page.keyboard.press("Control+End")
     page.keyboard.press("Shift+Home")
     page.keyboard.type(text)
+
+
+STRIP_TO_MAP_BLOCK = 3
+MAP_STATE = """(index) => {
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const title = cell.querySelector('.mnb-map .mnb-details-title');
+  return {
+    details: title ? title.textContent.trim() : '',
+    selected: [...cell.querySelectorAll('.mnb-map tr.mnb-block[aria-selected="true"]')]
+      .map(r => Number(r.dataset.index)),
+  };
+}"""
+
+
+def point_at_block(page, index: int, block: int) -> dict:
+    """Hover strip cell `block` of cell `index`, then click it: the map's state each time."""
+    strip_cell = (
+        page.locator(".jp-Notebook .jp-Cell")
+        .nth(index)
+        .locator(f".mnb-strip .mnb-block[data-index='{block}']")
+    )
+    strip_cell.hover()
+    hovered = page.evaluate(MAP_STATE, index)
+    strip_cell.click()
+    clicked = page.evaluate(MAP_STATE, index)
+    page.mouse.move(0, 0)
+    return {"hovered": hovered, "clicked": clicked}
 
 
 def start_cell(page, index: int) -> None:
@@ -339,6 +369,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     run_cell(page, 1)
                     wait_strip(page, 1, n_blocks)
                     rerun = read_cell(page, 1)
+                    strip_to_map = point_at_block(page, 1, STRIP_TO_MAP_BLOCK)
 
                     run_cell(page, 2, "Control+Enter")
                     page.wait_for_selector(
@@ -399,6 +430,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         store=store,
         screenshots=shots,
         console_errors=console_errors,
+        strip_to_map=strip_to_map,
         stopped_bg=stopped_bg,
         stopped_fg=stopped_fg,
         copied=copied,
@@ -464,6 +496,12 @@ def test_the_block_map_has_one_row_per_block_with_the_strips_kinds(lab_run):
     assert [b["reason"] for b in lab_run.rerun.map_rows] == [
         b["reason"] for b in lab_run.rerun.strip
     ]
+
+
+def test_hovering_a_strip_cell_shows_its_block_in_the_map_and_a_click_selects_it(lab_run):
+    block = STRIP_TO_MAP_BLOCK
+    assert lab_run.strip_to_map["hovered"]["details"].endswith(f"block {block}")
+    assert lab_run.strip_to_map["clicked"]["selected"] == [block]
 
 
 def test_the_store_view_shows_the_blocks_held(lab_run):

@@ -133,12 +133,33 @@ function strip(model, root) {
     current = cell;
     place();
   };
+  // The block map under the same answer (`--blocks`), and its row for a cell.
+  const mapRow = (cell) => {
+    const outputs = root.closest(".jp-OutputArea");
+    const index = cell.getAttribute("data-index");
+    return outputs && outputs.querySelector(`.mnb-map tr.mnb-block[data-index="${index}"]`);
+  };
   root.addEventListener("mouseover", (event) => {
     const cell = event.target.closest(".mnb-block");
-    if (cell && root.contains(cell)) show(cell);
-    else hide();
+    if (cell && root.contains(cell)) {
+      show(cell);
+      const row = mapRow(cell); // the map's details panel shows it too
+      if (row) row.dispatchEvent(new MouseEvent("mouseover", { bubbles: true }));
+    } else hide();
   });
-  root.addEventListener("mouseleave", hide);
+  root.addEventListener("mouseleave", () => {
+    hide();
+    const map = root.closest(".jp-OutputArea")?.querySelector(".mnb-map");
+    if (map) map.dispatchEvent(new MouseEvent("mouseleave"));
+  });
+  // A click selects the block in the map (a second click lets it go), as a row click does.
+  root.addEventListener("click", (event) => {
+    const cell = event.target.closest(".mnb-block");
+    const row = cell && root.contains(cell) && mapRow(cell);
+    if (!row) return;
+    row.click();
+    row.scrollIntoView({ block: "nearest" });
+  });
   addEventListener("scroll", place, true); // the cell moved: the preview follows
   preview.addEventListener("load", place, true); // a thumbnail decoded: its size is known
   return {
