@@ -30,12 +30,14 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
+    # Lazy: only a kernel loading the extension needs IPython and the notebook face.
     from mlx_nbengine.notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
+    # Lazy, as above.
     from mlx_nbengine.notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

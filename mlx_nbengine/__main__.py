@@ -22,17 +22,17 @@ import time
 
 from mlx_nbengine._blas import ensure_fast_blas
 from mlx_nbengine.demo import DEFAULT_OUT
+from mlx_nbengine.demo import main as demo_main
+from mlx_nbengine.errors import EngineError
+from mlx_nbengine.models.gguf import convert
+from mlx_nbengine.notebook.export import write_html
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from mlx_nbengine.demo import main as demo_main
-
     return demo_main(args)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from mlx_nbengine.models.gguf import convert
-
     started = time.perf_counter()
     out = convert(args.file, cache_dir=args.cache_dir)
     print(f"converted in {time.perf_counter() - started:.1f} s", file=sys.stderr)
@@ -41,8 +41,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _html(args: argparse.Namespace) -> int:
-    from mlx_nbengine.notebook.export import write_html
-
     print(write_html(args.notebook, args.out))
     return 0
 
@@ -71,7 +69,6 @@ def _descriptions(doc: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     # Before anything imports MLX: only then can OpenBLAS take over its matmuls.
     ensure_fast_blas()
-    from mlx_nbengine.errors import EngineError
 
     doc = __doc__ or ""
     about = _descriptions(doc)

@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_nbengine.notebook.render import ANSWER_METADATA_KEY, answer_facts
+from mlx_nbengine.engine import Engine
+from mlx_nbengine.models.loader import resolve
+from mlx_nbengine.notebook.export import notebook_to_html
+from mlx_nbengine.notebook.render import ANSWER_METADATA_KEY, answer_facts, summary_line
 
 __all__ = [
     "CellFailed",
@@ -364,8 +367,6 @@ def run_notebook(
     import nbformat
     from nbclient import NotebookClient
 
-    from mlx_nbengine.notebook.export import notebook_to_html
-
     source = notebook or quickstart_path()
     nb = nbformat.read(source, as_version=4)
     _with_model(nb, model)
@@ -456,7 +457,7 @@ def block_letters(report: Any, *, n_prompt: int, block_size: int) -> str:
 
 def run_quick(*, model: str = "default", notebook: Path | None = None, echo=print) -> list[Row]:
     """Send the story's `%%llm` cells straight to an engine; return their rows."""
-    from mlx_nbengine.engine import Engine
+    # Lazy: the magics and prompting import IPython, which only this path needs.
     from mlx_nbengine.notebook.magics import LLMMagics
     from mlx_nbengine.notebook.prompting import (
         build_prompt,
@@ -464,7 +465,6 @@ def run_quick(*, model: str = "default", notebook: Path | None = None, echo=prin
         parse_options,
         sampling_options,
     )
-    from mlx_nbengine.notebook.render import summary_line
 
     names, cells = _story_cells(notebook or quickstart_path())
     rows: list[Row] = []
@@ -494,8 +494,6 @@ def main(args: Any) -> int:
     that cannot be created (before any model is resolved), a kernel that died (with the
     lines of its log that tell why), a cell's error, Ctrl-C (130), SIGTERM (143).
     """
-    from mlx_nbengine.models.loader import resolve
-
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     echo = print
     notebook = Path(args.notebook) if getattr(args, "notebook", None) else None

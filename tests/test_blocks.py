@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_nbengine.cache.blocks import ImageSpan, block_keys
+from mlx_nbengine.cache.blocks import block_keys
+from mlx_nbengine.models.vision import ImageSpan
 
 B = 4
 

@@ -12,11 +12,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as lm_cache
 
-from mlx_nbengine.cache.blocks import ImageSpan, partial_key
+from mlx_nbengine.cache.blocks import partial_key
 from mlx_nbengine.cache.followers import ROOT
 from mlx_nbengine.cache.kinds import extract_block_records
 from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
 from mlx_nbengine.cache.store import BlockStore
+from mlx_nbengine.models.vision import ImageSpan
 
 B = 16
 W = 24

@@ -10,7 +10,7 @@ computed block), `followers` (which stored blocks followed a prefix, with their 
 one scratch file), `persist` and `blobfile`.
 """
 
-from mlx_nbengine.cache.blocks import ImageSpan, block_keys, partial_key
+from mlx_nbengine.cache.blocks import block_keys, partial_key
 from mlx_nbengine.cache.facts import BlockFacts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.kinds import (
@@ -46,7 +46,6 @@ __all__ = [
     "Cut",
     "FollowerIndex",
     "HostArray",
-    "ImageSpan",
     "LayerKind",
     "PrefixCache",
     "Record",

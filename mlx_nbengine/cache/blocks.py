@@ -17,9 +17,9 @@ digest). The chain is seeded with the model fingerprint and the block size, so
 two models or two block sizes never share a key, and a key names the whole
 prefix up to its block: equal keys mean equal prefixes.
 
-An *image span* is the token range an image's placeholder tokens occupy after
-the processor expanded them, plus a digest of the image's content; two
-different pictures behind identical placeholder tokens get different keys.
+An *image span* (`models.vision.ImageSpan`) is the token range an image's placeholder
+tokens occupy after the processor expanded them, plus a digest of the image's content;
+two different pictures behind identical placeholder tokens get different keys.
 """
 
 from __future__ import annotations
@@ -27,34 +27,15 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ImageSpan", "block_keys", "chain_seed", "match_ids", "partial_key", "token_ids"]
+from mlx_nbengine.models.vision import ImageSpan
+
+__all__ = ["block_keys", "chain_seed", "match_ids", "partial_key", "token_ids"]
 
 _KEY_VERSION = b"mlx_nbengine.blocks.v1"
 _PARTIAL = b"\0partial\0"
-
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """Token range ``[start, end)`` of one image and a content hash of the image."""
-
-    start: int
-    end: int
-    digest: str
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ValueError(f"image span needs 0 <= start < end, got {self.start}..{self.end}")
-
-    def overlaps(self, start: int, end: int) -> bool:
-        return self.start < end and self.end > start
-
-    def cuts(self, boundary: int) -> bool:
-        """True when `boundary` falls strictly inside the image's tokens."""
-        return self.start < boundary < self.end
 
 
 def chain_seed(*, fingerprint: str, block_size: int) -> bytes:

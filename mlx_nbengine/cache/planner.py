@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from mlx_nbengine.cache.blocks import ImageSpan, block_keys, match_ids
+from mlx_nbengine.cache.blocks import block_keys, match_ids
 from mlx_nbengine.cache.facts import BlockFacts, block_facts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.kinds import KINDS, LayerKind, assemble, layer_kinds, layer_windows
@@ -58,6 +58,7 @@ from mlx_nbengine.cache.records import (
     Signature,
     record_to_bytes,
 )
+from mlx_nbengine.models.vision import ImageSpan
 
 __all__ = ["Cut", "KeptBoundary", "PrefixCache", "RestorePlan", "prefill_steps"]
 

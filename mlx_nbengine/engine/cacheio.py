@@ -41,6 +41,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_nbengine.cache.followers import ROOT
+from mlx_nbengine.cache.records import RecordError
+from mlx_nbengine.engine.events import RECORD_ORDER
 from mlx_nbengine.engine.memory import give_back_memory
 
 CONTROL, RESTORE, SAVE = 0, 1, 2
@@ -71,9 +73,6 @@ class RestoreResult:
 def _rebuild(prefix: Any, plan: Any, records: dict, make_cache: Callable[[], list]) -> Any:
     """`Restored` from `records`, or None (a miss, never a failed request) when they do
     not fit the model after all."""
-    from mlx_nbengine.cache import RecordError
-    from mlx_nbengine.engine.events import RECORD_ORDER
-
     try:
         cache = prefix.assemble(
             records,

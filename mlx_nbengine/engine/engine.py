@@ -51,6 +51,7 @@ from mlx_nbengine.engine.request import (
 from mlx_nbengine.engine.sampling import validate
 from mlx_nbengine.engine.sequence import Sequence
 from mlx_nbengine.engine.text import TextStream
+from mlx_nbengine.models import load as load_model
 
 T = TypeVar("T")
 
@@ -190,7 +191,6 @@ class Engine:
         `store_note` says so (an incompatible store found there is set aside, also noted).
         Raises a `ModelError` if the model cannot be loaded.
         """
-        from mlx_nbengine.models import load as load_model
 
         def loader() -> Any:
             return load_model(model, dtype=dtype, progress=progress, revision=revision)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from mlx_nbengine.cache.blocks import match_ids
 from mlx_nbengine.engine.events import Progress, TextDelta, disk_reason
 from mlx_nbengine.engine.request import Request
 from mlx_nbengine.engine.results import BlockReport, BlockSource, Completion, Report
@@ -95,8 +96,6 @@ class Sequence:
 
     def match(self, tokens: list[int]) -> Any:
         """`tokens` (a prefix of the prompt, then generated ones) as `blocks.match_ids`."""
-        from mlx_nbengine.cache.blocks import match_ids
-
         return match_ids(tokens, self.images)
 
     @property

@@ -35,8 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_nbengine.cache.blocks import ImageSpan
-from mlx_nbengine.models.vision import bidirectional_images
+from mlx_nbengine.models.vision import ImageSpan, bidirectional_images
 
 __all__ = ["DEFAULT_MEMO_BYTES", "Embedded", "FeatureMemo", "VisionInputs", "VisionRunner"]
 

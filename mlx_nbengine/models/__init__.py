@@ -14,13 +14,9 @@ from mlx_nbengine._blas import ensure_fast_blas
 ensure_fast_blas()
 
 from mlx_nbengine.errors import ModelError  # noqa: E402
+from mlx_nbengine.models.architectures import model_kind  # noqa: E402
 from mlx_nbengine.models.loaded import LoadedModel  # noqa: E402
-from mlx_nbengine.models.loader import (  # noqa: E402
-    fingerprint_directory,
-    load,
-    model_kind,
-    resolve,
-)
+from mlx_nbengine.models.loader import fingerprint_directory, load, resolve  # noqa: E402
 from mlx_nbengine.models.sources import LocalModel, list_local_models  # noqa: E402
 
 __all__ = [

@@ -15,6 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlx_nbengine.errors import DefaultModelMissingError
+from mlx_nbengine.models.gguf import (
+    CONVERTER_VERSION,
+    cache_home,
+    convert,
+    remove_older_conversions,
+)
 
 __all__ = ["DEFAULT_MODEL_PACKAGE", "INSTALL_COMMAND", "default_model_dir"]
 
@@ -39,13 +45,6 @@ def default_model_dir(
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """The converted MLX directory of the default model, converting it on first use."""
-    from mlx_nbengine.models.gguf import (
-        CONVERTER_VERSION,
-        cache_home,
-        convert,
-        remove_older_conversions,
-    )
-
     package = _package()
     base = Path(cache_dir) if cache_dir is not None else cache_home() / "gguf"
     stem = Path(package.MODEL_NAME).stem

@@ -42,9 +42,14 @@ from mlx_nbengine.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
+from mlx_nbengine.models import cpu_math, qroute
+from mlx_nbengine.models.architectures import model_kind
+from mlx_nbengine.models.default import default_model_dir
+from mlx_nbengine.models.gguf import convert
 from mlx_nbengine.models.loaded import LoadedModel
+from mlx_nbengine.models.sources import locate
 
-__all__ = ["fingerprint_directory", "load", "model_kind", "resolve"]
+__all__ = ["fingerprint_directory", "load", "resolve"]
 
 Progress = Callable[[int, int], None]
 
@@ -67,16 +72,10 @@ def resolve(
     if isinstance(path_or_name, str) and path_or_name == "default":
         if revision is not None:
             raise ModelError("revision= applies to Hugging Face ids ('ORG/NAME'), not 'default'.")
-        from mlx_nbengine.models.default import default_model_dir
-
         return default_model_dir(cache_dir=cache_dir, progress=progress)
-    from mlx_nbengine.models.sources import locate
-
     path = locate(path_or_name, revision=revision, progress=progress)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            from mlx_nbengine.models.gguf import convert
-
             return convert(path, cache_dir=cache_dir, progress=progress)
         raise ModelNotFoundError(
             f"'{path}' is a file, not a model directory. Give the directory that holds "
@@ -101,22 +100,6 @@ def _read_config(path: Path) -> dict:
             f"'{path / 'config.json'}' has no model_type, so the architecture is unknown."
         )
     return config
-
-
-def _vlm_supports(model_type: str) -> bool:
-    import importlib.util
-
-    from mlx_vlm.utils import MODEL_REMAPPING
-
-    name = MODEL_REMAPPING.get(model_type, model_type)
-    return importlib.util.find_spec(f"mlx_vlm.models.{name}") is not None
-
-
-def model_kind(config: dict) -> str:
-    """``"vision"`` when the config describes a vision model mlx-vlm runs, else ``"text"``."""
-    if config.get("vision_config") and _vlm_supports(config["model_type"]):
-        return "vision"
-    return "text"
 
 
 def _check_text_supported(config: dict, path: Path) -> None:
@@ -216,8 +199,6 @@ def _route_quantized(model: Any, *, requantize: bool) -> str | None:
     they run. Returns the variant the fingerprint records, or None."""
     if not _on_cpu():
         return None
-    from mlx_nbengine.models import qroute
-
     if not (requantize or qroute.has_quantized_layers(model)) or not qroute.install():
         return None
     if not requantize:
@@ -344,8 +325,6 @@ def load(
     dtype = dtype or _default_dtype()
     if dtype is not None:
         _cast(model, dtype)
-    from mlx_nbengine.models import cpu_math
-
     variants = [_route_quantized(model, requantize=requantize)]
     variants.append(cpu_math.VARIANT if cpu_math.speed_up(model) else None)
     variant = "+".join(v for v in variants if v) or None

@@ -51,11 +51,15 @@ from typing import Literal
 
 from mlx_nbengine.errors import (
     AmbiguousModelError,
+    DefaultModelMissingError,
     ModelDownloadError,
     ModelError,
     ModelNotCachedError,
     ModelNotFoundError,
 )
+from mlx_nbengine.models.architectures import model_kind
+from mlx_nbengine.models.default import _package
+from mlx_nbengine.models.gguf import CONVERTER_VERSION, cache_home, conversion_dir
 
 __all__ = [
     "ACCEPTED_FORMS",
@@ -522,8 +526,6 @@ def _size(path: Path) -> int:
 
 
 def _mlx_kind(folder: Path) -> Literal["text", "vision"]:
-    from mlx_nbengine.models.loader import model_kind
-
     try:
         config = json.loads((folder / "config.json").read_text())
         return model_kind(config) if isinstance(config, dict) else "text"
@@ -532,8 +534,6 @@ def _mlx_kind(folder: Path) -> Literal["text", "vision"]:
 
 
 def _converted(gguf: Path, cache_dir: str | os.PathLike | None) -> bool:
-    from mlx_nbengine.models.gguf import conversion_dir
-
     try:
         return (conversion_dir(gguf, cache_dir=cache_dir) / "config.json").is_file()
     except OSError:
@@ -584,10 +584,6 @@ def _lmstudio_entries(cache_dir: str | os.PathLike | None) -> list[LocalModel]:
 
 
 def _default_entry(cache_dir: str | os.PathLike | None) -> LocalModel | None:
-    from mlx_nbengine.errors import DefaultModelMissingError
-    from mlx_nbengine.models.default import _package
-    from mlx_nbengine.models.gguf import CONVERTER_VERSION, cache_home
-
     try:
         package = _package()
         chunks = package.chunk_paths()

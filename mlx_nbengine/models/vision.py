@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from mlx_nbengine.cache.blocks import ImageSpan
 from mlx_nbengine.errors import ImageError
 
 __all__ = [
+    "ImageSpan",
     "VisionPrompt",
     "bidirectional_images",
     "image_digest",
@@ -42,6 +42,27 @@ __all__ = [
     "messages_with_images",
     "prepare_vision_prompt",
 ]
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Token range ``[start, end)`` of one image and a content hash of the image."""
+
+    start: int
+    end: int
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"image span needs 0 <= start < end, got {self.start}..{self.end}")
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and self.end > start
+
+    def cuts(self, boundary: int) -> bool:
+        """True when `boundary` falls strictly inside the image's tokens."""
+        return self.start < boundary < self.end
+
 
 # Keys of the processor's output that are not per-request model inputs (the token types
 # are rebuilt from the spans: a BOS fix may shift the ids).
