@@ -10,10 +10,10 @@ UI, through the menu Run > Run All Cells. The tests read the DOM of the live wid
 (``.mnb-strip .mnb-block`` with ``data-kind``, ``.mnb-map`` rows, ``.mnb-store``), never
 the static text/html fallback, and the browser console.
 
-A screenshot of the notebook lands in the module's temporary directory. Without Chromium
-(Debian's ``chromium`` package) or Playwright the module is skipped with the reason
-(under ``CI=true`` the run fails instead; see ``needs.py``); Playwright's own browser
-download is never used.
+Screenshots of the notebook, light and dark, land in the module's temporary directory.
+Without Chromium (Debian's ``chromium`` package) or Playwright the module is skipped with
+the reason (under ``CI=true`` the run fails instead; see ``needs.py``); Playwright's own
+browser download is never used.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class Nb7Run:
     edited: Step
     store: Step
     screenshot: Path
+    dark_screenshot: Path
     console_errors: list[str] = field(default_factory=list)
     typed_llm: str = ""  # the issue's lines typed into a `%%llm` cell, as saved
     styled_llm: int = -1  # words the editor coloured in that cell
@@ -142,7 +143,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
     ]
     tokens_first = chat_tokens(model, first_prompt)
     tokens_edited = chat_tokens(model, edited_prompt)
-    shot = tmp / "notebook7.png"
+    shot, dark_shot = tmp / "notebook7.png", tmp / "notebook7-dark.png"
     console_errors: list[str] = []
     kernel_extra = {"MLX_NBENGINE_HOME": str(tmp / "cache-home")}
     with lab_server(tmp / "nb7", kernel_extra_env=kernel_extra, app="notebook") as server:
@@ -190,6 +191,13 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
                     page.locator(CELLS).nth(1).evaluate("(e) => e.scrollIntoView({block: 'start'})")
                     page.wait_for_timeout(200)
                     page.screenshot(path=shot, full_page=True)
+                    page.evaluate(
+                        "() => window.jupyterapp.commands.execute('apputils:change-theme', "
+                        "{theme: 'JupyterLab Dark'})"
+                    )
+                    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+                    page.wait_for_timeout(500)  # the theme's CSS applies
+                    page.screenshot(path=dark_shot, full_page=True)
                 except Exception:
                     page.screenshot(path=tmp / "failure.png")
                     (tmp / "console-errors.txt").write_text("\n".join(console_errors))
@@ -203,6 +211,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
         edited=edited,
         store=store,
         screenshot=shot,
+        dark_screenshot=dark_shot,
         console_errors=console_errors,
         typed_llm=typed_llm,
         styled_llm=styled[4],
@@ -245,6 +254,8 @@ def test_notebook7_block_map_and_store_view_are_shown(nb7_run):
     assert nb7_run.store.stores >= 1
     png = nb7_run.screenshot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    dark = nb7_run.dark_screenshot.read_bytes()
+    assert dark[:8] == b"\x89PNG\r\n\x1a\n" and len(dark) > 10_000 and dark != png
 
 
 def test_notebook7_llm_cells_are_edited_as_text(nb7_run):
