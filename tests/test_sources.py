@@ -30,6 +30,8 @@ from mlx_nbengine.models.gguf import conversion_dir
 from mlx_nbengine.models.sources import _progress_bar_class, hub_cache, lmstudio_model_dirs
 
 MAIN = "a" * 40
+# The real cache look-up; the fixtures stand in for the hub's network calls only.
+CACHED_SNAPSHOT = huggingface_hub.snapshot_download
 DEV = "b" * 40
 
 
@@ -53,7 +55,12 @@ def private_machine(tmp_path, monkeypatch) -> Path:
     def forbidden(*args, **kwargs):
         pytest.fail(f"the Hugging Face hub was called: {args} {kwargs}")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", forbidden)
+    def cache_only(repo_id, **kwargs):
+        if not kwargs.get("local_files_only"):
+            forbidden(repo_id, **kwargs)
+        return CACHED_SNAPSHOT(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cache_only)
     monkeypatch.setattr(huggingface_hub, "model_info", forbidden)
     return tmp_path
 
@@ -221,6 +228,8 @@ def online_hub(monkeypatch, repo_files: list[str], source: list[Path]) -> dict:
     calls: dict = {}
 
     def snapshot_download(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):  # a look in the cache, not a download
+            return CACHED_SNAPSHOT(repo_id, **kwargs)
         calls.update(kwargs, repo_id=repo_id)
         return str(add_to_hub_cache(repo_id, source, commit=MAIN))
 

@@ -49,6 +49,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import huggingface_hub as hub
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.utils import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import tqdm as hub_tqdm
+
 from mlx_nbengine.errors import (
     AmbiguousModelError,
     DefaultModelMissingError,
@@ -91,7 +103,6 @@ DOWNLOAD_PATTERNS = (
 
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _ID = re.compile(rf"({_PART}/{_PART})(?:/(.+\.gguf))?", re.IGNORECASE)
-_COMMIT = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"[0-9a-f]{7,40}")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -107,18 +118,19 @@ ACCEPTED_FORMS = (
 
 
 def hub_cache() -> Path:
-    """The Hugging Face hub cache folder, read from the environment at each call."""
+    """The Hugging Face hub cache folder: `constants.HF_HUB_CACHE`, unless the environment
+    names another since huggingface_hub was imported (it reads the variables once)."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.path.expandvars(os.environ[var])).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+    return Path(hub_constants.HF_HUB_CACHE)
 
 
 def is_offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) forbids network calls."""
+    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) forbids network calls, read
+    at each call (`constants.HF_HUB_OFFLINE` is read once, at import)."""
     return any(
         (os.environ.get(var) or "").strip().upper() in _TRUE
         for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -226,40 +238,52 @@ def _child(parent: Path, name: str) -> Path | None:
 # -- the hub cache ----------------------------------------------------------------------------
 
 
-def _repo_folder(repo_id: str) -> Path | None:
-    return _child(hub_cache(), "models--" + repo_id.replace("/", "--"))
-
-
-def _snapshot(repo: Path, revision: str | None) -> Path | None:
-    snapshots = repo / "snapshots"
-    rev = revision or "main"
-    if _COMMIT.fullmatch(rev):
-        return snapshots / rev if (snapshots / rev).is_dir() else None
-    ref = repo / "refs" / rev
-    if ref.is_file():
-        try:
-            commit = ref.read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        return snapshots / commit if commit and (snapshots / commit).is_dir() else None
+def _cached_repos() -> list[hub.CachedRepoInfo]:
+    """The hub cache's model repositories, in folder order (a damaged one is left out)."""
     try:
-        present = [s for s in snapshots.iterdir() if s.is_dir()]
-    except OSError:
-        return None
+        repos = hub.scan_cache_dir(hub_cache()).repos
+    except (hub.CacheNotFound, OSError):
+        return []
+    return sorted((r for r in repos if r.repo_type == "model"), key=lambda r: r.repo_path.name)
+
+
+def _cached_snapshot(repo: hub.CachedRepoInfo, revision: str | None) -> Path | None:
+    """`repo`'s snapshot at `revision` (a ref, a commit or its unique prefix of 7 or more);
+    None: ``main``, or the newest snapshot when no ref names ``main``."""
+    rev = revision or "main"
+    named = [r for r in repo.revisions if rev in r.refs or r.commit_hash == rev]
+    if named:
+        return named[0].snapshot_path
     if revision is None:
-        return max(present, key=lambda s: s.stat().st_mtime, default=None)
+        newest = max(repo.revisions, key=lambda r: r.last_modified, default=None)
+        return newest.snapshot_path if newest is not None else None
     if _HEX.fullmatch(rev):
-        matches = [s for s in present if s.name.startswith(rev)]
-        return matches[0] if len(matches) == 1 else None
+        matches = [r for r in repo.revisions if r.commit_hash.startswith(rev)]
+        return matches[0].snapshot_path if len(matches) == 1 else None
     return None
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path | None:
+    try:
+        # A ref or a whole commit hash, as huggingface_hub resolves them without the network.
+        found = hub.snapshot_download(
+            repo_id, revision=revision, cache_dir=hub_cache(), local_files_only=True
+        )
+        return Path(found)
+    except (LocalEntryNotFoundError, HfHubHTTPError, ValueError):
+        pass
+    # What it does not resolve: another spelling of the id's case, a repository downloaded
+    # by commit only (no refs/main), a commit's prefix.
+    wanted = repo_id.lower()
+    repo = next((r for r in _cached_repos() if r.repo_id.lower() == wanted), None)
+    return _cached_snapshot(repo, revision) if repo is not None else None
 
 
 def find_in_hub_cache(
     repo_id: str, *, revision: str | None = None, gguf_file: str | None = None
 ) -> Path | None:
     """The model directory or GGUF file of `repo_id` in the hub cache, or None (no network)."""
-    repo = _repo_folder(repo_id)
-    snapshot = _snapshot(repo, revision) if repo is not None else None
+    snapshot = _snapshot(repo_id, revision)
     if snapshot is None:
         return None
     return _pick(snapshot, gguf_file, label=repo_id, by_path=False)
@@ -317,7 +341,6 @@ def _progress_bar_class(progress: Progress | None):
     """
     if progress is None:
         return None
-    from huggingface_hub.utils import tqdm as hub_tqdm
 
     class _Bar(hub_tqdm):
         def __init__(self, *args, **kwargs):
@@ -338,19 +361,9 @@ def _progress_bar_class(progress: Progress | None):
 
 
 def _hub_error(e: Exception, repo_id: str, revision: str | None, gguf_file: str | None):
-    from huggingface_hub import constants
-    from huggingface_hub.utils import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     # huggingface_hub reads HF_HUB_OFFLINE once, at import: it may be offline while we are not.
     if isinstance(e, OfflineModeIsEnabled) or (
-        isinstance(e, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE
+        isinstance(e, LocalEntryNotFoundError) and hub_constants.HF_HUB_OFFLINE
     ):
         return _offline_error(repo_id, revision, gguf_file)
     if isinstance(e, GatedRepoError):
@@ -427,18 +440,16 @@ def download(
     """
     if is_offline():
         raise _offline_error(repo_id, revision, gguf_file)
-    import huggingface_hub
-
     try:
         # model_info fails at once when the hub is unreachable (list_repo_files retries for
         # half a minute); its siblings are the repository's files.
-        info = huggingface_hub.model_info(repo_id, revision=revision)
+        info = hub.model_info(repo_id, revision=revision)
     except Exception as e:  # the hub client raises HTTP, connection and OS errors alike
         raise _hub_error(e, repo_id, revision, gguf_file) from e
     files = [sibling.rfilename for sibling in info.siblings or []]
     allow, target = _patterns(repo_id, files, gguf_file)
     try:
-        snapshot = huggingface_hub.snapshot_download(
+        snapshot = hub.snapshot_download(
             repo_id,
             revision=revision,
             cache_dir=hub_cache(),
@@ -556,16 +567,11 @@ def _entries(
 
 
 def _hub_entries(cache_dir: str | os.PathLike | None) -> list[LocalModel]:
-    try:
-        repos = sorted(hub_cache().glob("models--*--*"))
-    except OSError:
-        return []
     found: list[LocalModel] = []
-    for repo in repos:
-        _, org, name = repo.name.split("--", 2)
-        snapshot = _snapshot(repo, None)
+    for repo in _cached_repos():
+        snapshot = _cached_snapshot(repo, None)
         if snapshot is not None:
-            found.extend(_entries(snapshot, f"{org}/{name}", "hub cache", cache_dir))
+            found.extend(_entries(snapshot, repo.repo_id, "hub cache", cache_dir))
     return found
 
 
