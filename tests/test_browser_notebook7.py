@@ -66,6 +66,8 @@ class Nb7Run:
     store: Step
     screenshot: Path
     dark_screenshot: Path
+    # The quickstart after Run All and its "your turn" edit (`run_all_then_edit_the_quickstart`).
+    quickstart: dict = field(default_factory=dict)
     console_errors: list[str] = field(default_factory=list)
     typed_llm: str = ""  # the issue's lines typed into a `%%llm` cell, as saved
     styled_llm: int = -1  # words the editor coloured in that cell
@@ -127,6 +129,90 @@ def add_cell_below(page, index: int, source: str) -> None:
     page.wait_for_function(
         "(n) => document.querySelectorAll('.jp-Notebook .jp-Cell').length >= n", arg=index + 2
     )
+
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+# The quickstart's "your turn": the question after the document, changed.
+SECOND_CELL = "%%llm --interpolate --blocks -o second"
+NEW_QUESTION = "The keeper who stayed longest was"
+
+KERNEL_IDLE = (
+    "() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel"
+    "?.status === 'idle'"
+)
+CODE_CELLS_RAN = """() => {
+  const cells = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')];
+  const kernel = window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel;
+  return cells.length > 0 && kernel?.status === 'idle' && cells.every(c =>
+    /^\\[\\d+\\]:$/.test(c.querySelector('.jp-InputPrompt').textContent.trim()));
+}"""
+
+
+def run_all_then_edit_the_quickstart(page, server, shot_dir: Path) -> dict:
+    """The quickstart (on the tiny model) run with Run > Run All Cells, then its "your
+    turn": the `second` cell's question changed in the editor and run again. Returns the
+    code cells' sources, that cell's prompt before and after, and its strip's kinds."""
+    nb = json.loads(QUICKSTART.read_text())
+    for c in nb["cells"]:
+        source = "".join(c["source"])
+        if source.strip() == "%load_model default":
+            c["source"] = "%load_model tiny-llama --cache-dir scratch"
+    nb["metadata"]["kernelspec"] = notebook_json([])["metadata"]["kernelspec"]
+    (server.root / "quickstart.ipynb").write_text(json.dumps(nb))
+    page.goto(f"{server.base_url}/notebooks/quickstart.ipynb?token={server.token}")
+    page.wait_for_function(KERNEL_IDLE)
+    run_all_from_menu(page)
+    page.wait_for_function(CODE_CELLS_RAN)
+    cells = page.evaluate(
+        "() => window.jupyterapp.shell.currentWidget.content.widgets.map("
+        "(w) => [w.model.type, w.model.sharedModel.getSource()])"
+    )
+    index = next(i for i, (_, text) in enumerate(cells) if text.startswith(SECOND_CELL))
+    cell = page.locator(CELLS).nth(index)
+    before = cell.locator(".jp-InputPrompt").inner_text().strip()
+    cell.locator(".cm-content").click()
+    page.keyboard.press("Control+End")
+    page.keyboard.press("Shift+Home")
+    page.keyboard.type(NEW_QUESTION)
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        """([i, before]) => {
+          const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+            .querySelector('.jp-InputPrompt').textContent.trim();
+          return /^\\[\\d+\\]:$/.test(p) && p !== before;
+        }""",
+        arg=[index, before],
+    )
+    page.wait_for_function(CODE_CELLS_RAN)
+    page.wait_for_function(STRIP_DONE.replace("blocks.length === n && ", ""), arg=[index, 0])
+    step = Step(**page.evaluate(READ_CELL, index))
+    shots = {}
+    for theme, light in (("JupyterLab Dark", False), ("JupyterLab Light", True)):
+        page.evaluate(
+            "(t) => window.jupyterapp.commands.execute('apputils:change-theme', {theme: t})",
+            theme,
+        )
+        page.wait_for_function(
+            "(light) => document.body.dataset.jpThemeLight === String(light)", arg=light
+        )
+        page.wait_for_timeout(500)  # the theme's CSS applies
+        cell.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+        shots[theme] = shot_dir / f"quickstart-edit-{'light' if light else 'dark'}.png"
+        cell.screenshot(path=shots[theme])
+    return {
+        "screenshots": shots,
+        "code": [text for kind, text in cells if kind == "code"],
+        "edited": page.evaluate(
+            "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i]"
+            ".model.sharedModel.getSource()",
+            index,
+        ),
+        "kinds": kinds(step.strip),
+        "errors": page.locator(CELLS)
+        .nth(index)
+        .locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+        .all_inner_texts(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +284,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
                     page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
                     page.wait_for_timeout(500)  # the theme's CSS applies
                     page.screenshot(path=dark_shot, full_page=True)
+                    quickstart = run_all_then_edit_the_quickstart(page, server, tmp)
                 except Exception:
                     page.screenshot(path=tmp / "failure.png")
                     (tmp / "console-errors.txt").write_text("\n".join(console_errors))
@@ -212,6 +299,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
         store=store,
         screenshot=shot,
         dark_screenshot=dark_shot,
+        quickstart=quickstart,
         console_errors=console_errors,
         typed_llm=typed_llm,
         styled_llm=styled[4],
@@ -262,3 +350,15 @@ def test_notebook7_llm_cells_are_edited_as_text(nb7_run):
     assert nb7_run.typed_llm == "\n".join([TYPED_HEAD, *TYPED_LINES])
     assert nb7_run.styled_python > 0, "the control: the same lines in a Python cell are coloured"
     assert nb7_run.styled_llm == 0
+
+
+def test_the_quickstart_survives_run_all_and_its_edit_restores_blocks(nb7_run):
+    quickstart = nb7_run.quickstart
+    assert not [code for code in quickstart["code"] if "%unload_model" in code]
+    assert quickstart["edited"].endswith(f"\n{NEW_QUESTION}")
+    assert not quickstart["errors"], quickstart["errors"]
+    got = quickstart["kinds"]
+    assert len(got) >= 2 and got[0] in RESTORED, f"the document's blocks come back: {got}"
+    assert got[-1] == "tail"
+    light, dark = (p.read_bytes() for p in quickstart["screenshots"].values())
+    assert light != dark and min(len(light), len(dark)) > 10_000
