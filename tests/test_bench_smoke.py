@@ -32,6 +32,7 @@ CASES = {
     "blobfile": ("bench_blobfile", [], None),
     "persist": ("bench_persist", [], None),
     "blas": ("bench_blas", [], ("gemma3_text", {"sliding_window": 64})),
+    "cpu_decode": ("bench_cpu_decode", [], ("llama", {})),
 }
 
 
