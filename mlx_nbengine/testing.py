@@ -42,6 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mlx_nbengine.models import patches
+
 __all__ = [
     "EXTRA_FAMILIES",
     "FAMILIES",
@@ -265,8 +267,6 @@ def make_tiny_model(
     the depth of a text family (llama 2, the others 4, so both layer kinds exist);
     `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
     """
-    from mlx_lm.utils import _get_classes
-
     if family == "gemma4":
         return make_tiny_gemma4_vlm(
             directory, seed=seed, dtype=dtype, sliding_window=sliding_window
@@ -279,7 +279,7 @@ def make_tiny_model(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = patches.model_classes(config)
     model = model_class(args_class.from_dict(config))
     _save_random_weights(model, directory, seed=seed, dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))

@@ -26,6 +26,7 @@ from mlx_nbengine.cache import PrefixCache, extract_block_records, prefill_steps
 from mlx_nbengine.cache.store import BlockStore
 from mlx_nbengine.engine import BlockEvent, InvalidRequestError
 from mlx_nbengine.models import load
+from mlx_nbengine.models.patches import window_in_token_order
 
 BS = 16
 BOS = 2
@@ -295,7 +296,7 @@ def test_restore_block_caches_are_bit_identical_to_a_cold_run(engine_factory, na
             if name == "KVCache":
                 return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
             if name == "RotatingKVCache":
-                return [c._temporal_order(c.keys), c._temporal_order(c.values)]
+                return [window_in_token_order(c, c.keys), window_in_token_order(c, c.values)]
             return [a for a in c.state if isinstance(a, mx.array)]
 
         # Read on the generation thread, which owns the arrays' stream.
@@ -403,7 +404,7 @@ def test_a_cut_cache_holds_exactly_what_a_cold_prefill_computes(stored, edit_at)
             )
         else:  # the last min(W, p) tokens, in order
             lo = max(0, p - c.max_size)
-            got = (c._temporal_order(c.keys), c._temporal_order(c.values))
+            got = (window_in_token_order(c, c.keys), window_in_token_order(c, c.values))
             want = (ref.keys[..., lo:p, :], ref.values[..., lo:p, :])
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and mx.array_equal(a, b).item()

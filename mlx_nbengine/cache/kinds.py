@@ -46,6 +46,7 @@ from mlx_nbengine.cache.records import (
     record_signature,
 )
 from mlx_nbengine.cache.snapshots import PROTOCOLS, restore_snapshot, skeleton_arrays, take_snapshot
+from mlx_nbengine.models import patches
 
 __all__ = [
     "KINDS",
@@ -275,13 +276,7 @@ class SlidingWindow(LayerKind):
     cuts_inside_blocks = True
 
     def claims(self, layer_cache: Any) -> bool:
-        c = layer_cache
-        return (
-            type(c).__name__ == "RotatingKVCache"
-            and getattr(c, "keep", None) == 0
-            and hasattr(c, "_temporal_order")
-            and all(hasattr(c, a) for a in ("keys", "values", "offset", "max_size", "_idx"))
-        )
+        return patches.is_window_cache(layer_cache)
 
     def window(self, layer_cache: Any) -> int:
         return int(layer_cache.max_size)
@@ -296,7 +291,7 @@ class SlidingWindow(LayerKind):
         c, end = layer_cache, span.end
         # The layer's own temporal ordering: after a multi-token step the buffer holds up
         # to max_size - 1 + S tokens in order, after single-token steps it is rotated.
-        keys = c._temporal_order(c.keys) if c.keys is not None else None
+        keys = patches.window_in_token_order(c, c.keys) if c.keys is not None else None
         held = 0 if keys is None else keys.shape[TOKEN_AXIS]
         first = c.offset - held
         reach = max(span.start, first)
@@ -306,7 +301,7 @@ class SlidingWindow(LayerKind):
                 f"window layer {i} holds tokens [{first}, {c.offset}); block {span.block} "
                 f"needs [{latest}, {end}) still held"
             )
-        values = c._temporal_order(c.values)
+        values = patches.window_in_token_order(c, c.values)
         arrays = {
             f"L{i}.k": mx.contiguous(keys[..., reach - first : end - first, :]),
             f"L{i}.v": mx.contiguous(values[..., reach - first : end - first, :]),
@@ -353,8 +348,7 @@ class SlidingWindow(LayerKind):
         if covered != p:
             raise RecordError(f"window records of layer {i} end at {covered}, expected {p}")
         keys, values = join_tokens(keys, i), join_tokens(values, i)
-        layer_cache.keys, layer_cache.values, layer_cache.offset = keys, values, p
-        layer_cache._idx = keys.shape[TOKEN_AXIS]
+        patches.set_window_state(layer_cache, keys, values, p)
 
     def check_cut(self, rec, *, boundary, point):
         for i, meta in rec.layers.items():

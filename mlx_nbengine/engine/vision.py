@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_nbengine.models import patches
 from mlx_nbengine.models.vision import ImageSpan, bidirectional_images
 
 __all__ = ["DEFAULT_MEMO_BYTES", "Embedded", "FeatureMemo", "VisionInputs", "VisionRunner"]
@@ -269,5 +270,5 @@ def install_image_masks(language_model: Any) -> bool:
             return out
 
     ImageMasks.__name__ = ImageMasks.__qualname__ = f"{cls.__name__}WithImageMasks"
-    inner.__class__ = ImageMasks
+    patches.subclass_instance(inner, ImageMasks)
     return True

@@ -33,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_nbengine.models import patches
+
 __all__ = ["VARIANT", "gelu_tanh", "speed_up"]
 
 # Goes into the model fingerprint when `speed_up` changed something (bump on any change).
@@ -148,6 +150,6 @@ def speed_up(model: Any) -> int:
         fast = _fast_class(cls)
         if fast is None:
             continue
-        module.__class__ = fast
+        patches.subclass_instance(module, fast)
         changed += 1
     return changed

@@ -42,7 +42,7 @@ from mlx_nbengine.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from mlx_nbengine.models import cpu_math, qroute
+from mlx_nbengine.models import cpu_math, patches, qroute
 from mlx_nbengine.models.architectures import model_kind
 from mlx_nbengine.models.default import default_model_dir
 from mlx_nbengine.models.gguf import convert
@@ -103,10 +103,8 @@ def _read_config(path: Path) -> dict:
 
 
 def _check_text_supported(config: dict, path: Path) -> None:
-    from mlx_lm.utils import _get_classes
-
     try:
-        _get_classes(config)
+        patches.model_classes(config)
     except ValueError as e:
         import mlx_lm
 
@@ -191,7 +189,7 @@ def _default_dtype() -> str | None:
 # The default model's weights on the CPU where our kernels run (tests/test_default_q8.py
 # measures what it loses against float32).
 DEFAULT_CPU_BITS = 8
-DEFAULT_CPU_GROUP_SIZE = 64
+DEFAULT_CPU_GROUP_SIZE = 32
 
 
 def _route_quantized(model: Any, *, requantize: bool) -> str | None:
