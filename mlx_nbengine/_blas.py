@@ -1,7 +1,7 @@
 """Give MLX on Linux CPU an optimized BLAS, without the user knowing, and never a crash.
 
 The ``mlx[cpu]`` wheel links its matmuls (``cblas_sgemm``...) against a bundled
-reference BLAS that runs at a few GFLOP/s. OpenBLAS runs them 30-100x faster. The
+reference BLAS, many times slower than OpenBLAS (`bench/bench_blas.py`). The
 dynamic linker resolves an undefined symbol in the *global scope* before a library's own
 dependencies, so loading a library that exports ``cblas_sgemm`` with ``RTLD_GLOBAL``
 before ``mlx.core`` is first imported makes MLX's BLAS calls land in it. After MLX is
@@ -26,9 +26,8 @@ prefill step (hundreds of tokens) amortizes that and runs up to N times faster;
 a decode step (one token per sequence, a matrix-vector product bound by memory
 bandwidth) gains nothing and, on a busy machine, loses several times over to
 threads waiting for a core. Even prefill loses when other processes hold the
-cores: OpenBLAS splits each matmul evenly and waits for its slowest thread (on
-the busy 2-core benchmark machine one thread prefilled 2.5x faster than two; on
-the idle one, two threads were 1.5x faster than one).
+cores: OpenBLAS splits each matmul evenly and waits for its slowest thread (the
+README gives both machines' figures).
 
 So a *step* (one model call and its evaluation) is wrapped in
 ``with blas_step(n_tokens):``. *Prefill* steps (at least `PARALLEL_MIN_TOKENS`
@@ -38,11 +37,10 @@ re-tried every `PROBE_EVERY` prefill steps so a change in the machine's load is
 noticed.
 
 *Decode* steps (fewer tokens) start on one thread, the safe choice on a busy
-machine; on a quiet one all threads decode faster (Gemma 3 270M: 4.4 vs 7.0
-tok/s on 2 cores). A decode *probe* runs `DECODE_PROBE_STEPS` consecutive decode
-steps on the other count: first as soon as `DECODE_PROBE_STEPS` intervals on one
-thread are known, then after `DECODE_PROBE_WAIT` decode steps. A step
-is measured by its *interval*, the time from entering its ``with`` block to
+machine; on a quiet one all threads decode faster. A decode *probe* runs
+`DECODE_PROBE_STEPS` consecutive decode steps on the other count: first as soon as
+`DECODE_PROBE_STEPS` intervals on one thread are known, then after `DECODE_PROBE_WAIT`
+decode steps. A step is measured by its *interval*, the time from entering its ``with`` block to
 entering the next decode step's: the engine launches steps asynchronously and
 pipelined (the block only builds the graph), and a step cannot start computing
 before the previous one's tokens are read, so in a steady run the interval is

@@ -44,7 +44,7 @@ Opening replays the log up to its first damaged or truncated entry (the rest is 
 drops puts whose extent overlaps a later one, starts in the header or runs past the end of
 the data file, and frees every byte no record uses (a half-written record's space comes
 back here; free space at the end is truncated). Blob checksums are checked on every read,
-not on open (opening a 1 GiB store takes milliseconds): a record whose bytes were damaged
+not on open (so opening reads the index only): a record whose bytes were damaged
 is a miss, evicted when first read. A log grown to more than twice the live entries (at
 least `compact_min` entries) is *compacted*: the live entries, oldest first, are written
 to ``index.log.tmp``, synced and renamed over the log (atomic: either log is whole). Close

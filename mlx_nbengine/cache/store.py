@@ -11,8 +11,8 @@ Terms:
   used items are evicted until the new blob fits. The scratch file can be larger than the
   budget by its interior free space (`free_bytes`), which later writes reuse first.
 - *default budget*: `min(25% of the free space of the directory, 8 GiB)`: a quarter leaves the
-  user's disk usable while other programs grow, and 8 GiB holds ~800 blocks of Gemma 3 270M
-  (~10 MB each), far more than one notebook's prompts need.
+  user's disk usable while other programs grow, and 8 GiB holds far more blocks of a small
+  model than one notebook's prompts need (the README gives a block's bytes).
 - *memory only*: `budget_bytes=0` turns the disk off; blobs then live in a dict under
   `memory_budget_bytes` (default 512 MiB), so the cache still works where no disk is wanted.
 - *miss*: `get` of an absent or damaged item. A `put` that cannot store (blob larger than

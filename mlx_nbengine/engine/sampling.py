@@ -10,10 +10,9 @@ so rows come shifted to a maximum of 0 and need no log-softmax.
 Two paths draw from the same distribution:
 
 - `RequestSampler.host` takes the row as a numpy array and returns a token id. The
-  engine uses it on the CPU, where MLX's sort (the nucleus) and ``exp`` are scalar:
-  about 45 ms a row on a 262k vocabulary with ``top_p``, against about 2 ms in numpy
-  (`bench/bench_sampling.py`). A decode step
-  with sampled rows is then a `HostDraw`: its logits compute while the generation
+  engine uses it on the CPU, where MLX's sort (the nucleus) and ``exp`` are scalar and
+  numpy draws a row many times faster (`bench/bench_sampling.py`). A decode step with
+  sampled rows is then a `HostDraw`: its logits compute while the generation
   thread streams the previous step, and its rows are drawn when it is read, so the next
   step's graph can only be built after that (steps are not pipelined).
 - `RequestSampler.graph` takes the row as an MLX array and returns a lazy token id, so
@@ -103,8 +102,8 @@ def _inverse_cdf(weights: np.ndarray, u: float) -> int:
     """The token whose interval of the cumulative weights holds ``u`` x the total.
 
     In two levels (float64 block sums, then a cumulative sum inside one block): a
-    float64 cumulative sum over the whole vocabulary costs 2-3 ms a row. Rounding never
-    picks a token of weight 0: the nearest one with weight in the block is taken.
+    float64 cumulative sum over the whole vocabulary would be the slow part of a row.
+    Rounding never picks a token of weight 0: the nearest one with weight in the block is taken.
     """
     n = len(weights)
     padded = np.zeros(-(-n // _BLOCK) * _BLOCK, dtype=np.float32)
