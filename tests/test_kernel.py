@@ -457,11 +457,13 @@ def test_interrupt_cancels_a_long_generation_and_the_kernel_stays_usable(kernel)
 
 def test_background_cells_run_concurrently_into_their_own_cells(kernel):
     started = time.monotonic()
-    first = kernel.ok("%%llm --bg -o job1 --max-tokens 600\nTell me a story about a fox.")
-    second = kernel.ok("%%llm --bg -o job2 --max-tokens 600\nTell me a story about a dog.")
+    # Long enough answers that neither ends before both cells have returned, however fast
+    # the machine decodes the tiny model (600 tokens once finished first on a quiet one).
+    first = kernel.ok("%%llm --bg -o job1 --max-tokens 4000\nTell me a story about a fox.")
+    second = kernel.ok("%%llm --bg -o job2 --max-tokens 4000\nTell me a story about a dog.")
     # Both cells returned before either answer was done.
     assert kernel.value("job1.done() or job2.done()") == "False"
-    kernel.ok("r1, r2 = job1.result(timeout=120), job2.result(timeout=120)")
+    kernel.ok("r1, r2 = job1.result(timeout=200), job2.result(timeout=200)")
     kernel.pump(0.2)
     assert time.monotonic() - started < 240
     ids = {}
