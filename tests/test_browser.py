@@ -90,6 +90,8 @@ class LabRun:
     # The block map's details title after hovering a strip cell, and its selected row
     # after clicking that cell (`point_at_block`).
     strip_to_map: dict = field(default_factory=dict)
+    # Every state a cold prompt's strip and status line went through (`WATCH_STRIP`).
+    cold_states: list[dict] = field(default_factory=list)
     stopped_fg: dict = field(default_factory=dict)
     copied: dict = field(default_factory=dict)
     job: str = ""
@@ -181,6 +183,42 @@ def replace_last_line(page, index: int, text: str) -> None:
     page.keyboard.press("Shift+Home")
     page.keyboard.type(text)
 
+
+# A prompt new to the store, of many 16-token blocks: its prefill on the tiny model lasts
+# long enough for the page to draw the strip before the last blocks arrive.
+COLD_PROMPT = "\n".join(
+    f"Log {i}: the keepers wound the clockwork, trimmed the wicks and polished the lens."
+    for i in range(120)
+)
+# Records, in `window.mnbStripStates`, every strip the page draws from here on (the ES
+# module parses each new markup with a <template>: one entry per update the kernel sent,
+# however close together they arrive) as its kinds, one letter each (p: pending), and
+# every status line cell `index` shows; each entry with its time.
+WATCH_STRIP = """(index) => {
+  const states = window.mnbStripStates = [];
+  const html = Object.getOwnPropertyDescriptor(Element.prototype, 'innerHTML');
+  Object.defineProperty(HTMLTemplateElement.prototype, 'innerHTML', {
+    configurable: true,
+    get() { return html.get.call(this); },
+    set(markup) {
+      if (markup && markup.includes('mnb-root mnb-strip')) {
+        const cells = /class="mnb-block" data-index="\\d+" data-kind="(\\w+)"/g;
+        const kinds = [...markup.matchAll(cells)].map(m => m[1][0]).join('');
+        states.push({t: performance.now(), kinds, status: null});
+      }
+      html.set.call(this, markup);
+    },
+  });
+  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  new MutationObserver(() => {
+    const status = cell.querySelector('.mnb-answer .mnb-status');
+    const text = status ? status.textContent : '';
+    const last = states.filter(s => s.status !== null).at(-1);
+    if (!last || last.status !== text) {
+      states.push({t: performance.now(), kinds: null, status: text});
+    }
+  }).observe(cell, {subtree: true, childList: true, characterData: true});
+}"""
 
 STRIP_TO_MAP_BLOCK = 3
 MAP_STATE = """(index) => {
@@ -330,6 +368,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         f"%%llm --max-tokens {LONG_ANSWER}\nTell another long story.",
         "job.result().finish_reason, len(job.result().tokens) < "
         f"{LONG_ANSWER}, job.text == job.result().text",
+        f"%%llm --max-tokens 2\n{COLD_PROMPT}",
     ]
     tokens_first = chat_tokens(model, first_prompt)
     tokens_edited = chat_tokens(model, f"{LONG_PROMPT}\n{EDITED_LAST_LINE}")
@@ -401,6 +440,11 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
                     )
                     figures_later = page.evaluate(STORE_FIGURES, 2)
 
+                    page.evaluate(WATCH_STRIP, 8)
+                    run_cell(page, 8)
+                    wait_strip(page, 8, math.ceil(len(chat_tokens(model, COLD_PROMPT)) / BLOCK))
+                    cold_states = page.evaluate("() => window.mnbStripStates")
+
                     # Let the answer's last update and the widgets settle before pictures.
                     page.wait_for_timeout(500)
                     cells_to_shoot = {"llm-cell": 1, "store": 2, "typed": 3, "stopped": 5}
@@ -431,6 +475,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
         screenshots=shots,
         console_errors=console_errors,
         strip_to_map=strip_to_map,
+        cold_states=cold_states,
         stopped_bg=stopped_bg,
         stopped_fg=stopped_fg,
         copied=copied,
@@ -502,6 +547,23 @@ def test_hovering_a_strip_cell_shows_its_block_in_the_map_and_a_click_selects_it
     block = STRIP_TO_MAP_BLOCK
     assert lab_run.strip_to_map["hovered"]["details"].endswith(f"block {block}")
     assert lab_run.strip_to_map["clicked"]["selected"] == [block]
+
+
+def test_a_cold_prefill_fills_the_strip_block_by_block(lab_run):
+    strips = [s["kinds"] for s in lab_run.cold_states if s["kinds"] is not None]
+    n = max(map(len, strips), default=0)
+    assert n >= 4, strips
+    # Some blocks done, some still pending: states between the empty and the full strip.
+    partial = {k for k in strips if len(k) == n and "p" in k and k != "p" * n}
+    assert len(partial) >= 2, strips
+
+
+def test_a_running_prefill_never_says_queued(lab_run):
+    states = lab_run.cold_states
+    started = [s["t"] for s in states if s["kinds"] and s["kinds"].strip("p")]
+    assert started, states
+    later = [s["status"] for s in states if s["status"] is not None and s["t"] >= started[0]]
+    assert later and not [text for text in later if "queued" in text], later
 
 
 def test_the_store_view_shows_the_blocks_held(lab_run):

@@ -214,3 +214,25 @@ def test_an_image_prompt_marks_the_blocks_its_image_overlaps(tiny_model_dir, tmp
         assert 'data-image="0"' in strip.html()
     finally:
         engine.close()
+
+
+def prefill_progress(engine, prompt, **options) -> list[tuple[str, int]]:
+    """The (phase, done) of every `Progress` event of `prompt`'s request."""
+    request = engine.submit(prompt, max_tokens=1, **options)
+    return [(e.phase, e.done) for e in request.stream() if type(e).__name__ == "Progress"]
+
+
+def test_a_request_with_nothing_to_restore_says_at_once_that_it_left_the_queue(engine_factory):
+    progress = prefill_progress(engine_factory(), text(seed=7))
+    assert progress[0] == ("restore", 0)
+
+
+def test_live_blocks_prefill_one_block_per_step(engine_factory):
+    engine = engine_factory(max_prefill_step=1024)
+    n = len(engine.submit(text(seed=8), max_tokens=1).result().prompt_tokens)
+    assert n > 4 * BS
+    steps = [done for phase, done in prefill_progress(engine, text(seed=9)) if phase == "prefill"]
+    assert len(steps) <= 2, "without live blocks: long steps"
+    live = prefill_progress(engine, text(seed=10), live_blocks=True)
+    steps = [done for phase, done in live if phase == "prefill"]
+    assert steps[: n // BS] == [BS * (i + 1) for i in range(n // BS)]

@@ -222,6 +222,7 @@ class Engine:
         stop: str | SequenceABC[str] | None = None,
         images: Any = None,
         template_kwargs: dict[str, Any] | None = None,
+        live_blocks: bool = False,
     ) -> Request:
         """Queue a prompt and return its `Request` handle at once.
 
@@ -239,6 +240,9 @@ class Engine:
         a string without the model's image placeholder gets the placeholders first.
         Raises `ImageError` (an `InvalidRequestError`) naming the image that cannot be
         read, and for images given to a text-only model or more images than places.
+
+        `live_blocks` prefills one block per step, so that each block's event comes as it is
+        computed (for a person watching them arrive); longer steps are faster.
         """
         if self._closed:
             raise EngineClosedError("this engine is closed; load a new one with Engine.load")
@@ -264,6 +268,7 @@ class Engine:
             ledger=self._ledger,
             images=vision.spans if vision is not None else (),
             vision=vision,
+            live_blocks=live_blocks,
         )
         with self._lock:
             if self._closed:

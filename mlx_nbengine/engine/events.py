@@ -7,7 +7,8 @@ thread). The stream of one request is:
 - zero or more `BlockEvent`: one per prompt block, as soon as its source is known
   (restored from memory or disk, or computed by a prefill step);
 - zero or more `Progress`: prefill progress after every step (``phase="prefill"``)
-  and the restore (``phase="restore"``);
+  and the restore (``phase="restore"``; ``done`` 0 when nothing was restored: it says
+  the request left the queue);
 - zero or more `TextDelta`: newly decoded text, never cut inside a stop string;
 - exactly one `Finished` last (unless the request failed: then the stream raises).
 

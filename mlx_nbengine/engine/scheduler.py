@@ -211,6 +211,8 @@ class Scheduler:
         self.runner.embed(seq, start.tokens)
         if start.source is not None:
             seq.report_restored(start.tokens, start.source, start.seconds, records=start.kinds)
+        else:
+            seq.report_nothing_restored()
         seq.phase = Phase.PREFILLING
         seq.ready_at = time.perf_counter()
 
@@ -240,8 +242,13 @@ class Scheduler:
         """The prompt tokens ``start:end`` of `seq`'s next prefill step."""
         checkpoints = self.checkpoints
         # Recurrent models need a state checkpoint at every boundary; others take bigger
-        # steps unless sequences are decoding, which a long step would stall.
-        one_block = len(self.decoder) > 0 or (checkpoints is not None and checkpoints.recurrent)
+        # steps unless sequences are decoding, which a long step would stall, or someone
+        # watches the blocks arrive (`live_blocks`).
+        one_block = (
+            len(self.decoder) > 0
+            or seq.live_blocks
+            or (checkpoints is not None and checkpoints.recurrent)
+        )
         return next_step(
             seq,
             block_size=self.block_size,

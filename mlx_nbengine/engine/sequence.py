@@ -85,6 +85,9 @@ class Sequence:
     vision: Any = None  # engine.vision.VisionInputs of an image prompt, else None
     embedded: Any = None  # engine.vision.Embedded while prefilling on a vision model
     rope_delta: int = 0  # decode position offset (Qwen2-VL after images), see engine.vision
+    # Prefill one block per step, so each block is reported as it is computed (a person
+    # watches the strip); else steps as long as the scheduler allows.
+    live_blocks: bool = False
     _seconds: dict[int, float] = field(default_factory=dict)
     _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
     _prompt_match: Any = None  # `prompt_match`, once asked for
@@ -139,6 +142,11 @@ class Sequence:
                 self._partial[i] = n_tokens - start
                 self._seconds[i] = per_token * (n_tokens - start)
         self.request._put(Progress("restore", n_tokens, len(self.prompt)))
+
+    def report_nothing_restored(self) -> None:
+        """The restore found nothing: say so (the stream's first event: the request left
+        the queue and its prefill begins)."""
+        self.request._put(Progress("restore", 0, len(self.prompt)))
 
     def report_computed(self, start: int, end: int, seconds: float) -> None:
         """Record that prompt tokens ``start:end`` were prefilled in `seconds`."""

@@ -645,7 +645,11 @@ class LLMMagics(Magics):
         # A conversation sends the images of all its turns (their parts are in the messages).
         sent = conversation.images() if conversation is not None else images
         # Only a request with images names them: engines (and fakes) before images differ.
-        extra = {"images": [item.image for item in sent]} if sent else {}
+        extra: dict[str, Any] = {"images": [item.image for item in sent]} if sent else {}
+        if self._watched():
+            # Someone sees the strip: prefill in steps of one block, so it fills block by
+            # block (slower than long steps; a headless run keeps those).
+            extra["live_blocks"] = True
         try:
             request = engine.submit(prompt, **sampling_options(args), **extra)
         except (EngineError, ValueError) as exc:
@@ -690,6 +694,13 @@ class LLMMagics(Magics):
         if interrupted:
             raise GenerationInterrupted.of(completion)
         return None
+
+    def _watched(self) -> bool:
+        """Whether a person watches this cell's strip: a front end that draws widgets and
+        names its cells (JupyterLab, Notebook 7); nbclient and nbconvert send no cell id."""
+        return (
+            self._updates_in_place() and _widgets() is not None and self.session.cell_id is not None
+        )
 
     def _warn_saving(self, engine: Any) -> None:
         # Once, in the first cell to finish after saving to the store turned off.

@@ -11,7 +11,8 @@ Terms:
   any markup in the text (``<em>``...) shows as text, never as formatting. With
   ``markdown=True`` (``%%llm --markdown``) the bundle is ``text/markdown`` instead, the
   model's HTML still escaped (Markdown stays Markdown, tags never become HTML).
-- *state*: ``queued`` (submitted, nothing heard yet), ``running``, ``done``,
+- *state*: ``queued`` (submitted, not admitted yet: the engine's first event says it
+  was, even with nothing to restore), ``running``, ``done``,
   ``interrupted`` (cancelled; the partial text stays) or ``failed``.
 - *status line*: below the text, visually apart (a small muted line): the prefill
   progress while the prompt is read ("prefill 512/2,048 tokens"), then the *summary line*.
@@ -283,7 +284,7 @@ class AnswerView:
             self.text += event.text
             self.state = "running"
             self.progress = ""
-        elif kind == "BlockEvent":
+        elif kind in ("BlockReport", "BlockEvent"):  # a block's event is its report
             # The strip shows the blocks (and stays); the status line keeps the progress.
             if self.strip is not None:
                 self.strip.add(event)
@@ -417,6 +418,9 @@ class AnswerView:
 
 def _progress_phrase(event: Any) -> str:
     done, total = event.done, event.total
+    if event.phase == "restore" and not done:
+        # Admitted with nothing to restore: the prefill begins.
+        return f"prefill 0/{total:,} tokens"
     verb = "restored" if event.phase == "restore" else event.phase
     return f"{verb} {done:,}/{total:,} tokens" if total else event.phase
 
