@@ -22,7 +22,9 @@ CPU device (the CPU has no fast half-precision matmul) and to the stored dtype
 on a GPU.
 
 On the CPU, quantized layers run on our kernels (`mlx_nbengine.kernels`, routed by
-`qroute`).
+`qroute`), and ``"default"`` without a dtype is requantized to 8-bit weights for them
+(`DEFAULT_CPU_BITS`): decode reads a quarter of float32's bytes. ``dtype="float32"`` keeps
+float32. The fingerprint names the variant, so their cached blocks never mix.
 """
 
 from __future__ import annotations
@@ -319,7 +321,7 @@ def load(
         model, tokenizer = _load_text(path, config)
         processor = None
 
-    requantize = False
+    requantize = path_or_name == "default" and dtype is None and _on_cpu()
     dtype = dtype or _default_dtype()
     if dtype is not None:
         _cast(model, dtype)
