@@ -226,3 +226,10 @@ def test_a_failed_build_says_one_line_and_models_run_as_before(tmp_path, tiny_q4
     assert done.stdout.split() == ["False", "False", "512"]
     said = [line for line in done.stderr.splitlines() if "quantized kernels" in line]
     assert len(said) == 1 and "not used" in said[0]
+
+
+def test_quantized_gemma_mlps_get_the_fused_gelu_too(tiny_q4):
+    # cpu_math.speed_up takes a quantized gate whose scales are float32 (the CPU's cast).
+    lm = load(tiny_q4)
+    fused = [m for _, m in lm.model.named_modules() if type(m).__name__.startswith("CpuGelu")]
+    assert fused
