@@ -133,6 +133,12 @@ def build() -> Path:
     nanobind_spec = importlib.util.find_spec("nanobind")
     nanobind_cmake = Path(next(iter(nanobind_spec.submodule_search_locations))) / "cmake"
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Long work says so: a first build takes from several seconds to about a minute.
+    print(
+        "mlx_nbengine: building the quantized CPU kernels once (up to a minute)...",
+        file=sys.stderr,
+        flush=True,
+    )
     env = {**os.environ, "CXX": compiler}
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         work = Path(tmp)
