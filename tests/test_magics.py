@@ -810,17 +810,6 @@ def test_llm_cache_rows_of_an_empty_store_say_no_budget_when_there_is_none():
     assert rows["bytes held"] == "0 B"
 
 
-def test_llm_cache_without_cache_view_labels_the_store_counters(ip, capsys):
-    run(ip, "%load_model default")
-    engine().cache_view = None  # an engine from before cache_view()
-    capsys.readouterr()
-    run(ip, "%llm_cache")
-    out = capsys.readouterr().out
-    assert "records held" in out and "bytes held" in out and "12.0 KiB" in out
-    assert "bytes_held" not in out and "hit rate" not in out
-    assert "group_prefills" not in out and "shared prefill" not in out  # an engine figure
-
-
 def test_llm_cache_clear_empties_the_store(ip, capsys):
     run(ip, "%load_model default")
     capsys.readouterr()

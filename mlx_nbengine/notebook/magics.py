@@ -83,7 +83,6 @@ from mlx_nbengine.notebook.render import (
     models_bundle,
     models_text,
     progress_bundle,
-    stats_rows,
 )
 from mlx_nbengine.notebook.streaming import (
     CANCEL_GRACE_S,
@@ -136,20 +135,6 @@ class LLMSession:
         return key
 
 
-# Keys of Engine.stats() that describe the engine, not its block store (%llm_status shows them).
-_ENGINE_STAT_KEYS = frozenset(
-    {
-        "model",
-        "parallel",
-        "block_size",
-        "active",
-        "queued",
-        "failures",
-        "save_errors",
-        "group_prefills",
-        "closed",
-    }
-)
 # Readable names of models `%load_model` knows by a short name.
 _MODEL_TITLES = {"default": "Gemma 3 270M"}
 
@@ -825,13 +810,7 @@ class LLMMagics(Magics):
                 )
             clear()
         title = "block store (cleared)" if args.action == "clear" else "block store"
-        cache_view = getattr(engine, "cache_view", None)
-        if cache_view is None:
-            # Engines before cache_view(): the store's own counters (in records), labelled.
-            stats = {k: v for k, v in engine.stats().items() if k not in _ENGINE_STAT_KEYS}
-            self._display(key_value_bundle(title, stats_rows(stats)))
-            return
-        view = cache_view()
+        view = engine.cache_view()
         widgets = _widgets()
         if self._updates_in_place() and widgets is not None:
             if args.action == "clear":

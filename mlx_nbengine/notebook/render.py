@@ -67,7 +67,6 @@ __all__ = [
     "models_bundle",
     "models_text",
     "progress_bundle",
-    "stats_rows",
     "stop_phrase",
     "stopped_in_prefill",
     "summary_line",
@@ -653,47 +652,6 @@ def cache_rows(view: Mapping[str, Any]) -> list[tuple[str, str]]:
     if get("backend"):
         rows.append(("backend", str(get("backend"))))
     return rows
-
-
-# Labels for `Engine.stats()` keys (engines without `cache_view`): words, never the raw keys.
-STAT_LABELS: dict[str, str] = {
-    "records": "records held",
-    "bytes_held": "bytes held",
-    "budget_bytes": "budget",
-    "file_size": "scratch file",
-    "free_bytes": "free inside the scratch file",
-    "hits": "records restored",
-    "misses": "records not found",
-    "stored": "records stored",
-    "evicted": "records evicted",
-    "rejected": "records too large to store",
-    "description": "backend",
-    "group_prefills": "shared prefill steps",
-    "save_errors": "save errors",
-}
-
-
-def stats_rows(stats: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Rows for a stats mapping: labels for known keys, byte counts readable, nesting flattened."""
-    rows: list[tuple[str, Any]] = []
-    for key, value in stats.items():
-        label = STAT_LABELS.get(key, key.replace("_", " "))
-        if isinstance(value, Mapping):
-            rows.extend((f"{label}: {k}", v) for k, v in stats_rows(value))
-        elif _is_byte_count(key, value):
-            rows.append((label, format_bytes(value)))
-        elif isinstance(value, float):
-            rows.append((label, f"{value:.3g}"))
-        elif isinstance(value, int) and not isinstance(value, bool):
-            rows.append((label, f"{value:,}"))
-        else:
-            rows.append((label, value))
-    return rows
-
-
-def _is_byte_count(key: str, value: Any) -> bool:
-    numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    return numeric and ("bytes" in key or key == "file_size")
 
 
 # -- the local models ----------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _bytes(n: int | float | None) -> str:
     return format_bytes(n or 0)
 
 
-def _f(v: float) -> str:
+def _svg_number(v: float) -> str:
     """A chart coordinate, with one decimal."""
     return f"{v:.1f}"
 
@@ -119,11 +119,11 @@ class _Plot:
 
 def _axes(plot: _Plot) -> str:
     """The grid lines, the y labels, the request labels and the axis title."""
-    y0, y1, right = _f(plot.y(0)), _f(plot.y(plot.y_max)), CHART_W - RIGHT
+    y0, y1, right = _svg_number(plot.y(0)), _svg_number(plot.y(plot.y_max)), CHART_W - RIGHT
     # Each label under the middle of its request's band; the axis title on a line below.
     tick_y = TOP + plot.height + 13
     ticks = "".join(
-        f'<text class="mnb-axis mnb-tick" data-request="{r}" x="{_f(plot.x(r - 0.5))}" '
+        f'<text class="mnb-axis mnb-tick" data-request="{r}" x="{_svg_number(plot.x(r - 0.5))}" '
         f'y="{tick_y}" text-anchor="middle">{r:,}</text>'
         for r in request_ticks(plot.n)
     )
@@ -131,13 +131,15 @@ def _axes(plot: _Plot) -> str:
     return (
         f'<line class="mnb-grid" x1="{LEFT}" y1="{y0}" x2="{right}" y2="{y0}"/>'
         f'<line class="mnb-grid" x1="{LEFT}" y1="{y1}" x2="{right}" y2="{y1}"/>'
-        f'<text class="mnb-axis" x="{label_x}" y="{_f(plot.y(0) + 4)}" text-anchor="end">0</text>'
-        f'<text class="mnb-axis" x="{label_x}" y="{_f(plot.y(plot.y_max) + 4)}" '
+        f'<text class="mnb-axis" x="{label_x}" y="{_svg_number(plot.y(0) + 4)}" '
+        'text-anchor="end">0</text>'
+        f'<text class="mnb-axis" x="{label_x}" y="{_svg_number(plot.y(plot.y_max) + 4)}" '
         f'text-anchor="end">{plot.y_max:,}</text>'
         # The y axis title runs along the axis, clear of its labels (0 and the top).
         f'<text class="mnb-axis mnb-axis-y" transform="rotate(-90)" '
-        f'x="{_f(-(TOP + plot.height / 2))}" y="12" text-anchor="middle">blocks</text>{ticks}'
-        f'<text class="mnb-axis mnb-axis-title" x="{_f(LEFT + plot.width / 2)}" '
+        f'x="{_svg_number(-(TOP + plot.height / 2))}" y="12" '
+        f'text-anchor="middle">blocks</text>{ticks}'
+        f'<text class="mnb-axis mnb-axis-title" x="{_svg_number(LEFT + plot.width / 2)}" '
         f'y="{CHART_H - 4}" text-anchor="middle">requests</text>'
     )
 
@@ -148,8 +150,8 @@ def _bands(plot: _Plot, points: Sequence[Mapping[str, Any]]) -> str:
     for i, p in enumerate(points):
         totals = " · ".join(f"{int(p.get(k) or 0):,} {label}" for k, label, *_ in SERIES)
         out.append(
-            f'<rect class="mnb-band" x="{_f(plot.x(i))}" y="{TOP}" '
-            f'width="{_f(plot.x(i + 1) - plot.x(i))}" height="{plot.height}" '
+            f'<rect class="mnb-band" x="{_svg_number(plot.x(i))}" y="{TOP}" '
+            f'width="{_svg_number(plot.x(i + 1) - plot.x(i))}" height="{plot.height}" '
             f'fill="transparent"><title>request {i + 1}: {totals}</title></rect>'
         )
     return "".join(out)
@@ -161,8 +163,8 @@ def _series(plot: _Plot, points: Sequence[Mapping[str, Any]]) -> str:
     for key, label, colour, dash in SERIES:
         coords = []
         for i, p in enumerate(points):
-            v = _f(plot.y(int(p.get(key) or 0)))
-            coords += [f"{_f(plot.x(i))},{v}", f"{_f(plot.x(i + 1))},{v}"]
+            v = _svg_number(plot.y(int(p.get(key) or 0)))
+            coords += [f"{_svg_number(plot.x(i))},{v}", f"{_svg_number(plot.x(i + 1))},{v}"]
         last = int(points[-1].get(key) or 0)
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         out.append(
