@@ -234,6 +234,7 @@ THUMB_SIDE = 64
 
 def thumbnail_uri(image: Any, *, max_side: int = THUMB_SIDE) -> str:
     """A ``data:image/png;base64,...`` URI of `image` (a PIL image) scaled to `max_side`."""
+    # Lazy: blockinfo imports no MLX, and the models package does.
     from mlx_nbengine.models.images import thumbnail_png
 
     data = base64.b64encode(thumbnail_png(image, max_side=max_side)).decode("ascii")

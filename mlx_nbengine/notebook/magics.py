@@ -60,6 +60,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from mlx_nbengine import _blas
 from mlx_nbengine.errors import EngineError
+from mlx_nbengine.models import list_local_models, sources
+from mlx_nbengine.models.default import INSTALL_COMMAND
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts, image_spans
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.notebook.livestore import LiveStores
@@ -199,7 +201,8 @@ def _blas_hint() -> str | None:
 
 
 def _default_engine_factory(model: str, *, progress: Any = None, **options: Any) -> Any:
-    # Before MLX is first imported in this kernel (see _blas); a no-op afterwards.
+    # Lazy, and the BLAS bound first, for a kernel whose MLX arrived before this module
+    # (see _blas); a no-op afterwards.
     _blas.ensure_fast_blas()
     from mlx_nbengine.engine import Engine
 
@@ -247,8 +250,6 @@ def _starts_with_download(model: str, revision: str | None) -> bool:
     """
     if model == "default" or os.path.exists(model):
         return False
-    from mlx_nbengine.models import sources
-
     parsed = sources.parse_model_id(model)
     if parsed is None:
         return False
@@ -266,8 +267,6 @@ def _starts_with_download(model: str, revision: str | None) -> bool:
 
 def _looked_in(found: list[Any]) -> str:
     """Where `%llm_models` looked, in words (and how to get the default model if absent)."""
-    from mlx_nbengine.models import sources
-
     folders = [str(f) for f in sources.lmstudio_model_dirs()]
     if not folders:
         lmstudio = "LM Studio's models folder (none here: no ~/.lmstudio/models)"
@@ -277,8 +276,6 @@ def _looked_in(found: list[Any]) -> str:
         lmstudio = f"LM Studio's models folders ({', '.join(folders)})"
     text = f"looked in the Hugging Face cache ({sources.hub_cache()}) and {lmstudio}"
     if not any(getattr(m, "source", None) == "default" for m in found):
-        from mlx_nbengine.models.default import INSTALL_COMMAND
-
         text += f"; the default model needs `{INSTALL_COMMAND}`"
     return text
 
@@ -317,6 +314,7 @@ class LLMMagics(Magics):
 
     def _display(self, obj: Any, **kwargs: Any) -> Any:
         """Show `obj`: a mimebundle dict (sent raw), or an object IPython formats (a widget)."""
+        # Looked up at each call: a shell (or a test) may replace IPython.display.display.
         from IPython.display import display
 
         return display(obj, raw=isinstance(obj, dict), **kwargs)
@@ -834,9 +832,6 @@ class LLMMagics(Magics):
         """
         if line.strip():
             raise UsageError("%llm_models takes no arguments")
-        _blas.ensure_fast_blas()  # the models package imports MLX
-        from mlx_nbengine.models import list_local_models
-
         try:
             found = list_local_models()
             looked_in = _looked_in(found)

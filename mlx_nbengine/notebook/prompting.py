@@ -46,6 +46,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
+from mlx_nbengine.errors import ImageError
+from mlx_nbengine.models.images import load_image
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, Turn
 
 __all__ = [
@@ -194,9 +196,6 @@ def read_images(values: Sequence[str] | None, namespace: Mapping[str, Any]) -> l
     file path (``~`` expanded). Whatever cannot be read is a one-line `UsageError` naming
     the image (its position, and its variable or file).
     """
-    from mlx_nbengine.errors import ImageError
-    from mlx_nbengine.models.images import load_image
-
     out: list[ImageInput] = []
     for index, value in enumerate(values or ()):
         variable = value.isidentifier() and value in namespace

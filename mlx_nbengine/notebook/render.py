@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_spans
+from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_spans, thumbnail_uri
 from mlx_nbengine.notebook.words import format_bytes, kept_boundary_phrase
 from mlx_nbengine.notebook.words import plural as _plural
 
@@ -257,6 +257,7 @@ class AnswerView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if display is None:
+            # Looked up at each call: a shell (or a test) may replace IPython.display.display.
             from IPython.display import display
         self.title = title
         self.interval = interval
@@ -489,8 +490,6 @@ def images_bundle(images: Sequence[Any], *, max_side: int = IMAGE_THUMB_SIDE) ->
     `images` are the request's `mlx_nbengine.notebook.prompting.ImageInput`s (duck-typed:
     `name`, `width`, `height` and the PIL `image`), in the order the model gets them.
     """
-    from mlx_nbengine.notebook.blockinfo import thumbnail_uri
-
     figures = []
     for i, item in enumerate(images):
         name = html.escape(str(item.name))
@@ -531,6 +530,7 @@ class StripFeed:
         display: Callable[..., Any] | None = None,
     ) -> None:
         if display is None:
+            # Looked up at each call: a shell (or a test) may replace IPython.display.display.
             from IPython.display import display
         self.strip = strip
         self.tokens = tokens
