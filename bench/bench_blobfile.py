@@ -38,7 +38,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file, too
 
-from bench.common import add_run_args, write_results  # noqa: E402
+from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 from mlx_nbengine.cache.blobfile import CHECKSUM  # noqa: E402
 from mlx_nbengine.cache.store import BlockStore  # noqa: E402
 
@@ -194,12 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blobs", type=int, default=None, help="blobs put into the store")
     parser.add_argument("--repeats", type=int, default=None, help="passes per measurement")
     args = parser.parse_args(argv)
-    sizes = {"file_mib": 512, "chunk_mib": 16, "blob_mib": 10, "blobs": 48, "repeats": 5}
-    if args.quick:
-        sizes = {"file_mib": 32, "chunk_mib": 4, "blob_mib": 1, "blobs": 8, "repeats": 2}
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(
+        args,
+        {"file_mib": 512, "chunk_mib": 16, "blob_mib": 10, "blobs": 48, "repeats": 5},
+        {"file_mib": 32, "chunk_mib": 4, "blob_mib": 1, "blobs": 8, "repeats": 2},
+    )
 
     measured, stats = measure(args.dir, args)
     checks = checksum_speeds(int(args.blob_mib * MiB), args.repeats)

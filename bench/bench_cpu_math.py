@@ -38,7 +38,7 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from bench.common import add_run_args, write_results  # noqa: E402
+from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 from mlx_nbengine.models import cpu_math, load  # noqa: E402
 
 TEXT = "The river stone sat under seven green lamps by the ocean window. "
@@ -110,12 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=None, help="decode steps timed (48)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (3)")
     args = ap.parse_args(argv)
-    sizes = {"prompt_tokens": 1024, "decode_steps": 48, "rounds": 3}
-    if args.quick:
-        sizes = {"prompt_tokens": 128, "decode_steps": 4, "rounds": 1}
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(
+        args,
+        {"prompt_tokens": 1024, "decode_steps": 48, "rounds": 3},
+        {"prompt_tokens": 128, "decode_steps": 4, "rounds": 1},
+    )
     with tempfile.TemporaryDirectory() as models:
         model = args.model or "default"
         if args.quick and not args.model:

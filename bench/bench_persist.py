@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file, too
 
-from bench.common import add_run_args, write_results  # noqa: E402
+from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 from mlx_nbengine.cache import persist  # noqa: E402
 from mlx_nbengine.cache.store import BlockStore  # noqa: E402
 
@@ -105,12 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--restarts", type=int, default=None, help="fresh processes timed (3)")
     ap.add_argument("--dir", default=None, help="where to work (default: the temp folder)")
     args = ap.parse_args(argv)
-    sizes = {"size": "1GiB", "record_mb": 10.0, "put_records": 20, "rounds": 3, "restarts": 3}
-    if args.quick:
-        sizes = {"size": "32MiB", "record_mb": 1.0, "put_records": 4, "rounds": 1, "restarts": 1}
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(
+        args,
+        {"size": "1GiB", "record_mb": 10.0, "put_records": 20, "rounds": 3, "restarts": 3},
+        {"size": "32MiB", "record_mb": 1.0, "put_records": 4, "rounds": 1, "restarts": 1},
+    )
 
     size = parse_size(args.size)
     record = int(args.record_mb * MB)

@@ -39,7 +39,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from bench.common import add_run_args, write_results  # noqa: E402
+from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 from mlx_nbengine import Engine  # noqa: E402
 from mlx_nbengine.engine.sampling import RequestSampler  # noqa: E402
 from mlx_nbengine.models import load  # noqa: E402
@@ -134,12 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-repeats", type=int, default=None, help="engine runs, best of (2)")
     ap.add_argument("--chat-tokens", type=int, default=None, help="tokens per chat (32)")
     args = ap.parse_args(argv)
-    sizes = {"repeats": 15, "engine_repeats": 2, "chat_tokens": 32}
-    if args.quick:
-        sizes = {"repeats": 3, "engine_repeats": 1, "chat_tokens": 4}
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(
+        args,
+        {"repeats": 15, "engine_repeats": 2, "chat_tokens": 32},
+        {"repeats": 3, "engine_repeats": 1, "chat_tokens": 4},
+    )
     with tempfile.TemporaryDirectory() as models:
         model = args.model or "default"
         if args.quick and not args.model:

@@ -42,7 +42,7 @@ ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from bench.common import add_run_args, write_results  # noqa: E402
+from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 from mlx_nbengine.engine import Engine  # noqa: E402
 from mlx_nbengine.testing import make_tiny_model  # noqa: E402
 
@@ -132,12 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-tokens", type=int, default=None, help="per picture (1024)")
     parser.add_argument("--families", default="qwen2_vl,gemma4")
     args = parser.parse_args(argv)
-    sizes = {"size": 2048, "repeats": 3, "block_size": 256, "image_tokens": 1024}
-    if args.quick:
-        sizes = {"size": 256, "repeats": 1, "block_size": 32, "image_tokens": 64}
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(
+        args,
+        {"size": 2048, "repeats": 3, "block_size": 256, "image_tokens": 1024},
+        {"size": 256, "repeats": 1, "block_size": 32, "image_tokens": 64},
+    )
     image = picture(args.size)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

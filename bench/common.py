@@ -106,6 +106,13 @@ def add_run_args(ap: argparse.ArgumentParser, *, model: str | None = "the defaul
     )
 
 
+def fill_sizes(args: argparse.Namespace, sizes: dict, quick_sizes: dict) -> None:
+    """Set each size argument left unset (None): from `quick_sizes` under ``--quick``."""
+    for key, value in (quick_sizes if args.quick else sizes).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def write_results(
     name: str, data: dict, text: str, *, json_path: Path | None = None, quick: bool = False
 ) -> None:
