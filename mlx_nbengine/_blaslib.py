@@ -115,12 +115,14 @@ def scipy_openblas() -> Path | None:
     return found[0] if found else None
 
 
-def find_compiler() -> str | None:
-    """The C compiler a shim is built with: ``$CC`` if set (empty: none), else on PATH."""
-    if "CC" in os.environ:
-        cc = os.environ["CC"].strip()
-        return shutil.which(cc.split()[0]) if cc else None
-    for name in ("cc", "gcc", "clang"):
+def find_compiler(
+    variable: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")
+) -> str | None:
+    """A compiler: ``$variable`` if set (empty: none), else the first of `names` on PATH."""
+    if variable in os.environ:
+        chosen = os.environ[variable].strip()
+        return shutil.which(chosen.split()[0]) if chosen else None
+    for name in names:
         found = shutil.which(name)
         if found:
             return found

@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from mlx_nbengine._blaslib import find_compiler as find_c_compiler
 from mlx_nbengine._blaslib import home
 
 __all__ = ["BuildError", "build", "built_module_path", "build_key", "find_compiler"]
@@ -48,14 +49,7 @@ class BuildError(Exception):
 
 def find_compiler() -> str | None:
     """The C++ compiler: ``$CXX`` if set (empty: none), else the first on PATH."""
-    if "CXX" in os.environ:
-        cxx = os.environ["CXX"].strip()
-        return shutil.which(cxx.split()[0]) if cxx else None
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
+    return find_c_compiler("CXX", ("c++", "g++", "clang++"))
 
 
 def _version(distribution: str) -> str:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_nbengine._blaslib import home
 from mlx_nbengine.errors import GGUFError, UnsupportedModelError
 
 __all__ = [
@@ -99,7 +100,7 @@ _ROPE_TOL = 1e-4
 
 def cache_home() -> Path:
     """Where mlx_nbengine keeps converted models: ``$MLX_NBENGINE_HOME`` or ``~/.cache/...``."""
-    return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
+    return home()
 
 
 def _file_key(path: Path) -> str:
