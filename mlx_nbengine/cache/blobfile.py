@@ -5,12 +5,10 @@ Terms:
 - *blob*: a non-empty byte string stored under a hashable *key* (the store uses
   `(block_key, kind)`).
 - *extent*: a byte range `[offset, offset + length)` of the scratch file.
-- *table*: key -> `Entry(offset, length, checksum)`, kept in memory only; a scratch file has
-  no header and no index, so nothing on disk outlives the process (a named file's owner
-  keeps its index elsewhere, see below).
-- *free list*: the extents inside the file that no blob uses, sorted by offset, never adjacent
-  (neighbours are coalesced when space is returned) and never touching the end of the file
-  (free space that reaches the end is given back with `os.ftruncate`).
+- *table* and *free list*: where each blob lies and which extents are free (`extents`:
+  first fit, neighbours coalesced, free space at the end given back with `os.ftruncate`),
+  kept in memory only; a scratch file has no header and no index, so nothing on disk
+  outlives the process (a named file's owner keeps its index elsewhere, see below).
 - *checksum*: a 64-bit XXH3 of the blob (`xxhash`, installed with mlx-vlm), checked on every
   read; `zlib.crc32` where xxhash is missing. XXH3 is the one that keeps a read near
   page-cache bandwidth (bench/bench_blobfile.py measures them). The checksum guards
@@ -38,18 +36,17 @@ the end of the file and frees every gap. `sync()` makes the written blobs durabl
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import tempfile
 import threading
 import zlib
 from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mlx_nbengine.cache.extents import Entry, Extents
 from mlx_nbengine.errors import CacheError
 
 try:
@@ -71,15 +68,6 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 class CorruptBlobError(CacheError):
     """A blob read back differs from what was written (checksum mismatch or short read)."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where one blob lives in the scratch file and the checksum of its bytes."""
-
-    offset: int
-    length: int
-    checksum: int
 
 
 def _seek_write(fd: int, data: memoryview, offset: int) -> int:
@@ -143,12 +131,44 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return got
 
 
+def _open_named(path: str | os.PathLike[str]):
+    """A named file (the persistent store's data): never through a symlink, mode 0600."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "r+b", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_scratch(directory: str | os.PathLike[str] | None):
+    """An unlinked scratch file in `directory` (None: the system temp folder)."""
+    if directory is not None and not Path(directory).is_dir():
+        raise CacheError(
+            f"cache directory {os.fspath(directory)!r} does not exist or is not a "
+            "folder; create it, or pass directory=None to use the system temp folder"
+        )
+    try:
+        return tempfile.TemporaryFile("w+b", buffering=0, dir=directory)
+    except OSError as exc:
+        where = os.fspath(directory or tempfile.gettempdir())
+        raise CacheError(
+            f"cannot create a scratch file in {where!r} ({exc.strerror}); pass a "
+            "writable directory, or budget_bytes=0 for memory only"
+        ) from exc
+
+
 class BlobFile:
     """Blobs in one unlinked scratch file: offset table, first-fit free list, tail truncation.
 
     Meant to be owned by one thread (the engine's cache-I/O thread); a lock still makes
     every method safe to call from another thread, so sizes can be read for statistics.
     A failed write raises `OSError` after returning its space, leaving no table entry.
+    The bookkeeping (table, free list, sizes) is `extents.Extents`; this class does the I/O.
     """
 
     def __init__(
@@ -161,43 +181,13 @@ class BlobFile:
         if reserved < 0:
             raise ValueError(f"reserved={reserved} must be >= 0")
         self.path = None if path is None else Path(path)
-        if path is not None:
-            # A named file (the persistent store's data): never through a symlink, 0600.
-            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-            flags |= getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(path, flags, 0o600)
-            try:
-                if hasattr(os, "fchmod"):
-                    os.fchmod(fd, 0o600)
-                self._file = os.fdopen(fd, "r+b", buffering=0)
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            if directory is not None and not Path(directory).is_dir():
-                raise CacheError(
-                    f"cache directory {os.fspath(directory)!r} does not exist or is not a "
-                    "folder; create it, or pass directory=None to use the system temp folder"
-                )
-            try:
-                self._file = tempfile.TemporaryFile("w+b", buffering=0, dir=directory)
-            except OSError as exc:
-                where = os.fspath(directory or tempfile.gettempdir())
-                raise CacheError(
-                    f"cannot create a scratch file in {where!r} ({exc.strerror}); pass a "
-                    "writable directory, or budget_bytes=0 for memory only"
-                ) from exc
+        self._file = _open_scratch(directory) if path is None else _open_named(path)
         self._fd = self._file.fileno()
         self._lock = threading.Lock()
-        self._table: dict[Hashable, Entry] = {}
-        self._free: list[tuple[int, int]] = []  # (offset, length), sorted by offset
-        self._reserved = reserved
-        self._size = reserved
-        self._held = 0
-        if path is not None:
-            self._size = max(reserved, os.fstat(self._fd).st_size)
-            if self._size > reserved:
-                self._free = [(reserved, self._size - reserved)]  # nothing adopted yet
+        size = os.fstat(self._fd).st_size if path is not None else reserved
+        self._extents = Extents(
+            reserved=reserved, size=size, truncate=lambda n: os.ftruncate(self._fd, n)
+        )
 
     # -- public API ---------------------------------------------------------------------
 
@@ -214,28 +204,25 @@ class BlobFile:
             raise ValueError("BlobFile cannot store an empty blob")
         with self._lock:
             self._check_open()
-            if key in self._table:
-                self._drop(key)
-            offset = self._allocate(length)
+            extents = self._extents
+            if key in extents.table:
+                extents.drop(key)
+            offset = extents.allocate(length)
             try:
                 _pwrite_all(self._fd, view, offset)
             except BaseException:
-                self._release(offset, length)
+                extents.release(offset, length)
                 raise
-            self._table[key] = Entry(offset, length, checksum(view))
-            self._held += length
+            extents.add(key, Entry(offset, length, checksum(view)))
             return offset, length
 
     def read(self, key: Hashable) -> bytes:
         """Return the blob under `key`; `KeyError` if absent, `CorruptBlobError` if damaged."""
         with self._lock:
             self._check_open()
-            entry = self._table[key]
+            entry = self._extents.table[key]
             data = _pread_all(self._fd, entry.length, entry.offset)
-        if len(data) != entry.length:
-            raise CorruptBlobError(f"blob {key!r} is short: {len(data)} of {entry.length} bytes")
-        if checksum(data) != entry.checksum:
-            raise CorruptBlobError(f"blob {key!r} failed its checksum")
+        _verify(key, entry, data, len(data))
         return data
 
     def read_buffer(self, key: Hashable, into: np.ndarray | None = None) -> np.ndarray:
@@ -245,16 +232,13 @@ class BlobFile:
         page faults than a new bytes object's pages)."""
         with self._lock:
             self._check_open()
-            entry = self._table[key]
+            entry = self._extents.table[key]
             if into is not None and into.dtype == np.uint8 and into.size >= entry.length:
                 data = into[: entry.length]
             else:
                 data = np.empty(entry.length, dtype=np.uint8)
             got = _pread_into(self._fd, memoryview(data), entry.offset)
-        if got != entry.length:
-            raise CorruptBlobError(f"blob {key!r} is short: {got} of {entry.length} bytes")
-        if checksum(data) != entry.checksum:
-            raise CorruptBlobError(f"blob {key!r} failed its checksum")
+        _verify(key, entry, data, got)
         return data
 
     @property
@@ -275,7 +259,7 @@ class BlobFile:
             return self.read_buffer(key)
         with self._lock:
             self._check_open()
-            entry = self._table[key]
+            entry = self._extents.table[key]
             # The file's real size: touching a mapping past its end would fault (SIGBUS).
             if entry.offset + entry.length > os.fstat(self._fd).st_size:
                 raise CorruptBlobError(f"blob {key!r} is short: the file ends before it")
@@ -289,28 +273,24 @@ class BlobFile:
                 offset=start,
             )
         data = np.frombuffer(mapping, dtype=np.uint8, offset=entry.offset - start)
-        if checksum(data) != entry.checksum:
-            raise CorruptBlobError(f"blob {key!r} failed its checksum")
+        _verify(key, entry, data, entry.length)
         return data
 
     def delete(self, key: Hashable) -> bool:
         """Forget the blob under `key` and return its space; False if there was none."""
         with self._lock:
             self._check_open()
-            if key not in self._table:
+            if key not in self._extents.table:
                 return False
-            self._drop(key)
+            self._extents.drop(key)
             return True
 
     def clear(self) -> None:
         """Forget every blob and shrink the file to its reserved header (zero bytes)."""
         with self._lock:
             self._check_open()
-            os.ftruncate(self._fd, self._reserved)
-            self._table.clear()
-            self._free.clear()
-            self._size = self._reserved
-            self._held = 0
+            os.ftruncate(self._fd, self._extents.reserved)
+            self._extents.reset()
 
     def close(self) -> None:
         """Close the file (a scratch file is deleted, a named one kept); idempotent."""
@@ -318,10 +298,7 @@ class BlobFile:
             if self._file.closed:
                 return
             self._file.close()
-            self._table.clear()
-            self._free.clear()
-            self._size = self._reserved
-            self._held = 0
+            self._extents.reset()
 
     def adopt(self, entries: Iterable[tuple[Hashable, Entry]]) -> list[Hashable]:
         """Take `entries` (found in an index) as the table of a named file; return the keys
@@ -332,43 +309,8 @@ class BlobFile:
         """
         with self._lock:
             self._check_open()
-            if self._table:
-                raise ValueError("adopt needs an empty table")
-            real = max(self._reserved, os.fstat(self._fd).st_size)
-            taken: list[tuple[int, int]] = []  # sorted (offset, end) of adopted extents
-            refused: list[Hashable] = []
-            for key, entry in entries:
-                start, end = entry.offset, entry.offset + entry.length
-                i = bisect.bisect_left(taken, (start, end))
-                overlaps = (i > 0 and taken[i - 1][1] > start) or (
-                    i < len(taken) and taken[i][0] < end
-                )
-                if (
-                    entry.length <= 0
-                    or start < self._reserved
-                    or end > real
-                    or overlaps
-                    or key in self._table
-                ):
-                    refused.append(key)
-                    continue
-                taken.insert(i, (start, end))
-                self._table[key] = entry
-                self._held += entry.length
-            self._free = []
-            position = self._reserved
-            for start, end in taken:
-                if start > position:
-                    self._free.append((position, start - position))
-                position = end
-            self._size = position
-            if real > position:
-                try:
-                    os.ftruncate(self._fd, position)
-                except OSError:
-                    self._size = real
-                    self._free.append((position, real - position))
-            return refused
+            real = max(self._extents.reserved, os.fstat(self._fd).st_size)
+            return self._extents.adopt(entries, real=real)
 
     def sync(self) -> None:
         """Make every blob written so far durable (`fdatasync`, `fsync` where missing)."""
@@ -379,7 +321,7 @@ class BlobFile:
     @property
     def reserved(self) -> int:
         """Bytes at the start of the file that hold no blob (a named file's header)."""
-        return self._reserved
+        return self._extents.reserved
 
     @property
     def closed(self) -> bool:
@@ -388,7 +330,7 @@ class BlobFile:
     def entry(self, key: Hashable) -> Entry | None:
         """Where the blob under `key` lives, or None; for diagnostics and tests."""
         with self._lock:
-            return self._table.get(key)
+            return self._extents.table.get(key)
 
     def fileno(self) -> int:
         """The scratch file's descriptor; for tests that damage blobs on purpose."""
@@ -396,110 +338,58 @@ class BlobFile:
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
-            return key in self._table
+            return key in self._extents.table
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._table)
+            return len(self._extents.table)
 
     def keys(self) -> Iterator[Hashable]:
         with self._lock:
-            return iter(list(self._table))
+            return iter(list(self._extents.table))
 
     @property
     def file_size(self) -> int:
         """Bytes in the file: held bytes plus interior free space (plus the reserved header)."""
         with self._lock:
-            return self._size
+            return self._extents.size
 
     @property
     def bytes_held(self) -> int:
         """Bytes of live blobs."""
         with self._lock:
-            return self._held
+            return self._extents.held
 
     @property
     def free_bytes(self) -> int:
         """Bytes of free extents inside the file, waiting for reuse."""
         with self._lock:
-            return self._size - self._reserved - self._held
+            extents = self._extents
+            return extents.size - extents.reserved - extents.held
 
     def free_extents(self) -> list[tuple[int, int]]:
         """The free list as `(offset, length)` pairs, sorted by offset."""
         with self._lock:
-            return list(self._free)
+            return list(self._extents.free)
 
     def check_invariants(self) -> None:
-        """Raise `AssertionError` unless table and free list tile the file exactly."""
+        """Raise `AssertionError` unless table and free list tile the file exactly, and the
+        file's real size is the table's."""
         with self._lock:
-            problems = self._invariant_problems()
+            real = None if self._file.closed else os.fstat(self._fd).st_size
+            problems = self._extents.problems(real)
         if problems:
             raise AssertionError("BlobFile invariants broken: " + "; ".join(problems))
-
-    # -- internals (callers hold the lock) ---------------------------------------------
 
     def _check_open(self) -> None:
         if self._file.closed:
             raise ValueError("BlobFile is closed")
 
-    def _allocate(self, length: int) -> int:
-        for i, (offset, size) in enumerate(self._free):
-            if size >= length:  # first fit: lowest offset, keeps the tail free to truncate
-                if size == length:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + length, size - length)
-                return offset
-        offset = self._size
-        self._size += length  # reserved now; the write itself grows the real file
-        return offset
 
-    def _drop(self, key: Hashable) -> None:
-        entry = self._table.pop(key)
-        self._held -= entry.length
-        self._release(entry.offset, entry.length)
-
-    def _release(self, offset: int, length: int) -> None:
-        i = bisect.bisect_left(self._free, (offset,))
-        if i < len(self._free) and self._free[i][0] == offset + length:
-            length += self._free.pop(i)[1]
-        if i > 0 and sum(self._free[i - 1]) == offset:
-            i -= 1
-            prev_offset, prev_length = self._free.pop(i)
-            offset, length = prev_offset, prev_length + length
-        if offset + length >= self._size:
-            try:
-                os.ftruncate(self._fd, offset)
-                self._size = offset
-                return
-            except OSError:
-                pass  # could not shrink: keep the tail as ordinary free space
-        self._free.insert(i, (offset, length))
-
-    def _invariant_problems(self) -> list[str]:
-        problems = []
-        if not self._file.closed:
-            real = os.fstat(self._fd).st_size
-            if real != self._size:
-                problems.append(f"file is {real} bytes, table says {self._size}")
-        extents = sorted(
-            [(e.offset, e.length, "blob") for e in self._table.values()]
-            + [(o, n, "free") for o, n in self._free]
-        )
-        position = self._reserved
-        for offset, length, what in extents:
-            if length <= 0:
-                problems.append(f"{what} extent at {offset} has length {length}")
-            if offset != position:
-                problems.append(f"{what} extent at {offset}, expected {position}")
-            position = offset + length
-        if position != self._size:
-            problems.append(f"extents end at {position}, file size is {self._size}")
-        for (a, n), (b, _) in zip(self._free, self._free[1:], strict=False):
-            if a + n >= b:
-                problems.append(f"free extents at {a} and {b} overlap or were not coalesced")
-        if self._free and sum(self._free[-1]) >= self._size:
-            problems.append("free space reaches the end of the file but was not truncated")
-        if self._held != sum(e.length for e in self._table.values()):
-            problems.append("bytes_held disagrees with the table")
-        return problems
+def _verify(key: Hashable, entry: Entry, data: bytes | np.ndarray, got: int) -> None:
+    """`CorruptBlobError` unless `got` (the bytes read) is the blob's length and `data`
+    matches its checksum."""
+    if got != entry.length:
+        raise CorruptBlobError(f"blob {key!r} is short: {got} of {entry.length} bytes")
+    if checksum(data) != entry.checksum:
+        raise CorruptBlobError(f"blob {key!r} failed its checksum")
