@@ -1,0 +1,436 @@
+"""The ASGI app (Starlette): OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/models`` on one `Engine`, through its public `submit` API only.
+
+Terms:
+
+- *call*: one API request that reached the engine (a `Request` handle). Its events come to
+  the server's event loop through a *pump*: a daemon thread that iterates
+  `Request.stream()` and hands each event to the loop (`_Pump`).
+- *in flight*: calls submitted and not yet answered; past `max_pending` a request gets 429.
+
+Rules the app keeps:
+
+- Every refusal is OpenAI's error shape with its status (400 a bad field, 401 a wrong or
+  missing key, 404 an unknown model or path, 405, 413 a body over the limit, 429, 503 a
+  closed engine, 500 anything unforeseen); the server keeps serving.
+- A client that goes away cancels its call (the engine frees the slot): a stream's body
+  iterator is cancelled by Starlette when the client disconnects; a plain request watches
+  for ``http.disconnect`` while it waits.
+- Nothing that holds a prompt or an answer is logged unless `log_prompts` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from mlx_nbengine.engine import (
+    BlockReport,
+    EngineClosedError,
+    Finished,
+    InvalidRequestError,
+    PromptTooLongError,
+    TextDelta,
+)
+from mlx_nbengine.errors import EngineError
+from mlx_nbengine.server.journal import Entry, Journal
+from mlx_nbengine.server.openai_shapes import (
+    APIError,
+    Call,
+    Limits,
+    chat_chunk,
+    chat_response,
+    check_chat,
+    check_completion,
+    check_model,
+    completion_chunk,
+    completion_response,
+    error_body,
+    models_response,
+    new_id,
+    usage,
+)
+
+__all__ = ["build_app"]
+
+log = logging.getLogger("mlx_nbengine.server")
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _Pump:
+    """Moves one `Request`'s events from its stream (a blocking queue) to the event loop."""
+
+    def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.handle = handle
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=self._run, daemon=True, name=f"mnb-api-{handle.id}").start()
+
+    def _run(self) -> None:
+        try:
+            for event in self.handle.stream():
+                self._put(event)
+        except BaseException as exc:  # the request's error: raised again on the loop
+            self._put(exc)
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped
+            pass
+
+    async def events(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Finished):
+                return
+
+
+class _App:
+    """The handlers, holding the engine and the server's settings."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        api_key: str | None,
+        limits: Limits,
+        journal: Journal,
+        log_prompts: bool,
+        max_pending: int,
+        model_name: str,
+    ) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.limits = limits
+        self.journal = journal
+        self.log_prompts = log_prompts
+        self.max_pending = max_pending
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.in_flight = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def check_key(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                "a wrong or missing API key; send 'Authorization: Bearer KEY' with the key "
+                "%llm_serve was started with",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    async def read_body(self, request: HTTPRequest) -> dict:
+        limit = self.limits.max_body_bytes
+        too_big = APIError(
+            f"the request body is over this server's limit of {limit:,} bytes",
+            status=413,
+            code="request_too_large",
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError):
+            raise APIError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        return body
+
+    def template_kwargs(self, call: Call) -> dict[str, Any] | None:
+        """``tools`` for a chat template that reads them (others never see them)."""
+        if not call.tools:
+            return None
+        lm = self.engine.model
+        template = getattr(getattr(lm, "text_tokenizer", None), "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one renders chats
+            template = template.get("default") or template.get("tool_use") or ""
+        if isinstance(template, str) and "tools" in template:
+            return {"tools": call.tools}
+        return None
+
+    def submit(self, call: Call) -> Any:
+        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own."""
+        try:
+            return self.engine.submit(
+                call.prompt,
+                max_tokens=call.max_tokens,
+                temperature=call.temperature,
+                top_p=call.top_p,
+                seed=call.seed,
+                stop=call.stop or None,
+                images=call.images or None,
+                template_kwargs=self.template_kwargs(call),
+            )
+        except PromptTooLongError as exc:
+            raise APIError(str(exc), param="messages", code="context_length_exceeded") from None
+        except InvalidRequestError as exc:
+            raise APIError(str(exc)) from None
+        except EngineClosedError:
+            raise APIError(
+                "the model was unloaded; load it again and restart the server",
+                status=503,
+                type="server_error",
+            ) from None
+        except EngineError as exc:  # e.g. a model without a chat template
+            raise APIError(str(exc)) from None
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def models(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self.check_key(request)
+        except APIError as err:
+            return _error(err)
+        return JSONResponse(models_response([self.model_name], self.created))
+
+    async def chat(self, request: HTTPRequest) -> Any:
+        return await self.answer(request, "chat")
+
+    async def completions(self, request: HTTPRequest) -> Any:
+        return await self.answer(request, "completions")
+
+    async def answer(self, request: HTTPRequest, endpoint: str) -> Any:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        entry = self.journal.open(path)
+        try:
+            self.check_key(request)
+            body = await self.read_body(request)
+            check_model(body, [self.model_name])
+            if endpoint == "chat":
+                vision = getattr(self.engine.model, "kind", "text") == "vision"
+                call = check_chat(body, self.limits, vision=vision)
+            else:
+                call = check_completion(body, self.limits)
+            if self.in_flight >= self.max_pending:
+                raise APIError(
+                    f"{self.in_flight} requests are in flight, this server's limit; retry later",
+                    status=429,
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                )
+            if self.log_prompts:
+                log.info("request %d %s prompt: %r", entry.number, endpoint, call.prompt)
+            self.in_flight += 1
+            try:
+                handle = await run_in_threadpool(self.submit, call)
+            except BaseException:
+                self.in_flight -= 1
+                raise
+        except APIError as err:
+            self.journal.fail(entry, err.status, err.message)
+            return _error(err)
+        entry.prompt_tokens = len(handle.prompt_tokens)
+        self.journal.changed(entry)
+        pump = _Pump(handle, asyncio.get_running_loop())
+        if call.stream:
+            return StreamingResponse(
+                self.stream(pump, call, entry, endpoint),
+                media_type="text/event-stream",
+                headers=STREAM_HEADERS,
+            )
+        try:
+            return await self.whole(request, pump, entry, endpoint)
+        finally:
+            handle.cancel()  # a no-op once done; frees the slot of a client gone
+            self.in_flight -= 1
+
+    async def _collect(self, pump: _Pump, entry: Entry) -> Any:
+        async for event in pump.events():
+            if isinstance(event, BlockReport):
+                entry.blocks.append(event)
+                self.journal.changed(entry)
+            elif isinstance(event, Finished):
+                return event.completion
+        raise RuntimeError("the request's stream ended without its completion")
+
+    async def whole(self, request: HTTPRequest, pump: _Pump, entry: Entry, endpoint: str) -> Any:
+        """The answer as one JSON response; a client that leaves cancels the call."""
+        collect = asyncio.ensure_future(self._collect(pump, entry))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not collect.done():
+            pump.handle.cancel()
+            collect.cancel()
+            self.journal.fail(entry, 499, "the client disconnected")
+            return JSONResponse(error_body("the client disconnected"), status_code=499)
+        try:
+            completion = collect.result()
+        except Exception as exc:
+            return self._failed(entry, exc)
+        self.journal.finish(entry, completion)
+        self._log_answer(entry, completion.text)
+        use = usage(entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens)
+        finish = _finish_reason(completion.finish_reason)
+        created, text = int(entry.started), completion.text
+        if endpoint == "chat":
+            body = chat_response(new_id("chatcmpl"), created, self.model_name, text, finish, use)
+        else:
+            body = completion_response(new_id("cmpl"), created, self.model_name, text, finish, use)
+        return JSONResponse(body)
+
+    def _failed(self, entry: Entry, exc: BaseException) -> JSONResponse:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.journal.fail(entry, 500, message)
+        return JSONResponse(error_body(message, type="server_error"), status_code=500)
+
+    def _log_answer(self, entry: Entry, text: str) -> None:
+        if self.log_prompts:
+            log.info("request %d answer: %r", entry.number, text)
+
+    async def stream(
+        self, pump: _Pump, call: Call, entry: Entry, endpoint: str
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last."""
+        chat = endpoint == "chat"
+        id_ = new_id("chatcmpl" if chat else "cmpl")
+        created = int(entry.started)
+        model = self.model_name
+        finished = False
+        try:
+            if chat:
+                yield _sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
+            try:
+                async for event in pump.events():
+                    if isinstance(event, TextDelta) and event.text:
+                        if chat:
+                            chunk = chat_chunk(id_, created, model, {"content": event.text})
+                        else:
+                            chunk = completion_chunk(id_, created, model, event.text)
+                        yield _sse(chunk)
+                    elif isinstance(event, BlockReport):
+                        entry.blocks.append(event)
+                        self.journal.changed(entry)
+                    elif isinstance(event, Finished):
+                        completion = event.completion
+                        self.journal.finish(entry, completion)
+                        self._log_answer(entry, completion.text)
+                        finish = _finish_reason(completion.finish_reason)
+                        if chat:
+                            yield _sse(chat_chunk(id_, created, model, {}, finish))
+                        else:
+                            yield _sse(completion_chunk(id_, created, model, "", finish))
+                        if call.include_usage:
+                            use = usage(
+                                entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
+                            )
+                            maker = chat_chunk if chat else completion_chunk
+                            yield _sse(maker(id_, created, model, None, None, use))
+            except Exception as exc:
+                message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.journal.fail(entry, 500, message)
+                yield _sse(error_body(message, type="server_error"))
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished and entry.finish is None:
+                pump.handle.cancel()  # the client went away mid-answer: free the slot
+                self.journal.fail(entry, 499, "the client disconnected")
+            pump.handle.cancel()
+            self.in_flight -= 1
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Return when the client disconnects (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _finish_reason(reason: str) -> str:
+    """OpenAI's finish_reason: "stop" or "length" (a cancelled call: "stop")."""
+    return "length" if reason == "length" else "stop"
+
+
+def build_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    journal: Journal | None = None,
+    log_prompts: bool = False,
+    max_pending: int = 64,
+    model_name: str | None = None,
+) -> Starlette:
+    """The ASGI app serving `engine`; `model_name` (default: the engine's) is the id
+    clients send as ``model``."""
+    if limits is None:
+        lm = getattr(engine, "model", None)
+        limits = Limits(context=getattr(lm, "context_length", None))
+    handlers = _App(
+        engine,
+        api_key=api_key,
+        limits=limits,
+        journal=journal if journal is not None else Journal(),
+        log_prompts=log_prompts,
+        max_pending=max_pending,
+        model_name=model_name or engine.model_name,
+    )
+
+    async def http_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        status = getattr(exc, "status_code", 500)
+        message = {404: f"no such path: {request.url.path}", 405: "method not allowed"}.get(
+            status, getattr(exc, "detail", "error")
+        )
+        return JSONResponse(error_body(message), status_code=status)
+
+    async def unforeseen(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s: %s", request.url.path, type(exc).__name__)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type="server_error"),
+            status_code=500,
+        )
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", handlers.models, methods=["GET"]),
+            Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+            Route("/v1/completions", handlers.completions, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: unforeseen},
+    )
+    app.state.handlers = handlers
+    return app

@@ -1,0 +1,148 @@
+"""The server's journal: one `Entry` per API request, for the agent view and tests.
+
+An entry holds figures only (never the prompt or the answer): when the request came, its
+endpoint, its prompt tokens, where the restored ones came from (memory or disk), how many
+were computed, the first-token time, the decode speed, how it finished, and its prompt
+blocks (the engine's `BlockReport`s, as they arrive). Watchers (`Journal.watch`) are called
+on the server's thread each time an entry changes; they must return quickly and never raise
+into the server (an error there is swallowed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Entry", "Journal"]
+
+
+@dataclass
+class Entry:
+    """One request's figures; `finish` is None while it runs."""
+
+    number: int
+    endpoint: str
+    started: float  # time.time()
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    restored_memory: int = 0
+    restored_disk: int = 0
+    computed: int = 0
+    ttft_s: float | None = None
+    tokens_per_s: float = 0.0
+    finish: str | None = None
+    error: str | None = None
+    blocks: list[Any] = field(default_factory=list)  # BlockReport, in arrival order
+    report: Any = None  # the engine's Report once finished
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.restored_memory + self.restored_disk
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "endpoint": self.endpoint,
+            "started": self.started,
+            "status": self.status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "restored_memory": self.restored_memory,
+            "restored_disk": self.restored_disk,
+            "computed": self.computed,
+            "ttft_s": self.ttft_s,
+            "tokens_per_s": self.tokens_per_s,
+            "finish": self.finish,
+            "error": self.error,
+        }
+
+
+def restored_split(report: Any) -> tuple[int, int]:
+    """(from memory, from disk) restored prompt tokens of an engine `Report`.
+
+    A block a token-exact restore ended inside (source ``"computed"``, ``restored`` > 0)
+    counts toward the report's ``restore_source``.
+    """
+    memory = disk = 0
+    for block in getattr(report, "blocks", ()):
+        source = block.source if block.source != "computed" else report.restore_source
+        if source == "memory":
+            memory += block.restored
+        elif source == "disk":
+            disk += block.restored
+    total = getattr(report, "restored_tokens", memory + disk)
+    if memory + disk != total:  # blocks missing from the report: trust its total
+        if report.restore_source == "memory":
+            memory = total - disk
+        else:
+            disk = total - memory
+    return memory, disk
+
+
+class Journal:
+    """The last `keep` entries, newest last; thread-safe."""
+
+    def __init__(self, keep: int = 200) -> None:
+        self._entries: deque[Entry] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        self._count = 0
+        self._watchers: list[Callable[[Entry], None]] = []
+
+    def open(self, endpoint: str) -> Entry:
+        with self._lock:
+            self._count += 1
+            entry = Entry(number=self._count, endpoint=endpoint, started=time.time())
+            self._entries.append(entry)
+        self.changed(entry)
+        return entry
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries)
+
+    def watch(self, fn: Callable[[Entry], None]) -> Callable[[], None]:
+        """Call `fn(entry)` on every change; returns the function that stops it."""
+        with self._lock:
+            self._watchers.append(fn)
+
+        def unwatch() -> None:
+            with self._lock:
+                if fn in self._watchers:
+                    self._watchers.remove(fn)
+
+        return unwatch
+
+    def changed(self, entry: Entry) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for fn in watchers:
+            try:
+                fn(entry)
+            except Exception:  # a view's failure must never break a request
+                pass
+
+    def finish(self, entry: Entry, completion: Any) -> None:
+        """Fill `entry` from the engine's `Completion`."""
+        report = completion.report
+        entry.report = report
+        entry.completion_tokens = len(completion.tokens)
+        entry.prompt_tokens = len(completion.prompt_tokens)
+        entry.restored_memory, entry.restored_disk = restored_split(report)
+        entry.computed = report.computed_tokens
+        entry.ttft_s = report.ttft_s
+        entry.tokens_per_s = report.tokens_per_s
+        entry.finish = completion.finish_reason
+        if report.blocks:
+            entry.blocks = list(report.blocks)
+        self.changed(entry)
+
+    def fail(self, entry: Entry, status: int, message: str) -> None:
+        entry.status = status
+        entry.error = message
+        entry.finish = "error"
+        self.changed(entry)
