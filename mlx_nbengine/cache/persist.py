@@ -8,9 +8,10 @@ symlinks):
   managed like the scratch file's (`BlobFile` with ``reserved=4096``: table, first-fit free
   list, tail truncation). Header: ``b"MNBDATA1"``, u32 format version, the 16-byte *store
   id*, u32 CRC-32 of those 28 bytes, zeros up to 4096.
-- ``DIR/index.log`` -- the *index*: a header, then an append-only log of entries.
-  Header: ``b"MNBINDEX"``, u32 format version, u32 length *n*, *n* bytes of JSON
-  ``{"format", "store_id", "identity", "checksum", "created"}``, u32 CRC-32 of the JSON.
+- ``DIR/index.log`` -- the *index* (`indexlog`: its format and its file): a header, then
+  an append-only log of entries. Header: ``b"MNBINDEX"``, u32 format version, u32 length
+  *n*, *n* bytes of JSON ``{"format", "store_id", "identity", "checksum", "created"}``,
+  u32 CRC-32 of the JSON.
   `identity` says whose records these are (the engine puts the model fingerprint, block
   size, key format, layer layout, GGUF converter version and the record format there:
   `kinds.RECORD_FORMAT`, the blob layout and each record kind's version, so a change of
@@ -67,13 +68,33 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 
 import numpy as np
 
-from mlx_nbengine.cache.blobfile import CHECKSUM, BlobFile, Entry, checksum
+from mlx_nbengine.cache.blobfile import CHECKSUM, BlobFile, Entry
+from mlx_nbengine.cache.indexlog import (
+    DEFAULT_FOLLOWERS,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    INDEX_MAGIC,
+    TEMP_SUFFIX,
+    Delete,
+    Follower,
+    IndexLog,
+    Item,
+    LogEntry,
+    Put,
+    Replay,
+    StoreFormatError,
+    decode_header,
+    encode_entry,
+    encode_header,
+    pwrite_all,
+    read_index,
+    sync_dir,
+)
 from mlx_nbengine.errors import CacheError
 
 try:
@@ -85,6 +106,7 @@ __all__ = [
     "DATA_FILE",
     "FORMAT_VERSION",
     "INDEX_FILE",
+    "INDEX_MAGIC",
     "LOCK_FILE",
     "Delete",
     "Follower",
@@ -92,199 +114,26 @@ __all__ = [
     "Put",
     "StoreBusyError",
     "StoreFormatError",
+    "decode_header",
+    "encode_entry",
+    "encode_header",
     "read_index",
 ]
 
-FORMAT_VERSION = 1
-INDEX_FILE = "index.log"
 DATA_FILE = "blocks.dat"
 LOCK_FILE = "lock"
-TEMP_SUFFIX = ".tmp"
 SET_ASIDE_PREFIX = "set-aside-"
-INDEX_MAGIC = b"MNBINDEX"
 DATA_MAGIC = b"MNBDATA1"
 DATA_HEADER_BYTES = 4096
-MAX_HEADER_JSON = 1 << 16
-MAX_ENTRY_BYTES = 1 << 24  # a follower entry of a 2M-token block; anything larger is damage
-MAX_INDEX_BYTES = 1 << 28  # a log this large is not ours (ours compacts to ~10 MB at most)
-DEFAULT_FOLLOWERS = 4096  # as FollowerIndex's default capacity
 
-_FRAME = struct.Struct("<IQ")
-_PUT = struct.Struct("<BQQQ")
 _DATA_HEAD = struct.Struct("<8sI16s")
-_PUT_T, _DELETE_T, _FOLLOWER_T = 1, 2, 3
-
-Item = tuple[str, str]
-
-
-class StoreFormatError(CacheError):
-    """A store file is not one this version can read (foreign, damaged or incompatible)."""
 
 
 class StoreBusyError(CacheError):
     """Another process holds the store directory's lock."""
 
 
-@dataclass(frozen=True)
-class Put:
-    key: str
-    kind: str
-    offset: int
-    length: int
-    checksum: int
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    kind: str
-
-
-@dataclass(frozen=True)
-class Follower:
-    key: str
-    parent: str
-    ids: bytes  # packed little-endian int64 token ids
-
-
-LogEntry = Put | Delete | Follower
-
-
-# -- encoding ------------------------------------------------------------------------------
-
-
-def _str(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    if len(raw) > 0xFFFF:
-        raise ValueError(f"{text[:40]!r}... is too long for the store index (64 KiB at most)")
-    return struct.pack("<H", len(raw)) + raw
-
-
-def encode_entry(entry: LogEntry) -> bytes:
-    """One framed log entry (see the module docstring)."""
-    if isinstance(entry, Put):
-        payload = _PUT.pack(_PUT_T, entry.offset, entry.length, entry.checksum)
-        payload += _str(entry.key) + _str(entry.kind)
-    elif isinstance(entry, Delete):
-        payload = bytes([_DELETE_T]) + _str(entry.key) + _str(entry.kind)
-    elif isinstance(entry, Follower):
-        count = len(entry.ids) // 8
-        payload = bytes([_FOLLOWER_T]) + _str(entry.key) + _str(entry.parent)
-        payload += struct.pack("<I", count) + entry.ids[: count * 8]
-    else:  # pragma: no cover - a programming error
-        raise TypeError(f"not a log entry: {entry!r}")
-    return _FRAME.pack(len(payload), checksum(payload)) + payload
-
-
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise ValueError("short")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def string(self) -> str:
-        (n,) = struct.unpack("<H", self.take(2))
-        return self.take(n).decode("utf-8")
-
-
-def decode_payload(payload: bytes) -> LogEntry:
-    """The entry in one payload; ValueError if it is not a well-formed entry."""
-    r = _Reader(payload)
-    kind = r.take(1)[0]
-    if kind == _PUT_T:
-        _, offset, length, check = _PUT.unpack(payload[: _PUT.size])
-        r.pos = _PUT.size
-        entry: LogEntry = Put(r.string(), r.string(), offset, length, check)
-    elif kind == _DELETE_T:
-        entry = Delete(r.string(), r.string())
-    elif kind == _FOLLOWER_T:
-        key, parent = r.string(), r.string()
-        (count,) = struct.unpack("<I", r.take(4))
-        entry = Follower(key, parent, r.take(8 * count))
-    else:
-        raise ValueError(f"unknown entry type {kind}")
-    if r.pos != len(payload):
-        raise ValueError("trailing bytes in an entry")
-    return entry
-
-
-def iter_entries(data: bytes, start: int) -> Iterator[tuple[LogEntry, int]]:
-    """Each complete, checksummed entry from `start` with the offset just past it; stops at
-    the first entry that is truncated, fails its checksum or does not decode."""
-    pos = start
-    while pos + _FRAME.size <= len(data):
-        length, check = _FRAME.unpack_from(data, pos)
-        end = pos + _FRAME.size + length
-        if length == 0 or length > MAX_ENTRY_BYTES or end > len(data):
-            return
-        payload = data[pos + _FRAME.size : end]
-        if checksum(payload) != check:
-            return
-        try:
-            entry = decode_payload(payload)
-        except (ValueError, UnicodeDecodeError, struct.error):
-            return
-        yield entry, end
-        pos = end
-
-
-def encode_header(*, store_id: str, identity: dict) -> bytes:
-    body = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "store_id": store_id,
-            "identity": identity,
-            "checksum": CHECKSUM,
-            "created": int(time.time()),
-        },
-        sort_keys=True,
-    ).encode()
-    return (
-        INDEX_MAGIC
-        + struct.pack("<II", FORMAT_VERSION, len(body))
-        + body
-        + struct.pack("<I", zlib.crc32(body))
-    )
-
-
-def decode_header(data: bytes) -> tuple[dict, int]:
-    """The header's JSON and the offset of the first entry; `StoreFormatError` if `data`
-    does not start with a store index header."""
-    if not data.startswith(INDEX_MAGIC):
-        raise StoreFormatError("not a block store index (no MNBINDEX header)")
-    if len(data) < 16:
-        raise StoreFormatError("the index header is truncated")
-    version, n = struct.unpack_from("<II", data, 8)
-    if version != FORMAT_VERSION:
-        raise StoreFormatError(f"store format {version}, this version reads {FORMAT_VERSION}")
-    if n > MAX_HEADER_JSON or len(data) < 16 + n + 4:
-        raise StoreFormatError("the index header is truncated or damaged")
-    body = data[16 : 16 + n]
-    (crc,) = struct.unpack_from("<I", data, 16 + n)
-    if zlib.crc32(body) != crc:
-        raise StoreFormatError("the index header fails its checksum")
-    try:
-        header = json.loads(body)
-    except (ValueError, RecursionError):
-        raise StoreFormatError("the index header is not JSON") from None
-    if (
-        not isinstance(header, dict)
-        or header.get("format") != FORMAT_VERSION
-        or not isinstance(header.get("identity"), dict)
-        or not isinstance(header.get("store_id"), str)
-        or len(header["store_id"]) != 32
-    ):
-        raise StoreFormatError("the index header lacks its fields")
-    try:
-        bytes.fromhex(header["store_id"])
-    except ValueError:
-        raise StoreFormatError("the index header's store id is not hex") from None
-    return header, 16 + n + 4
+# -- the data file's header ----------------------------------------------------------------
 
 
 def encode_data_header(store_id: str) -> bytes:
@@ -316,72 +165,6 @@ def check_data_header(data: bytes, store_id: str) -> None:
         raise StoreFormatError("the data file belongs to another store than the index")
 
 
-@dataclass
-class Replay:
-    """What an index log says: live puts oldest first, followers, and where it ends."""
-
-    header: dict
-    start: int  # offset of the first entry (the header's length)
-    puts: OrderedDict[Item, Entry]
-    followers: OrderedDict[str, tuple[str, bytes]]
-    entries: int  # complete entries read
-    end: int  # offset just past the last complete entry
-    size: int  # the file's size (end < size: a damaged or torn tail)
-
-
-def read_index(path: str | os.PathLike[str], *, followers: int = DEFAULT_FOLLOWERS) -> Replay:
-    """Read and replay the index at `path`; `StoreFormatError` if it is no store index."""
-    data = _read_regular(Path(path), limit=MAX_INDEX_BYTES, what="index")
-    header, pos = decode_header(data)
-    return replay(data, header, pos, followers=followers)
-
-
-def replay(data: bytes, header: dict, start: int, *, followers: int = DEFAULT_FOLLOWERS) -> Replay:
-    puts: OrderedDict[Item, Entry] = OrderedDict()
-    known: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
-    count, end = 0, start
-    for entry, end in iter_entries(data, start):  # noqa: B007 - `end` is read after
-        count += 1
-        if isinstance(entry, Put):
-            item = (entry.key, entry.kind)
-            puts.pop(item, None)
-            puts[item] = Entry(entry.offset, entry.length, entry.checksum)
-        elif isinstance(entry, Delete):
-            puts.pop((entry.key, entry.kind), None)
-        else:
-            known.pop(entry.key, None)
-            known[entry.key] = (entry.parent, entry.ids)
-            if len(known) > followers:
-                known.popitem(last=False)
-    return Replay(header, start, puts, known, count, end, len(data))
-
-
-def _read_regular(path: Path, *, limit: int, what: str) -> bytes:
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StoreFormatError(f"the {what} file is a symlink") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StoreFormatError(f"the {what} file is not a regular file")
-        if st.st_size > limit:
-            raise StoreFormatError(f"the {what} file is {st.st_size} bytes, too large for one")
-        parts, got = [], 0
-        while got < st.st_size:
-            chunk = os.read(fd, st.st_size - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
 # -- the directory -------------------------------------------------------------------------
 
 
@@ -397,19 +180,6 @@ def prepare_dir(directory: str | os.PathLike[str]) -> Path:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
-
-
-def _sync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _lock(path: Path) -> int:
@@ -449,8 +219,23 @@ def set_aside(path: Path, names: Iterable[str]) -> Path | None:
     target.mkdir(mode=0o700)
     for name in present:
         os.rename(path / name, target / name)
-    _sync_dir(path)
+    sync_dir(path)
     return target
+
+
+def _check_compatible(header: dict, identity: dict, data: Path) -> None:
+    """`StoreFormatError` unless the index `header` is this version's and `identity`'s, and
+    the data file (where there is one) belongs to the same store."""
+    if header.get("checksum") != CHECKSUM:
+        raise StoreFormatError(f"checksum {header.get('checksum')}, this version uses {CHECKSUM}")
+    if header["identity"] != identity:
+        raise StoreFormatError(
+            "written for another model or format ("
+            + _describe_mismatch(header["identity"], identity)
+            + ")"
+        )
+    if os.path.lexists(data):
+        check_data_header(_read_head(data, DATA_HEADER_BYTES), header["store_id"])
 
 
 def _describe_mismatch(old: dict, new: dict) -> str:
@@ -491,21 +276,25 @@ class PersistentBlobs:
         self.follower_capacity = followers
         self.note = ""  # one line: what opening found (set aside, dropped records)
         self.dropped = 0  # records the index named that opening could not keep
-        self.broken: str | None = None  # why the index can no longer be written
         self.recency = None  # callable -> items oldest first (the owner's LRU order)
         self.closed = False
         self._lock_fd = _lock(self.path)
-        self._log_fd = -1
+        self._log: IndexLog | None = None
         self.blobs: BlobFile | None = None
         try:
             self._open()
         except BaseException:
             if self.blobs is not None:
                 self.blobs.close()
-            if self._log_fd >= 0:
-                os.close(self._log_fd)
+            if self._log is not None:
+                self._log.close()
             self._release_lock()
             raise
+
+    @property
+    def broken(self) -> str | None:
+        """Why the index can no longer be written (None while it can)."""
+        return self._log.broken if self._log is not None else None
 
     # -- opening -------------------------------------------------------------------------
 
@@ -527,18 +316,7 @@ class PersistentBlobs:
         if os.path.lexists(index):
             try:
                 state = read_index(index, followers=self.follower_capacity)
-                if state.header.get("checksum") != CHECKSUM:
-                    raise StoreFormatError(
-                        f"checksum {state.header.get('checksum')}, this version uses {CHECKSUM}"
-                    )
-                if state.header["identity"] != self.identity:
-                    raise StoreFormatError(
-                        "written for another model or format ("
-                        + _describe_mismatch(state.header["identity"], self.identity)
-                        + ")"
-                    )
-                if os.path.lexists(data):
-                    check_data_header(_read_head(data, DATA_HEADER_BYTES), state.header["store_id"])
+                _check_compatible(state.header, self.identity, data)
             except StoreFormatError as exc:
                 self._set_aside(str(exc))
                 state = None
@@ -571,10 +349,8 @@ class PersistentBlobs:
         self._items = state.puts
         self.dropped = len(refused)
         self._followers = state.followers
-        self._log_fd = _open_log(index)
-        self._log_start = state.start
-        self._log_end = state.end
-        self._log_entries = state.entries
+        self._log = IndexLog(self.path, store_id=store_id, identity=self.identity)
+        self._log.attach(state)
         notes = []
         if fresh_data and self.dropped:
             notes.append(f"its data file was missing ({self.dropped} record(s) dropped)")
@@ -584,8 +360,6 @@ class PersistentBlobs:
             notes.append("a torn index tail was cut off")
         if notes:
             self.note = f"block store in {self.path}: " + "; ".join(notes) + " (space reclaimed)"
-        if state.end < state.size:
-            os.ftruncate(self._log_fd, state.end)  # later entries must not follow garbage
         if state.end < state.size or refused or self._needs_compaction():
             try:
                 self.compact()
@@ -593,7 +367,7 @@ class PersistentBlobs:
                 if refused:
                     # The refused entries stay in the log; a later write could land where
                     # one points. Write nothing more: serve what is held.
-                    self.broken = exc.strerror or str(exc)
+                    self._log.broken = exc.strerror or str(exc)
 
     def _set_aside(self, reason: str) -> None:
         where = set_aside(self.path, [INDEX_FILE, DATA_FILE])
@@ -610,42 +384,25 @@ class PersistentBlobs:
         self.blobs.adopt([])
         self._items: OrderedDict[Item, Entry] = OrderedDict()
         self._followers: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
-        self._rewrite([])
+        self._log = IndexLog(self.path, store_id=self.store_id, identity=self.identity)
+        self._log.rewrite([])
 
     def _write_data_header(self, data: Path, store_id: str) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(data, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             os.fchmod(fd, 0o600)
-            _pwrite_all(fd, encode_data_header(store_id), 0)
+            pwrite_all(fd, encode_data_header(store_id), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
-        _sync_dir(self.path)
+        sync_dir(self.path)
 
     # -- the log -------------------------------------------------------------------------
 
-    def _append(self, entries: list[LogEntry], *, sync: bool) -> None:
-        """Append `entries`; on failure cut the log back and raise `OSError`."""
-        if self.broken is not None:
-            raise OSError(errno.EIO, f"the store's index cannot be written ({self.broken})")
-        frames = b"".join(encode_entry(e) for e in entries)
-        try:
-            _pwrite_all(self._log_fd, frames, self._log_end)
-            if sync:
-                (getattr(os, "fdatasync", None) or os.fsync)(self._log_fd)
-        except OSError as exc:
-            try:
-                os.ftruncate(self._log_fd, self._log_end)
-            except OSError:
-                self.broken = exc.strerror or str(exc)
-            raise
-        self._log_end += len(frames)
-        self._log_entries += len(entries)
-
     def _needs_compaction(self) -> bool:
         live = len(self._items) + len(self._followers)
-        return self._log_entries > max(self.compact_min, 2 * live)
+        return self._log.entries > max(self.compact_min, 2 * live)
 
     def _live_entries(self) -> list[LogEntry]:
         order = list(self.recency()) if self.recency is not None else list(self._items)
@@ -663,35 +420,7 @@ class PersistentBlobs:
     def compact(self) -> None:
         """Rewrite the log with the live entries only (temp file, sync, rename)."""
         if self.broken is None:
-            self._rewrite(self._live_entries())
-
-    def _rewrite(self, entries: list[LogEntry]) -> None:
-        index = self.path / INDEX_FILE
-        temp = self.path / (INDEX_FILE + TEMP_SUFFIX)
-        header = encode_header(store_id=self.store_id, identity=self.identity)
-        body = header + b"".join(encode_entry(e) for e in entries)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(temp, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            _pwrite_all(fd, body, 0)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            raise
-        os.close(fd)
-        os.replace(temp, index)
-        _sync_dir(self.path)
-        if self._log_fd >= 0:
-            os.close(self._log_fd)
-        self._log_fd = _open_log(index)
-        self._log_start = len(header)
-        self._log_end = len(body)
-        self._log_entries = len(entries)
+            self._log.rewrite(self._live_entries())
 
     # -- BlobFile's interface ------------------------------------------------------------
 
@@ -710,7 +439,7 @@ class PersistentBlobs:
         entry = self.blobs.entry(item)
         try:
             self.blobs.sync()
-            self._append(
+            self._log.append(
                 [Put(item[0], item[1], entry.offset, entry.length, entry.checksum)], sync=True
             )
         except BaseException:
@@ -736,7 +465,7 @@ class PersistentBlobs:
         self.blobs.delete(item)
         if self.broken is None:
             try:
-                self._append([Delete(*item)], sync=False)
+                self._log.append([Delete(*item)], sync=False)
             except OSError:
                 # Not logged: the record may come back on the next open, where its
                 # checksum decides (its space is not reused while saving is off).
@@ -748,19 +477,12 @@ class PersistentBlobs:
         then truncate the data file."""
         self._items.clear()
         self._followers.clear()
-        if self.broken is None:
-            try:
-                os.ftruncate(self._log_fd, self._log_start)
-                os.fsync(self._log_fd)
-                self._log_end, self._log_entries = self._log_start, 0
-            except OSError as exc:
-                self.broken = exc.strerror or str(exc)
+        self._log.clear()
         self.blobs.clear()
 
     def flush(self) -> None:
         """Make every entry appended so far durable."""
-        if self.broken is None and self._log_fd >= 0:
-            os.fsync(self._log_fd)
+        self._log.flush()
 
     def close(self) -> None:
         """Compact the log (keeping the LRU order), close the files, release the lock."""
@@ -777,9 +499,7 @@ class PersistentBlobs:
             pass
         finally:
             self.blobs.close()
-            if self._log_fd >= 0:
-                os.close(self._log_fd)
-                self._log_fd = -1
+            self._log.close()
             self._release_lock()
 
     def _release_lock(self) -> None:
@@ -798,7 +518,7 @@ class PersistentBlobs:
     @property
     def log_size(self) -> int:
         """Bytes of the index log now."""
-        return self._log_end
+        return self._log.end
 
     # -- followers -----------------------------------------------------------------------
 
@@ -813,7 +533,7 @@ class PersistentBlobs:
             self._followers.popitem(last=False)
         if self.broken is None:
             try:
-                self._append([Follower(key, parent, ids)], sync=False)
+                self._log.append([Follower(key, parent, ids)], sync=False)
             except OSError:
                 pass  # only metadata: a cut after a restart may not find this block
             except ValueError:
@@ -830,11 +550,6 @@ def _item(key: Hashable) -> Item:
     return key  # type: ignore[return-value]
 
 
-def _open_log(path: Path) -> int:
-    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    return os.open(path, flags)
-
-
 def _read_head(path: Path, n: int) -> bytes:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -849,13 +564,3 @@ def _read_head(path: Path, n: int) -> bytes:
         return os.pread(fd, n, 0)
     finally:
         os.close(fd)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        written = os.pwrite(fd, view[done:], offset + done)
-        if written <= 0:
-            raise OSError(errno.EIO, f"pwrite wrote {written} bytes")
-        done += written
