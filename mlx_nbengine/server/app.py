@@ -290,7 +290,7 @@ class _App:
         if not collect.done():
             pump.handle.cancel()
             collect.cancel()
-            self.journal.fail(entry, 499, "the client disconnected")
+            self.journal.cancel(entry)
             return JSONResponse(error_body("the client disconnected"), status_code=499)
         try:
             completion = collect.result()
@@ -363,7 +363,7 @@ class _App:
         finally:
             if not finished and entry.finish is None:
                 pump.handle.cancel()  # the client went away mid-answer: free the slot
-                self.journal.fail(entry, 499, "the client disconnected")
+                self.journal.cancel(entry)
             pump.handle.cancel()
             self.in_flight -= 1
 

@@ -141,6 +141,13 @@ class Journal:
             entry.blocks = list(report.blocks)
         self.changed(entry)
 
+    def cancel(self, entry: Entry) -> None:
+        """The client went away before the answer ended: its request was cancelled."""
+        entry.status = 499  # nginx's "client closed request"
+        entry.error = "the client disconnected"
+        entry.finish = "cancelled"
+        self.changed(entry)
+
     def fail(self, entry: Entry, status: int, message: str) -> None:
         entry.status = status
         entry.error = message

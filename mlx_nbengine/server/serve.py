@@ -132,6 +132,12 @@ class ApiServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/v1"
 
+    def __enter__(self) -> ApiServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def __repr__(self) -> str:
         return f"<ApiServer {self.url} {'running' if self.running else 'stopped'}>"
 
