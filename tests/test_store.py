@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
+from mlx_nbengine.cache import backends as backends_module
 from mlx_nbengine.cache import blobfile as blobfile_module
-from mlx_nbengine.cache import store as store_module
 from mlx_nbengine.cache.store import BlockStore, StoreStats, default_budget_bytes
 from mlx_nbengine.errors import CacheError
 
@@ -252,9 +252,9 @@ def test_default_budget_is_a_quarter_of_free_space_capped_at_8_gib(monkeypatch, 
     def disk_with(free):
         return lambda path: type("Usage", (), {"free": free})()
 
-    monkeypatch.setattr(store_module.shutil, "disk_usage", disk_with(100 << 30))
+    monkeypatch.setattr(backends_module.shutil, "disk_usage", disk_with(100 << 30))
     assert default_budget_bytes(tmp_path) == 8 << 30
-    monkeypatch.setattr(store_module.shutil, "disk_usage", disk_with(4 << 30))
+    monkeypatch.setattr(backends_module.shutil, "disk_usage", disk_with(4 << 30))
     assert default_budget_bytes(tmp_path) == 1 << 30
     with BlockStore(directory=tmp_path) as s:
         assert s.stats().budget_bytes == 1 << 30

@@ -10,9 +10,8 @@ Terms:
 - *budget*: the most bytes of live blobs the store keeps. Before storing, the least recently
   used items are evicted until the new blob fits. The scratch file can be larger than the
   budget by its interior free space (`free_bytes`), which later writes reuse first.
-- *default budget*: `min(25% of the free space of the directory, 8 GiB)`: a quarter leaves the
-  user's disk usable while other programs grow, and 8 GiB holds far more blocks of a small
-  model than one notebook's prompts need (the README gives a block's bytes).
+- *default budget*: `min(25% of the free space of the directory, 8 GiB)` (`backends`, which
+  also opens the blobs' home: memory, a scratch file or a persistent directory).
 - *memory only*: `budget_bytes=0` turns the disk off; blobs then live in a dict under
   `memory_budget_bytes` (default 512 MiB), so the cache still works where no disk is wanted.
 - *miss*: `get` of an absent or damaged item. A `put` that cannot store (blob larger than
@@ -43,46 +42,30 @@ Keys name content (the block key hashes the model, the tokens and all earlier bl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
 import os
-import shutil
-import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mlx_nbengine.cache.backends import (
+    DEFAULT_MEMORY_BUDGET,
+    default_budget_bytes,
+    open_backend,
+    saving_off_reason,
+)
 from mlx_nbengine.cache.blobfile import BlobFile, CorruptBlobError
-from mlx_nbengine.cache.persist import PersistentBlobs, StoreBusyError
-from mlx_nbengine.errors import CacheError
+from mlx_nbengine.cache.persist import PersistentBlobs
 
 __all__ = ["BlockStore", "StoreStats", "default_budget_bytes"]
 
 Item = tuple[str, str]
 EventCallback = Callable[[str, str, str, int], None]
-
-GiB = 1 << 30
-MiB = 1 << 20
-DEFAULT_DISK_FRACTION = 0.25
-DEFAULT_DISK_CAP = 8 * GiB
-DEFAULT_MEMORY_BUDGET = 512 * MiB
-# Write errors that mean "no more room" or "this disk fails": saving turns off.
-SAVING_OFF_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EFBIG", "EIO", "EROFS")
-    if hasattr(errno, name)
-)
-
-
-def default_budget_bytes(directory: str | os.PathLike[str] | None = None, *, held: int = 0) -> int:
-    """`min(25% of the free space where the store lives, 8 GiB)`; `held` bytes the store
-    already occupies there count as free."""
-    free = shutil.disk_usage(directory or tempfile.gettempdir()).free + held
-    return min(int(free * DEFAULT_DISK_FRACTION), DEFAULT_DISK_CAP)
 
 
 @dataclass(frozen=True)
@@ -110,282 +93,15 @@ class StoreStats:
         return dataclasses.asdict(self)
 
 
-class _MemoryBlobs:
-    """The memory-only backend: BlobFile's interface over a dict (no file, no checksum)."""
+class _Persistence:
+    """What a persistent store adds: its note, the saving switch, the follower metadata in
+    its index and flushing it. A part of `BlockStore` (which sets `_blobs`, `_lock`,
+    `_note` and `_saving_error`), kept apart so that the LRU reads on its own."""
 
-    file_size = 0
-    free_bytes = 0
-
-    def __init__(self) -> None:
-        self._blobs: dict[Item, bytes] = {}
-        self.closed = False
-
-    def write(self, key: Item, data: bytes | bytearray | memoryview) -> None:
-        if len(data) == 0:
-            raise ValueError("cannot store an empty blob")
-        self._blobs[key] = bytes(data)
-
-    def read(self, key: Item) -> bytes:
-        return self._blobs[key]
-
-    def read_buffer(self, key: Item, into: np.ndarray | None = None) -> np.ndarray:
-        return np.frombuffer(self._blobs[key], dtype=np.uint8)  # a view: nothing to read
-
-    def delete(self, key: Item) -> bool:
-        return self._blobs.pop(key, None) is not None
-
-    def clear(self) -> None:
-        self._blobs.clear()
-
-    def close(self) -> None:
-        self._blobs.clear()
-        self.closed = True
-
-
-class BlockStore:
-    """LRU of record blobs `(block_key, kind) -> bytes` under a byte budget.
-
-    Owned by one thread: the engine's cache-I/O thread is the only caller of `put`, `get`,
-    `touch`, `delete`, `clear` and `close`. A lock guards every method anyway, so `stats()`
-    (and `has`, `census`) can be read from any thread, e.g. by the notebook face.
-    Invariant: the recency order, the sizes and the backend hold exactly the same items, and
-    `bytes_held <= budget_bytes` after every call.
-    """
-
-    def __init__(
-        self,
-        *,
-        budget_bytes: int | None = None,
-        directory: str | os.PathLike[str] | None = None,
-        on_event: EventCallback | None = None,
-        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET,
-        persist_dir: str | os.PathLike[str] | None = None,
-        identity: dict | None = None,
-    ) -> None:
-        if budget_bytes is not None and budget_bytes < 0:
-            raise CacheError(
-                f"budget_bytes={budget_bytes} is negative; pass a size in bytes, 0 for memory "
-                "only, or None for the default"
-            )
-        if memory_budget_bytes < 0:
-            raise CacheError(f"memory_budget_bytes={memory_budget_bytes} must be >= 0")
-        if persist_dir is not None and budget_bytes == 0:
-            raise CacheError("a persistent store keeps its records on disk; drop budget_bytes=0")
-        self._lock = threading.RLock()
-        self._on_event = on_event
-        self._blobs: BlobFile | _MemoryBlobs | PersistentBlobs
-        self._recency: OrderedDict[Item, int] = OrderedDict()  # item -> nbytes, oldest first
-        self._held = 0
-        self._hits = self._misses = self._stored = self._evicted = self._rejected = 0
-        self._saving_error: str | None = None
-        self._note = ""
-        self._at_open = 0
-        persistent = None
-        if persist_dir is not None:
-            persistent = self._open_persistent(persist_dir, identity or {}, directory)
-        if persistent is not None:
-            self._blobs = persistent
-            if budget_bytes is None:
-                budget_bytes = default_budget_bytes(persistent.path, held=persistent.file_size)
-            self._budget = budget_bytes
-            self._description = f"persistent store, budget {_human(budget_bytes)}"
-            for item, nbytes in persistent.items():
-                self._recency[item] = nbytes
-                self._held += nbytes
-            persistent.recency = lambda: list(self._recency)
-            while self._held > self._budget:  # a smaller budget than last time
-                self._remove(next(iter(self._recency)), [], count=False)
-            self._at_open = len(self._recency)
-            return
-        if budget_bytes is None:
-            budget_bytes = default_budget_bytes(directory)
-        if budget_bytes == 0:
-            self._blobs = _MemoryBlobs()
-            self._budget = memory_budget_bytes
-            self._description = f"memory only, budget {_human(memory_budget_bytes)}"
-        else:
-            self._blobs = BlobFile(directory=directory)
-            self._budget = budget_bytes
-            where = "a chosen folder" if directory is not None else "the system temp folder"
-            self._description = f"scratch file in {where}, budget {_human(budget_bytes)}"
-
-    def _open_persistent(
-        self, persist_dir: str | os.PathLike[str], identity: dict, directory: object
-    ) -> PersistentBlobs | None:
-        """DIR's store, or None (and a note) when this process cannot have it."""
-        where = os.fspath(persist_dir)
-        try:
-            store = PersistentBlobs(persist_dir, identity=identity)
-        except StoreBusyError as exc:
-            self._note = (
-                f"the block store in {where} is {exc}; this kernel uses a temporary store "
-                "(nothing it stores is kept)"
-            )
-            return None
-        except Exception as exc:  # noqa: BLE001 - whatever DIR holds, the kernel goes on
-            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-            self._note = (
-                f"cannot use the block store in {where} ({reason}); this kernel uses a "
-                "temporary store (nothing it stores is kept)"
-            )
-            return None
-        self._note = store.note
-        return store
-
-    # -- the owner's API ----------------------------------------------------------------
-
-    def put(self, key: str, kind: str, data: bytes | bytearray | memoryview) -> bool:
-        """Store a blob; True if it is now held, False if it could not be (a miss, not an error).
-
-        Evicts least recently used items until the blob fits the budget.
-        """
-        item = (key, kind)
-        nbytes = memoryview(data).nbytes
-        if nbytes == 0:
-            raise ValueError(f"empty blob for {item!r}; records are never empty")
-        events: list[tuple[str, str, str, int]] = []
-        try:
-            with self._lock:
-                self._check_open()
-                if item in self._recency:
-                    self._recency.move_to_end(item)
-                    return True
-                if nbytes > self._budget or self._saving_error is not None:
-                    self._rejected += 1
-                    return False
-                while self._held + nbytes > self._budget:
-                    oldest = next(iter(self._recency))
-                    self._remove(oldest, events)
-                try:
-                    self._blobs.write(item, data)
-                except OSError as exc:
-                    # Disk full or file too large: the backend already returned the space.
-                    self._rejected += 1
-                    if exc.errno in SAVING_OFF_ERRNOS:
-                        what = exc.strerror or os.strerror(exc.errno)
-                        self._saving_error = (
-                            f"saving to the block store is off: a write failed ({what}); "
-                            "the blocks already stored are still restored"
-                        )
-                    return False
-                self._recency[item] = nbytes
-                self._held += nbytes
-                self._stored += 1
-                events.append(("stored", key, kind, nbytes))
-                return True
-        finally:
-            self._emit(events)
-
-    def get(self, key: str, kind: str) -> bytes | None:
-        """The blob, or None on a miss; a damaged blob is evicted and reported as a miss."""
-        return self._get(key, kind, buffer=None)
-
-    def get_buffer(
-        self, key: str, kind: str, into: np.ndarray | None = None, *, mapped: bool = False
-    ) -> np.ndarray | None:
-        """`get` as a uint8 array, read straight into it (the restore path's one copy of
-        the blob): a slice of `into` when it is large enough (`BlobFile.read_buffer`).
-        With `mapped`, a view of the scratch file's pages where it can be mapped
-        (`BlobFile.read_mapped`: no copy, valid only until the store's next change, for
-        the store's owner thread). Treat it as read-only."""
-        return self._get(key, kind, buffer="mapped" if mapped else "read", into=into)
-
-    @property
-    def mappable(self) -> bool:
-        """Whether `get_buffer(..., mapped=True)` maps blobs (a scratch file) rather than
-        reading them."""
-        return isinstance(self._blobs, BlobFile) and self._blobs.mappable
-
-    def size(self, key: str, kind: str) -> int | None:
-        """The item's blob size in bytes, None if absent; changes neither recency nor
-        statistics."""
-        with self._lock:
-            return self._recency.get((key, kind))
-
-    def _get(
-        self, key: str, kind: str, *, buffer: str | None, into: np.ndarray | None = None
-    ) -> Any:
-        item = (key, kind)
-        events: list[tuple[str, str, str, int]] = []
-        try:
-            with self._lock:
-                self._check_open()
-                if item not in self._recency:
-                    self._misses += 1
-                    return None
-                try:
-                    if buffer == "mapped" and isinstance(self._blobs, BlobFile):
-                        data = self._blobs.read_mapped(item)
-                    elif buffer is not None:
-                        data = self._blobs.read_buffer(item, into)
-                    else:
-                        data = self._blobs.read(item)
-                except (CorruptBlobError, OSError):
-                    self._remove(item, events)
-                    self._misses += 1
-                    return None
-                self._recency.move_to_end(item)
-                self._hits += 1
-                return data
-        finally:
-            self._emit(events)
-
-    def has(self, key: str, kind: str) -> bool:
-        """Whether the item is held; changes neither recency nor statistics."""
-        with self._lock:
-            return (key, kind) in self._recency
-
-    def touch(self, items: Iterable[Item]) -> None:
-        """Make the held items most recent, each later one more recent than the earlier."""
-        with self._lock:
-            self._check_open()
-            for item in items:
-                item = tuple(item)
-                if item in self._recency:
-                    self._recency.move_to_end(item)
-
-    def delete(self, key: str, kind: str) -> bool:
-        """Remove the item (an "evicted" event); False if it was not held."""
-        events: list[tuple[str, str, str, int]] = []
-        try:
-            with self._lock:
-                self._check_open()
-                if (key, kind) not in self._recency:
-                    return False
-                self._remove((key, kind), events)
-                return True
-        finally:
-            self._emit(events)
-
-    def clear(self) -> None:
-        """Remove every item (each an "evicted" event) and shrink the scratch file to zero."""
-        events: list[tuple[str, str, str, int]] = []
-        try:
-            with self._lock:
-                self._check_open()
-                for (key, kind), nbytes in self._recency.items():
-                    events.append(("evicted", key, kind, nbytes))
-                self._evicted += len(self._recency)
-                self._recency.clear()
-                self._held = 0
-                self._blobs.clear()
-                self._saving_error = None  # the space is back: try again
-        finally:
-            self._emit(events)
-
-    def close(self) -> None:
-        """Close and delete the scratch file (a persistent store: compact its index, keeping
-        the LRU order, close its files, release its directory); no events. Idempotent."""
-        with self._lock:
-            self._blobs.close()  # first: a persistent store writes the recency order
-            self._recency.clear()
-            self._held = 0
-
-    @property
-    def closed(self) -> bool:
-        return self._blobs.closed
-
-    # -- persistence and saving -----------------------------------------------------------
+    _blobs: Any
+    _lock: Any
+    _note: str
+    _saving_error: str | None
 
     @property
     def persistent(self) -> bool:
@@ -440,6 +156,182 @@ class BlockStore:
                     self._blobs.flush()
                 except OSError:
                     pass
+
+
+class BlockStore(_Persistence):
+    """LRU of record blobs `(block_key, kind) -> bytes` under a byte budget.
+
+    Owned by one thread: the engine's cache-I/O thread is the only caller of `put`, `get`,
+    `touch`, `delete`, `clear` and `close`. A lock guards every method anyway, so `stats()`
+    (and `has`, `census`) can be read from any thread, e.g. by the notebook face.
+    Invariant: the recency order, the sizes and the backend hold exactly the same items, and
+    `bytes_held <= budget_bytes` after every call.
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_bytes: int | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        on_event: EventCallback | None = None,
+        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+        persist_dir: str | os.PathLike[str] | None = None,
+        identity: dict | None = None,
+    ) -> None:
+        self._lock = threading.RLock()
+        self._on_event = on_event
+        self._recency: OrderedDict[Item, int] = OrderedDict()  # item -> nbytes, oldest first
+        self._held = 0
+        self._hits = self._misses = self._stored = self._evicted = self._rejected = 0
+        self._saving_error: str | None = None
+        backend = open_backend(
+            budget_bytes=budget_bytes,
+            directory=directory,
+            memory_budget_bytes=memory_budget_bytes,
+            persist_dir=persist_dir,
+            identity=identity,
+        )
+        self._blobs = backend.blobs
+        self._budget = backend.budget
+        self._description = backend.description
+        self._note = backend.note
+        self._at_open = 0
+        if isinstance(self._blobs, PersistentBlobs):
+            for item, nbytes in self._blobs.items():
+                self._recency[item] = nbytes
+                self._held += nbytes
+            self._blobs.recency = lambda: list(self._recency)
+            while self._held > self._budget:  # a smaller budget than last time
+                self._remove(next(iter(self._recency)), [], count=False)
+            self._at_open = len(self._recency)
+
+    # -- the owner's API ----------------------------------------------------------------
+
+    def put(self, key: str, kind: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store a blob; True if it is now held, False if it could not be (a miss, not an error).
+
+        Evicts least recently used items until the blob fits the budget.
+        """
+        item = (key, kind)
+        nbytes = memoryview(data).nbytes
+        if nbytes == 0:
+            raise ValueError(f"empty blob for {item!r}; records are never empty")
+        with self._changing() as events:
+            if item in self._recency:
+                self._recency.move_to_end(item)
+                return True
+            if nbytes > self._budget or self._saving_error is not None:
+                self._rejected += 1
+                return False
+            while self._held + nbytes > self._budget:
+                oldest = next(iter(self._recency))
+                self._remove(oldest, events)
+            try:
+                self._blobs.write(item, data)
+            except OSError as exc:
+                # Disk full or file too large: the backend already returned the space.
+                self._rejected += 1
+                self._saving_error = saving_off_reason(exc) or self._saving_error
+                return False
+            self._recency[item] = nbytes
+            self._held += nbytes
+            self._stored += 1
+            events.append(("stored", key, kind, nbytes))
+            return True
+
+    def get(self, key: str, kind: str) -> bytes | None:
+        """The blob, or None on a miss; a damaged blob is evicted and reported as a miss."""
+        return self._get(key, kind, buffer=None)
+
+    def get_buffer(
+        self, key: str, kind: str, into: np.ndarray | None = None, *, mapped: bool = False
+    ) -> np.ndarray | None:
+        """`get` as a uint8 array, read straight into it (the restore path's one copy of
+        the blob): a slice of `into` when it is large enough (`BlobFile.read_buffer`).
+        With `mapped`, a view of the scratch file's pages where it can be mapped
+        (`BlobFile.read_mapped`: no copy, valid only until the store's next change, for
+        the store's owner thread). Treat it as read-only."""
+        return self._get(key, kind, buffer="mapped" if mapped else "read", into=into)
+
+    @property
+    def mappable(self) -> bool:
+        """Whether `get_buffer(..., mapped=True)` maps blobs (a scratch file) rather than
+        reading them."""
+        return isinstance(self._blobs, BlobFile) and self._blobs.mappable
+
+    def size(self, key: str, kind: str) -> int | None:
+        """The item's blob size in bytes, None if absent; changes neither recency nor
+        statistics."""
+        with self._lock:
+            return self._recency.get((key, kind))
+
+    def _get(
+        self, key: str, kind: str, *, buffer: str | None, into: np.ndarray | None = None
+    ) -> Any:
+        item = (key, kind)
+        with self._changing() as events:
+            if item not in self._recency:
+                self._misses += 1
+                return None
+            try:
+                if buffer == "mapped" and isinstance(self._blobs, BlobFile):
+                    data = self._blobs.read_mapped(item)
+                elif buffer is not None:
+                    data = self._blobs.read_buffer(item, into)
+                else:
+                    data = self._blobs.read(item)
+            except (CorruptBlobError, OSError):
+                self._remove(item, events)
+                self._misses += 1
+                return None
+            self._recency.move_to_end(item)
+            self._hits += 1
+            return data
+
+    def has(self, key: str, kind: str) -> bool:
+        """Whether the item is held; changes neither recency nor statistics."""
+        with self._lock:
+            return (key, kind) in self._recency
+
+    def touch(self, items: Iterable[Item]) -> None:
+        """Make the held items most recent, each later one more recent than the earlier."""
+        with self._lock:
+            self._check_open()
+            for item in items:
+                item = tuple(item)
+                if item in self._recency:
+                    self._recency.move_to_end(item)
+
+    def delete(self, key: str, kind: str) -> bool:
+        """Remove the item (an "evicted" event); False if it was not held."""
+        with self._changing() as events:
+            if (key, kind) not in self._recency:
+                return False
+            self._remove((key, kind), events)
+            return True
+
+    def clear(self) -> None:
+        """Remove every item (each an "evicted" event) and shrink the scratch file to zero."""
+        with self._changing() as events:
+            for (key, kind), nbytes in self._recency.items():
+                events.append(("evicted", key, kind, nbytes))
+            self._evicted += len(self._recency)
+            self._recency.clear()
+            self._held = 0
+            self._blobs.clear()
+            self._saving_error = None  # the space is back: try again
+
+    def close(self) -> None:
+        """Close and delete the scratch file (a persistent store: compact its index, keeping
+        the LRU order, close its files, release its directory); no events. Idempotent."""
+        with self._lock:
+            self._blobs.close()  # first: a persistent store writes the recency order
+            self._recency.clear()
+            self._held = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._blobs.closed
 
     def stats(self) -> StoreStats:
         """A consistent snapshot; safe from any thread."""
@@ -509,6 +401,18 @@ class BlockStore:
         if self._blobs.closed:
             raise ValueError("BlockStore is closed")
 
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[list[tuple[str, str, str, int]]]:
+        """The lock held on an open store, and a list for the change's events, which are
+        emitted once the lock is released (even when the change raises)."""
+        events: list[tuple[str, str, str, int]] = []
+        try:
+            with self._lock:
+                self._check_open()
+                yield events
+        finally:
+            self._emit(events)
+
     def _remove(
         self, item: Item, events: list[tuple[str, str, str, int]], *, count: bool = True
     ) -> None:
@@ -523,10 +427,3 @@ class BlockStore:
         if self._on_event is not None:
             for name, key, kind, nbytes in events:
                 self._on_event(name, key, kind, nbytes)
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes} B"
