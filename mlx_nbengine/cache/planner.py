@@ -157,6 +157,53 @@ def _cuttable(
     return cuttable, refused_by
 
 
+def _with_cut(
+    prefix: PrefixCache,
+    plan: RestorePlan,
+    tokens: Sequence[int],
+    *,
+    to_token: bool,
+    inside_image: Callable[[int], bool],
+) -> RestorePlan:
+    """`plan` with the best cut into its next block (of `prefix`'s followers, see the module
+    docstring), or the reason it keeps the boundary."""
+    B, n = prefix.block_size, plan.n_blocks
+    start = n * B
+    room = min(B - 1, len(tokens) - 1 - start)  # the last prompt token is computed
+    if room <= 0:
+        return plan
+    own = tokens[start : start + B]
+    # Into block 0 only past what unrelated prompts share (the hot cache's rule).
+    least = min(prefix.root_min_shared, len(own) - 1) if n == 0 else 1
+    parent = plan.keys[n - 1] if n else ROOT
+    candidates = [
+        (key, min(shared, room), length)
+        for key, shared, length in prefix.followers.ranked(parent, own)
+        if shared >= least and not inside_image(start + min(shared, room))
+    ]
+    if not candidates:
+        return plan
+    if not to_token:
+        return replace(plan, kept_boundary="block")
+    cuttable, refused_by = _cuttable(candidates, prefix.model_kinds, block_size=B)
+    if not cuttable:
+        return replace(plan, kept_boundary=refused_by)
+    # Every held one, best first: `load` reads on past one that cannot serve the cut.
+    cuts = tuple(
+        Cut(
+            block=n,
+            key=key,
+            tokens=k,
+            needed=tuple(RecordKey(key, kind) for kind in prefix.kinds),
+        )
+        for key, k in cuttable
+        if all(prefix.store.has(key, kind) for kind in prefix.kinds)
+    )
+    if not cuts:
+        return replace(plan, kept_boundary="evicted")
+    return replace(plan, cut=cuts[0], spare_cuts=cuts[1:])
+
+
 class PrefixCache:
     """Keys, records, store, planner and assembly for one model (see the module docstring)."""
 
@@ -272,57 +319,13 @@ class PrefixCache:
             for n in range(limit + 1)
         )
         plan = self._plan(keys, limit=limit, allowed=allowed)
-        return self._with_cut(
+        return _with_cut(
+            self,
             plan,
             match_ids(tokens, images),
             to_token=to_token,
             inside_image=lambda p: bidirectional_images and any(s.cuts(p) for s in images),
         )
-
-    def _with_cut(
-        self,
-        plan: RestorePlan,
-        tokens: Sequence[int],
-        *,
-        to_token: bool,
-        inside_image: Callable[[int], bool],
-    ) -> RestorePlan:
-        """`plan` with the best cut into its next block, or the reason it keeps the boundary."""
-        B, n = self.block_size, plan.n_blocks
-        start = n * B
-        room = min(B - 1, len(tokens) - 1 - start)  # the last prompt token is computed
-        if room <= 0:
-            return plan
-        own = tokens[start : start + B]
-        # Into block 0 only past what unrelated prompts share (the hot cache's rule).
-        least = min(self.root_min_shared, len(own) - 1) if n == 0 else 1
-        parent = plan.keys[n - 1] if n else ROOT
-        candidates = [
-            (key, min(shared, room), length)
-            for key, shared, length in self.followers.ranked(parent, own)
-            if shared >= least and not inside_image(start + min(shared, room))
-        ]
-        if not candidates:
-            return plan
-        if not to_token:
-            return replace(plan, kept_boundary="block")
-        cuttable, refused_by = _cuttable(candidates, self.model_kinds, block_size=B)
-        if not cuttable:
-            return replace(plan, kept_boundary=refused_by)
-        # Every held one, best first: `load` reads on past one that cannot serve the cut.
-        cuts = tuple(
-            Cut(
-                block=n,
-                key=key,
-                tokens=k,
-                needed=tuple(RecordKey(key, kind) for kind in self.kinds),
-            )
-            for key, k in cuttable
-            if all(self.store.has(key, kind) for kind in self.kinds)
-        )
-        if not cuts:
-            return replace(plan, kept_boundary="evicted")
-        return replace(plan, cut=cuts[0], spare_cuts=cuts[1:])
 
     def _plan(self, keys: tuple[str, ...], *, limit: int, allowed: tuple[bool, ...]) -> RestorePlan:
         has = self.store.has
