@@ -36,7 +36,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any, TypeVar
 
-from mlx_nbengine.engine.blockstore import open_prefix_cache, store_figures
+from mlx_nbengine.engine.blockstore import open_prefix_cache
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.generation import GenerationThread
 from mlx_nbengine.engine.internals import EngineInternals
@@ -50,6 +50,7 @@ from mlx_nbengine.engine.request import (
 )
 from mlx_nbengine.engine.sampling import validate
 from mlx_nbengine.engine.sequence import Sequence
+from mlx_nbengine.engine.storeface import StoreFace
 from mlx_nbengine.engine.text import TextStream
 from mlx_nbengine.models import load as load_model
 
@@ -72,15 +73,12 @@ def _close_all() -> None:
         engine.close()
 
 
-class Engine:
+class Engine(StoreFace):
     """A loaded model with continuous batching and a block-level prefix cache.
 
     Use `Engine.load(...)`; see `submit` for requests, `stats`, `close`. Also a context
     manager (closes on exit).
     """
-
-    # Over 300 lines: this is the public face, and about a third of it is the API's
-    # documentation; the work is done by the parts it wires (`generation`, `cacheio`).
 
     def __init__(
         self,
@@ -96,7 +94,7 @@ class Engine:
         restore: str = "token",
         persist_dir: str | os.PathLike | None = None,
     ) -> None:
-        _check_options(
+        persist_dir = _check_options(
             restore=restore,
             parallel=parallel,
             block_size=block_size,
@@ -105,8 +103,6 @@ class Engine:
             store=store,
             disk_budget=disk_budget,
         )
-        if persist_dir is not None:
-            persist_dir = os.path.expanduser(os.fspath(persist_dir))
         self.persist_dir = persist_dir
         self.parallel = parallel
         self.block_size = block_size
@@ -118,21 +114,16 @@ class Engine:
         self._io = CacheIO()
         self._ledger = CacheLedger()
         self._saving_warned = False
-
-        prefix_factory = functools.partial(  # called on the cache-I/O thread
-            open_prefix_cache,
-            ledger=self._ledger,
+        self._gen = _generation_thread(
+            loader,
+            self._io,
+            self._ledger,
+            store=store,
+            parallel=parallel,
             block_size=block_size,
             disk_budget=disk_budget,
             cache_dir=cache_dir,
             persist_dir=persist_dir,
-        )
-        self._gen = GenerationThread(
-            loader=loader,
-            io=self._io,
-            prefix_factory=prefix_factory if store else None,
-            parallel=parallel,
-            block_size=block_size,
             max_prefill_step=max_prefill_step,
             restore=restore,
         )
@@ -255,12 +246,38 @@ class Engine:
             lm, prompt, images=images, template_kwargs=template_kwargs, model_name=self.model_name
         )
         request = Request(next(self._ids), tokens, self._gen.cancel)
-        seq = Sequence(
-            request=request,
-            prompt=tokens,
+        seq = self._sequence(
+            request,
+            vision,
             max_tokens=max_tokens,
             sampling={"temperature": temperature, "top_p": top_p, "seed": seed},
-            greedy=temperature == 0,
+            stops=stops,
+            live_blocks=live_blocks,
+        )
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this engine is closed; load a new one with Engine.load")
+            self._gen.submit(seq)
+        return request
+
+    def _sequence(
+        self,
+        request: Request,
+        vision: Any,
+        *,
+        max_tokens: int,
+        sampling: dict[str, Any],
+        stops: list[str],
+        live_blocks: bool,
+    ) -> Sequence:
+        """The scheduler's record of `request` (its prompt already tokenized)."""
+        lm = self.model
+        return Sequence(
+            request=request,
+            prompt=request.prompt_tokens,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            greedy=sampling["temperature"] == 0,
             text=TextStream(lm.tokenizer.detokenizer, stops),
             eos=frozenset(lm.eos_token_ids),
             block_size=self.block_size,
@@ -270,11 +287,6 @@ class Engine:
             vision=vision,
             live_blocks=live_blocks,
         )
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError("this engine is closed; load a new one with Engine.load")
-            self._gen.submit(seq)
-        return request
 
     # --- state ------------------------------------------------------------------------------
 
@@ -307,89 +319,6 @@ class Engine:
             **self._gen.counts(),
         )
         return out
-
-    def _block_store(self) -> Any:
-        prefix = self.internals.prefix_cache
-        return None if prefix is None else prefix.store
-
-    @property
-    def store_note(self) -> str | None:
-        """One line when the block store is not what `persist_dir` asked for (another
-        process holds the directory, an incompatible store was set aside, records were
-        dropped on open); None otherwise. Safe from any thread."""
-        store = self._block_store()
-        return (getattr(store, "note", "") or None) if store is not None else None
-
-    def store_warning(self) -> str | None:
-        """The one-line warning that saving to the block store is off (a full disk, an I/O
-        error), the first time it is asked after that happened; None otherwise."""
-        store = self._block_store()
-        error = getattr(store, "saving_error", None) if store is not None else None
-        with self._lock:
-            if error is None:
-                self._saving_warned = False  # on again (cleared): warn again next time
-                return None
-            if self._saving_warned:
-                return None
-            self._saving_warned = True
-        return error
-
-    def cache_view(self) -> dict[str, Any]:
-        """What the store view draws, JSON-ready; cheap and safe from any thread.
-
-        The store now: ``blocks_held`` (distinct block keys with a record), ``records``,
-        ``bytes_held``, ``budget_bytes``, ``file_size``, ``free_bytes``, ``backend`` (the
-        store's description; ``"off"`` without a store, whose figures are then zeros),
-        ``by_kind`` (``{"kv"|"window"|"state": {"records", "bytes"}}``). Over all finished
-        requests: ``blocks_restored``, ``blocks_computed``, ``tokens_restored``,
-        ``tokens_computed``, ``requests``; over the store's life: ``blocks_evicted``
-        (blocks that lost their last record), ``records_evicted``. ``history``: one point
-        per finished request and per eviction burst, ``{"t", "restored", "computed",
-        "evicted"}`` (cumulative blocks, ``t`` in seconds since the engine loaded), at most
-        200. ``recent_evictions``: ``{"t", "kind", "bytes", "text"}``, newest first, at
-        most 10, ``text`` the first words of the evicted block ("" if unknown).
-        """
-        view: dict[str, Any] = {"model": self.model_name, "block_size": self.block_size}
-        view.update(store_figures(self._block_store()))
-        ledger = self._ledger.snapshot()
-        evictions = ledger.pop("recent_evictions")
-        view.update(ledger)
-        view["recent_evictions"] = [
-            {"t": e["t"], "kind": e["kind"], "bytes": e["bytes"], "text": self._words(e["tokens"])}
-            for e in evictions
-        ]
-        return view
-
-    def _words(self, tokens: list[int] | None, *, words: int = 8) -> str:
-        """The first `words` words of `tokens` decoded ("" when unknown or not decodable)."""
-        lm = self.model
-        if not tokens or lm is None:
-            return ""
-        try:
-            text = lm.decode(tokens, skip_special_tokens=True)
-        except Exception:  # a view must never fail on a tokenizer's quirk
-            return ""
-        return " ".join(text.split()[:words])
-
-    def clear_cache(self) -> None:
-        """Empty the block store and drop the hot in-memory cache.
-
-        Safe while requests run: the store is cleared on the cache-I/O thread (its owner),
-        saves still queued are dropped, and the hot cache is dropped on the generation
-        thread between steps. Running requests keep their own caches; their later
-        checkpoints store again. A no-op on a closed engine.
-        """
-        if self._closed:
-            return
-        self.drop_hot_cache()
-        if self._gen.has_store:
-            self._io.clear().result(timeout=60)
-
-    def drop_hot_cache(self) -> None:
-        """Forget the hot in-memory cache and the image features, keeping the block store
-        (the next restore comes from disk). A no-op on a closed engine."""
-        if not self._closed:
-            self._gen.call(lambda: self._gen.scheduler.drop_hot_cache())
 
     # --- for tools and tests ----------------------------------------------------------------
 
@@ -437,6 +366,41 @@ class Engine:
         return f"<Engine {self.model_name} {state}>"
 
 
+def _generation_thread(
+    loader: Any,
+    io: CacheIO,
+    ledger: CacheLedger,
+    *,
+    store: bool,
+    parallel: int,
+    block_size: int,
+    disk_budget: int | None,
+    cache_dir: Any,
+    persist_dir: str | None,
+    max_prefill_step: int,
+    restore: str,
+) -> GenerationThread:
+    """An engine's generation thread, not started; with `store`, its prefix factory (run
+    on the cache-I/O thread `io`) opens the block store."""
+    prefix_factory = functools.partial(
+        open_prefix_cache,
+        ledger=ledger,
+        block_size=block_size,
+        disk_budget=disk_budget,
+        cache_dir=cache_dir,
+        persist_dir=persist_dir,
+    )
+    return GenerationThread(
+        loader=loader,
+        io=io,
+        prefix_factory=prefix_factory if store else None,
+        parallel=parallel,
+        block_size=block_size,
+        max_prefill_step=max_prefill_step,
+        restore=restore,
+    )
+
+
 def _check_options(
     *,
     restore: str,
@@ -446,8 +410,9 @@ def _check_options(
     persist_dir: Any,
     store: bool,
     disk_budget: int | None,
-) -> None:
-    """Raise `InvalidRequestError`, saying what to pass, for options `Engine` cannot use."""
+) -> str | None:
+    """Raise `InvalidRequestError`, saying what to pass, for options `Engine` cannot use;
+    return `persist_dir` as a path string (`~` expanded), None without one."""
     if restore not in RESTORE_MODES:
         raise InvalidRequestError(
             f"restore must be one of {', '.join(map(repr, RESTORE_MODES))}, got {restore!r}"
@@ -466,3 +431,4 @@ def _check_options(
             "persist_dir keeps the block store on disk; it needs store=True and a disk "
             "budget other than 0"
         )
+    return None if persist_dir is None else os.path.expanduser(os.fspath(persist_dir))
