@@ -86,6 +86,7 @@ from mlx_nbengine.notebook.render import (
     models_text,
     progress_bundle,
 )
+from mlx_nbengine.notebook.serving import ServeMagics
 from mlx_nbengine.notebook.streaming import (
     CANCEL_GRACE_S,
     BackgroundAnswer,
@@ -127,6 +128,8 @@ class LLMSession:
     layer_kinds: list[str] | None = None
     # The `%llm_cache` views of the loaded engine, redrawn as requests finish.
     stores: LiveStores = field(default_factory=LiveStores)
+    # The `%llm_serve` endpoint on the loaded engine (`notebook.serving`), or None.
+    server: Any = None
 
     def next_turn_key(self, source: str) -> str:
         """Key of the next chat call in the running cell (`source` where IPython gave none)."""
@@ -326,6 +329,9 @@ class LLMMagics(Magics):
         session.engine, session.model, session.options = None, None, {}
         session.layer_kinds = None
         session.stores.clear()
+        if session.server is not None:  # %llm_serve stops before its engine closes
+            session.server.stop()
+            session.server = None
         if engine is None:
             return None
         for handle in session.background:
@@ -897,6 +903,7 @@ def load_ipython_extension(ipython: Any, *, engine_factory=None) -> LLMMagics:
         return existing
     magics = LLMMagics(ipython, engine_factory=engine_factory)
     ipython.register_magics(magics)
+    ipython.register_magics(ServeMagics(ipython, magics))  # %llm_serve
     ipython.events.register("pre_run_cell", magics.pre_run_cell)
     setattr(ipython, _MAGICS_KEY, magics)
     return magics
