@@ -256,6 +256,7 @@ class _App:
             self.journal.fail(entry, err.status, err.message)
             return _error(err)
         entry.prompt_tokens = len(handle.prompt_tokens)
+        entry.tokens = list(handle.prompt_tokens)
         self.journal.changed(entry)
         pump = _Pump(handle, asyncio.get_running_loop())
         if call.stream:

@@ -1,6 +1,7 @@
 """The server's journal: one `Entry` per API request, for the agent view and tests.
 
-An entry holds figures only (never the prompt or the answer): when the request came, its
+An entry holds figures (never the prompt's text or the answer; its token ids stay in
+memory for the view's block words, and out of `Entry.as_dict`): when the request came, its
 endpoint, its prompt tokens, where the restored ones came from (memory or disk), how many
 were computed, the first-token time, the decode speed, how it finished, and its prompt
 blocks (the engine's `BlockReport`s, as they arrive). Watchers (`Journal.watch`) are called
@@ -39,6 +40,8 @@ class Entry:
     error: str | None = None
     blocks: list[Any] = field(default_factory=list)  # BlockReport, in arrival order
     report: Any = None  # the engine's Report once finished
+    # The prompt's token ids, in memory only (the view's block words); never in as_dict.
+    tokens: list[int] = field(default_factory=list, repr=False)
 
     @property
     def cached_tokens(self) -> int:
