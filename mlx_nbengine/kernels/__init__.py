@@ -1,4 +1,4 @@
-"""Quantized matrix-vector kernels of our own for MLX's affine format, on the CPU.
+"""CPU kernels of our own, as MLX primitives: quantized matrix-vector products and attention.
 
 MLX's CPU kernels for its quantized format are scalar on x86, slower than a float32
 matrix-vector product; decode is bound by the bytes of weights read per token, so 8-bit and
@@ -6,16 +6,21 @@ matrix-vector product; decode is bound by the bytes of weights read per token, s
 ``x @ dequantize(w, scales, biases).T`` for 1 to `MAX_ROWS` rows of ``x`` (a decode step)
 straight from the packed weights, as an MLX primitive on the CPU device.
 
+`attention` is scaled-dot-product attention (``mx.fast.scaled_dot_product_attention``'s
+function, plus sliding windows and soft-capping): its two products on the BLAS, the softmax
+ours, vectorized and tiled over keys with a running max and sum (see src/attention.h).
+
 *Kernel sets* (``isa``): ``avx512`` (AVX-512F), ``avx2`` (AVX2 + FMA) and ``portable``
 (plain C++). The CPU that runs them decides (cpuid), never the build machine: a set the
-CPU lacks falls to the next one. Each product splits its output columns over the BLAS
-thread count the engine chose for the step (`_blas.current_threads`).
+CPU lacks falls to the next one. Each product splits its output columns (attention: its
+softmax rows; its products are the BLAS's) over the BLAS thread count the engine chose for
+the step (`_blas.current_threads`).
 
 *The switch*, ``MLX_NBENGINE_KERNELS``: ``auto`` (the default: the best set this CPU has,
 on Linux), ``avx512``, ``avx2`` or ``portable`` (force a set, falling down where the CPU
 lacks it), ``off`` (MLX's own kernels). The module is compiled at first use (`build`);
 where it cannot be built or does not compute right, everything runs on MLX's kernels as
-before and one line on stderr says why.
+before and one line on stderr says why (one line for both kinds of kernel).
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ from mlx_nbengine import _blas
 from mlx_nbengine.kernels import build as _build
 
 __all__ = [
+    "ATTENTION_VERSION",
     "BITS",
     "GROUP_SIZES",
     "MAX_ROWS",
     "MODE_ENV",
     "KernelStatus",
+    "attention",
+    "attention_isa",
     "quantized_matmul",
     "status",
     "supports",
@@ -48,6 +56,8 @@ MODES = ("auto", "avx512", "avx2", "portable", "off")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 MAX_ROWS = 8
+# Bumped whenever the attention kernels change their results' bits (the fingerprint names it).
+ATTENTION_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,15 @@ def _self_check(module: ModuleType, isa: str) -> None:
         got = module.quantized_matvec(x, q, s, b, 64, bits, isa, 1)
         if not mx.allclose(got, want, rtol=1e-4, atol=1e-3, stream=mx.cpu).item():
             raise ValueError(f"the {isa} kernels computed a wrong {bits}-bit product")
+    q = mx.random.normal((1, 4, 5, 32), key=mx.random.key(2), stream=mx.cpu)
+    k = mx.random.normal((1, 2, 40, 32), key=mx.random.key(3), stream=mx.cpu)
+    v = mx.random.normal((1, 2, 40, 32), key=mx.random.key(4), stream=mx.cpu)
+    with mx.stream(mx.cpu):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    attention_set = module.attention_isa(isa)
+    got = module.attention(q, k, v, None, 0.2, True, 0, 0.0, attention_set, 1)
+    if not mx.allclose(got, want, rtol=1e-4, atol=1e-5, stream=mx.cpu).item():
+        raise ValueError(f"the {attention_set} attention kernels computed a wrong result")
 
 
 def _setup() -> KernelStatus:
@@ -96,7 +115,7 @@ def _setup() -> KernelStatus:
     mode = _mode()
     if mode == "invalid":
         reason = f"{MODE_ENV} must be one of {', '.join(MODES)}"
-        print(f"mlx_nbengine: quantized kernels not used ({reason})", file=sys.stderr)
+        print(f"mlx_nbengine: CPU kernels not used ({reason})", file=sys.stderr)
         return KernelStatus(False, reason)
     if mode == "off":
         return KernelStatus(False, f"{MODE_ENV}=off: MLX's own quantized kernels")
@@ -110,8 +129,8 @@ def _setup() -> KernelStatus:
     except Exception as e:  # noqa: BLE001 - a kernel problem must never stop a model
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(
-            f"mlx_nbengine: quantized kernels not used ({reason}); "
-            "quantized models decode on MLX's slower kernels",
+            f"mlx_nbengine: CPU kernels not used ({reason}); quantized kernels and "
+            "attention fall back to MLX's slower ones",
             file=sys.stderr,
         )
         return KernelStatus(False, f"not built: {reason}")
@@ -166,6 +185,55 @@ def quantized_matmul(
         biases,
         group_size,
         bits,
+        isa or _status.isa,
+        threads or _blas.current_threads(),
+    )
+
+
+def attention_isa(isa: str | None = None) -> str | None:
+    """The attention kernel set that runs when `isa` is asked for (default: the set the switch
+    chose) on this CPU; None where the kernels are not active."""
+    if not status().active:
+        return None
+    return _module.attention_isa(isa or _status.isa)
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None = None,
+    causal: bool = False,
+    window: int = 0,
+    softcap: float = 0.0,
+    isa: str | None = None,
+    threads: int | None = None,
+) -> mx.array:
+    """``softmax(scale * q @ k.T [masked]) @ v`` on our kernels, float32, on the CPU.
+
+    `queries` [B, Hq, L, D], `keys` [B, Hkv, S, D] and `values` [B, Hkv, S, Dv] with Hq a
+    multiple of Hkv (grouped-query heads); query i sits at absolute position S - L + i.
+    `causal`: a query sees the keys up to its own position; `window` (> 0, with causal): and
+    only those after ``position - window``; `mask`: a bool array broadcastable to
+    [B, Hq, L, S], True where a key is visible; `softcap` (> 0): scores become
+    ``softcap * tanh(score / softcap)`` before the mask. A query that sees no key gets the
+    mean of all values, as MLX gives it.
+    `isa` forces a kernel set; `threads` (the softmax's) defaults to the engine's BLAS thread
+    count. Raises RuntimeError where the kernels are not active.
+    """
+    if _module is None and not status().active:
+        raise RuntimeError(f"the CPU kernels are not active: {status().reason}")
+    return _module.attention(
+        queries,
+        keys,
+        values,
+        mask,
+        float(scale),
+        bool(causal or window > 0),
+        int(window),
+        float(softcap),
         isa or _status.isa,
         threads or _blas.current_threads(),
     )

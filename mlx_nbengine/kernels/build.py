@@ -31,6 +31,11 @@ MODULE_NAME = "mlx_nbengine_qmv"
 SOURCE_DIR = Path(__file__).parent / "src"
 SOURCES = (
     "CMakeLists.txt",
+    "attention.cpp",
+    "attention.h",
+    "attention_math.h",
+    "attention_portable.cpp",
+    "attention_x86.cpp",
     "bindings.cpp",
     "qkernels.h",
     "qkernels_portable.cpp",
@@ -129,7 +134,7 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Long work says so: a first build takes from several seconds to about a minute.
     print(
-        "mlx_nbengine: building the quantized CPU kernels once (up to a minute)...",
+        "mlx_nbengine: building the CPU kernels once (up to a minute)...",
         file=sys.stderr,
         flush=True,
     )

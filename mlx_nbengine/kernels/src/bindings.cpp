@@ -1,8 +1,11 @@
-// The Python face of the kernels: module mlx_nbengine_qmv (built into the cache home).
+// The Python face of the kernels: module mlx_nbengine_qmv (built into the cache home): the
+// quantized matrix-vector products and attention.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include "attention.h"
 #include "qmatvec.h"
 
 namespace nb = nanobind;
@@ -65,4 +68,38 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "isa"_a,
       "The kernel set that runs for `isa` on this CPU (a lesser one where it lacks `isa`).");
   m.def("max_rows", [] { return mnb::kMaxRows; });
+  m.def(
+      "attention",
+      [](const mnb::mx::array& q,
+         const mnb::mx::array& k,
+         const mnb::mx::array& v,
+         const std::optional<mnb::mx::array>& mask,
+         float scale,
+         bool causal,
+         int window,
+         float softcap,
+         const std::string& isa,
+         int threads) {
+        return mnb::attention(
+            q, k, v, mask, mnb::AttentionParams{scale, causal, window, softcap, parse_isa(isa), threads});
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "mask"_a.none(),
+      "scale"_a,
+      "causal"_a,
+      "window"_a,
+      "softcap"_a,
+      "isa"_a,
+      "threads"_a,
+      "softmax(scale q k^T [soft-capped] [masked]) v on the CPU (see attention.h).");
+  m.def(
+      "attention_isa",
+      [](const std::string& isa) {
+        return std::string(isa_name(mnb::attention_isa(parse_isa(isa))));
+      },
+      "isa"_a,
+      "The attention kernel set that runs for `isa` on this CPU.");
+  m.def("exp_poly", &mnb::exp_poly, "x"_a, "The softmax's exp (x <= 0), scalar form.");
 }

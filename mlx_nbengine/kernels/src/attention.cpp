@@ -1,0 +1,395 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+// The BLAS MLX's own matmuls call: resolved when the module loads, to the same library (the
+// engine's OpenBLAS where it bound one, else the wheel's bundled BLAS).
+extern "C" void cblas_sgemm(
+    int order,
+    int trans_a,
+    int trans_b,
+    int m,
+    int n,
+    int k,
+    float alpha,
+    const float* a,
+    int lda,
+    const float* b,
+    int ldb,
+    float beta,
+    float* c,
+    int ldc);
+
+namespace mnb {
+
+namespace {
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+constexpr float kNinf = -std::numeric_limits<float>::infinity();
+// Rows of one tile (query heads of a group x query positions) and keys per tile: the
+// scores tile stays within 2 MiB whatever the number of keys.
+constexpr int kTileRows = 512;
+constexpr int kTileFloats = 1 << 19;
+
+// Workers that share one softmax tile's rows: a call wakes them, does its own share and
+// waits for the rest. Between tiles they spin briefly, then sleep.
+class RowPool {
+ public:
+  void run(int threads, int rows, SoftmaxFn fn, const SoftmaxTile& tile) {
+    if (threads <= 1 || rows < 2) {
+      fn(tile, 0, rows);
+      return;
+    }
+    std::lock_guard<std::mutex> one_call(call_);
+    threads = std::min(threads, rows);
+    ensure(threads - 1);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      tile_ = &tile;
+      fn_ = fn;
+      rows_ = rows;
+      chunk_ = std::max(1, (rows + threads * 4 - 1) / (threads * 4));
+      next_.store(0, std::memory_order_relaxed);
+      helpers_ = threads - 1;
+      pending_.store(threads - 1, std::memory_order_relaxed);
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    work();
+    while (pending_.load(std::memory_order_acquire) != 0) {
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  void ensure(int helpers) {
+    while (int(workers_.size()) < helpers) {
+      const int index = int(workers_.size());
+      const uint64_t seen = epoch_.load(std::memory_order_acquire);
+      workers_.emplace_back([this, index, seen] { loop(index, seen); });
+      workers_.back().detach(); // lives as long as the process
+    }
+  }
+
+  void work() {
+    for (;;) {
+      const int r0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (r0 >= rows_) {
+        return;
+      }
+      fn_(*tile_, r0, std::min(rows_, r0 + chunk_));
+    }
+  }
+
+  void loop(int index, uint64_t seen) {
+    for (;;) {
+      for (int spin = 0; spin < 20000; ++spin) {
+        if (epoch_.load(std::memory_order_acquire) != seen) {
+          break;
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      bool mine;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        seen = epoch_.load(std::memory_order_acquire);
+        mine = index < helpers_;
+      }
+      if (mine) {
+        work();
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  std::mutex call_;
+  std::mutex m_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> next_{0};
+  std::atomic<int> pending_{0};
+  const SoftmaxTile* tile_ = nullptr;
+  SoftmaxFn fn_ = nullptr;
+  int rows_ = 0;
+  int chunk_ = 1;
+  int helpers_ = 0;
+};
+
+RowPool& pool() {
+  static RowPool* p = new RowPool(); // never destroyed: its threads outlive static destructors
+  return *p;
+}
+
+SoftmaxFn softmax_for(Isa isa) {
+  SoftmaxFn fn = nullptr;
+  if (isa == Isa::avx512) {
+    fn = softmax_avx512();
+  }
+  if (fn == nullptr && isa != Isa::portable) {
+    fn = softmax_avx2();
+  }
+  return fn != nullptr ? fn : softmax_portable();
+}
+
+// A 4-D array's data with unit stride on its last axis: the array itself, or a dense copy.
+template <typename T>
+struct View {
+  const T* p;
+  int64_t s0, s1, s2;
+  std::vector<T> copy;
+};
+
+template <typename T>
+void view_of(const mx::array& a, View<T>& v) {
+  const auto& st = a.strides();
+  if (a.shape(3) <= 1 || st[3] == 1) {
+    v.p = a.data<T>();
+    v.s0 = a.shape(0) > 1 ? st[0] : 0;
+    v.s1 = a.shape(1) > 1 ? st[1] : 0;
+    v.s2 = a.shape(2) > 1 ? st[2] : 0;
+    return;
+  }
+  const int64_t n0 = a.shape(0), n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
+  v.copy.resize(size_t(n0 * n1 * n2 * n3));
+  const T* src = a.data<T>();
+  T* dst = v.copy.data();
+  for (int64_t i = 0; i < n0; ++i) {
+    for (int64_t j = 0; j < n1; ++j) {
+      for (int64_t k = 0; k < n2; ++k) {
+        const T* row = src + i * st[0] + j * st[1] + k * st[2];
+        for (int64_t l = 0; l < n3; ++l) {
+          *dst++ = row[l * st[3]];
+        }
+      }
+    }
+  }
+  v.p = v.copy.data();
+  v.s0 = n0 > 1 ? n1 * n2 * n3 : 0;
+  v.s1 = n1 > 1 ? n2 * n3 : 0;
+  v.s2 = n2 > 1 ? n3 : 0;
+}
+
+struct Shape4 {
+  int B, Hq, Hkv, L, S, D, Dv;
+};
+
+void run(
+    const Shape4& sh,
+    const View<float>& q,
+    const View<float>& k,
+    const View<float>& v,
+    const View<uint8_t>* mask,
+    float* out,
+    const AttentionParams& p) {
+  const int G = sh.Hq / sh.Hkv, L = sh.L, S = sh.S, D = sh.D, Dv = sh.Dv;
+  const int Lq = std::max(1, std::min(L, kTileRows / G));
+  const int rows_max = G * Lq;
+  const int Tk = std::max(64, std::min(4096, kTileFloats / rows_max));
+  SoftmaxFn fn = softmax_for(p.isa);
+  std::vector<float> qs(size_t(rows_max) * D), sc(size_t(rows_max) * Tk), o(size_t(rows_max) * Dv);
+  std::vector<float> m(rows_max), l(rows_max);
+  std::vector<int> lo(rows_max), hi(rows_max);
+  std::vector<const uint8_t*> mrow(rows_max);
+  for (int b = 0; b < sh.B; ++b) {
+    for (int h = 0; h < sh.Hkv; ++h) {
+      const float* kp = k.p + b * k.s0 + h * k.s1;
+      const float* vp = v.p + b * v.s0 + h * v.s1;
+      std::vector<float> vmean; // filled when a row sees no key
+      for (int l0 = 0; l0 < L; l0 += Lq) {
+        const int lq = std::min(Lq, L - l0), R = G * lq;
+        for (int g = 0; g < G; ++g) {
+          for (int i = 0; i < lq; ++i) {
+            const float* src = q.p + b * q.s0 + (h * G + g) * q.s1 + (l0 + i) * q.s2;
+            float* dst = qs.data() + size_t(g * lq + i) * D;
+            for (int d = 0; d < D; ++d) {
+              dst[d] = src[d] * p.scale;
+            }
+          }
+        }
+        std::fill(o.begin(), o.begin() + size_t(R) * Dv, 0.0f);
+        std::fill(m.begin(), m.begin() + R, kNinf);
+        std::fill(l.begin(), l.begin() + R, 0.0f);
+        const int first = S - L + l0; // the absolute position of the tile's first query
+        const int kend = p.causal ? std::min(S, first + lq) : S;
+        const int kbeg = p.window > 0 ? std::max(0, first - p.window + 1) : 0;
+        for (int k0 = kbeg; k0 < kend; k0 += Tk) {
+          const int tk = std::min(Tk, kend - k0);
+          cblas_sgemm(
+              kRowMajor, kNoTrans, kTrans, R, tk, D, 1.0f, qs.data(), D, kp + k0 * k.s2,
+              int(std::max<int64_t>(k.s2, D)), 0.0f, sc.data(), Tk);
+          for (int g = 0; g < G; ++g) {
+            for (int i = 0; i < lq; ++i) {
+              const int r = g * lq + i, pos = first + i;
+              int a = p.window > 0 ? pos - p.window + 1 - k0 : 0;
+              int z = p.causal ? pos + 1 - k0 : tk;
+              a = std::clamp(a, 0, tk);
+              z = std::clamp(z, a, tk);
+              lo[r] = a;
+              hi[r] = z;
+              if (mask != nullptr) {
+                mrow[r] = mask->p + b * mask->s0 + (h * G + g) * mask->s1 + (l0 + i) * mask->s2 + k0;
+              }
+            }
+          }
+          SoftmaxTile tile{
+              sc.data(), Tk, tk, lo.data(), hi.data(), mask != nullptr ? mrow.data() : nullptr,
+              p.softcap, m.data(), l.data(), o.data(), Dv, Dv};
+          // A small tile is done before helpers wake.
+          const int threads = int64_t(R) * tk < 16384 ? 1 : p.threads;
+          pool().run(threads, R, fn, tile);
+          cblas_sgemm(
+              kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
+              int(std::max<int64_t>(v.s2, Dv)), 1.0f, o.data(), Dv);
+        }
+        for (int g = 0; g < G; ++g) {
+          for (int i = 0; i < lq; ++i) {
+            const int r = g * lq + i;
+            float* dst = out + ((int64_t(b) * sh.Hq + h * G + g) * L + l0 + i) * Dv;
+            if (l[r] > 0.0f) {
+              const float inv = 1.0f / l[r];
+              const float* src = o.data() + size_t(r) * Dv;
+              for (int d = 0; d < Dv; ++d) {
+                dst[d] = src[d] * inv;
+              }
+              continue;
+            }
+            // A row that sees no key (only an explicit mask can do that) gets what MLX gives
+            // it: every score the lowest float, so the plain mean of all the values.
+            if (vmean.empty()) {
+              vmean.assign(size_t(Dv), 0.0f);
+              for (int j = 0; j < S; ++j) {
+                for (int d = 0; d < Dv; ++d) {
+                  vmean[d] += vp[j * v.s2 + d];
+                }
+              }
+              for (int d = 0; d < Dv; ++d) {
+                vmean[d] /= float(S);
+              }
+            }
+            std::copy(vmean.begin(), vmean.end(), dst);
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace
+
+Isa attention_isa(Isa isa) {
+  if (isa == Isa::avx512 && softmax_avx512() == nullptr) {
+    isa = Isa::avx2;
+  }
+  if (isa == Isa::avx2 && softmax_avx2() == nullptr) {
+    isa = Isa::portable;
+  }
+  return isa;
+}
+
+mx::array attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const std::optional<mx::array>& mask,
+    const AttentionParams& params) {
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
+    throw std::invalid_argument("attention: queries, keys and values must be 4-D");
+  }
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    throw std::invalid_argument("attention: queries, keys and values must be float32");
+  }
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+  if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != S ||
+      k.shape(3) != D || Hkv < 1 || Hq % Hkv != 0) {
+    throw std::invalid_argument("attention: queries, keys and values do not fit together");
+  }
+  if (params.causal && S < L) {
+    throw std::invalid_argument("attention: a causal step needs at least as many keys as queries");
+  }
+  if (params.window < 0 || params.scale != params.scale) {
+    throw std::invalid_argument("attention: the window must be >= 0 and the scale a number");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  if (L == 0 || B == 0 || Hq == 0) {
+    return mx::zeros({B, Hq, L, Dv}, mx::float32, s);
+  }
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask.has_value()) {
+    auto mk = *mask;
+    if (mk.dtype() != mx::bool_ || mk.ndim() > 4) {
+      throw std::invalid_argument("attention: the mask must be a bool array of up to 4 dimensions");
+    }
+    auto shape = mk.shape();
+    while (shape.size() < 4) {
+      shape.insert(shape.begin(), 1);
+    }
+    if ((shape[0] != 1 && shape[0] != B) || (shape[1] != 1 && shape[1] != Hq) ||
+        (shape[2] != 1 && shape[2] != L) || shape[3] != S) {
+      throw std::invalid_argument("attention: the mask does not broadcast to [B, Hq, L, S]");
+    }
+    inputs.push_back(mx::reshape(mk, shape, s));
+  }
+  AttentionParams p = params;
+  p.isa = attention_isa(p.isa);
+  p.threads = std::max(1, p.threads);
+  return mx::array(
+      {B, Hq, L, Dv},
+      mx::float32,
+      std::make_shared<Attention>(s, p, mask.has_value()),
+      std::move(inputs));
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const auto& q = inputs[0];
+  const Shape4 sh{
+      q.shape(0), q.shape(1), inputs[1].shape(1), q.shape(2), inputs[1].shape(2), q.shape(3),
+      inputs[2].shape(3)};
+  std::optional<mx::array> mask;
+  if (has_mask_) {
+    mask = inputs[3];
+  }
+  encoder.dispatch([q, k = inputs[1], v = inputs[2], mask, sh, o = out.data<float>(), p = p_]() {
+    View<float> qv, kv, vv;
+    view_of(q, qv);
+    view_of(k, kv);
+    view_of(v, vv);
+    View<uint8_t> mv;
+    if (mask.has_value()) {
+      view_of(*mask, mv);
+    }
+    run(sh, qv, kv, vv, mask.has_value() ? &mv : nullptr, o, p);
+  });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("attention runs on the CPU only");
+}
+
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Attention&>(other);
+  return p_ == o.p_ && has_mask_ == o.has_mask_;
+}
+
+} // namespace mnb

@@ -1,0 +1,117 @@
+"""Route attention on the CPU to our kernel: the one module that patches it.
+
+mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``, which calls
+``mx.fast.scaled_dot_product_attention`` for an unquantized cache; some models (and
+mlx-vlm's) call ``mx.fast.scaled_dot_product_attention`` directly. Each model module imports
+mlx-lm's function by name, so replacing that function would miss the modules already
+imported; `install` replaces ``mx.fast.scaled_dot_product_attention`` itself, which both
+paths look up at call time.
+
+A *routed* call is one our kernel (`mlx_nbengine.kernels.attention`) handles: float32
+queries, keys and values of 4 dimensions with grouped-query heads, on the CPU device, no
+attention sinks, and a mask that is None, ``"causal"`` (at least as many keys as queries)
+or a bool array broadcastable to [B, Hq, L, S]. MLX's CPU attention is its composed
+fallback (matmul, scalar softmax, matmul); ours keeps the products on the BLAS and
+vectorizes the softmax. Everything else (additive masks, half precision, the GPU) calls the
+library's function.
+
+It changes logits by float rounding only (tests/test_attention_kernel.py measures it), and
+`variant` names it in the model fingerprint so cached blocks never mix with MLX's.
+tests/test_attention_kernel.py fails loudly when mlx-lm stops calling the function we
+replace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_nbengine import kernels
+
+__all__ = ["install", "installed", "routable", "uninstall", "variant"]
+
+_original: dict[str, Any] = {}
+
+
+def _mask_fits(mask: Any, b: int, hq: int, length: int, keys: int) -> bool:
+    if mask is None:
+        return True
+    if isinstance(mask, str):
+        return mask == "causal" and keys >= length
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim > 4:
+        return False
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    return (
+        shape[0] in (1, b) and shape[1] in (1, hq) and shape[2] in (1, length) and shape[3] == keys
+    )
+
+
+def routable(q: Any, k: Any, v: Any, mask: Any = None, sinks: Any = None) -> bool:
+    """Whether a call with these arguments runs on our kernel (see the module docstring)."""
+    if sinks is not None or mx.default_device() != mx.cpu:
+        return False
+    arrays = (q, k, v)
+    if not all(isinstance(a, mx.array) and a.ndim == 4 and a.dtype == mx.float32 for a in arrays):
+        return False
+    b, hq, length, d = q.shape
+    _, hkv, keys, _ = k.shape
+    return (
+        k.shape[0] == b
+        and v.shape[:3] == k.shape[:3]
+        and k.shape[3] == d
+        and hkv > 0
+        and hq % hkv == 0
+        and _mask_fits(mask, b, hq, length, keys)
+    )
+
+
+def _scaled_dot_product_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: Any = None,
+    sinks: Any = None,
+    stream: Any = None,
+    **kwargs: Any,
+) -> mx.array:
+    if stream is None and not kwargs and routable(q, k, v, mask, sinks):
+        if isinstance(mask, str):
+            return kernels.attention(q, k, v, scale=scale, causal=True)
+        return kernels.attention(q, k, v, scale=scale, mask=mask)
+    return _original["sdpa"](q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs)
+
+
+def installed() -> bool:
+    """Whether attention routes to our kernel in this process."""
+    return bool(_original)
+
+
+def install() -> bool:
+    """Route CPU attention to our kernel (once) where the kernels are active; never raises.
+
+    Returns whether it is routed.
+    """
+    if _original:
+        return True
+    if not kernels.status().active or kernels.attention_isa() is None:
+        return False
+    _original["sdpa"] = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = _scaled_dot_product_attention
+    return True
+
+
+def uninstall() -> None:
+    """Give MLX its own attention back (tests compare both ways)."""
+    if _original:
+        mx.fast.scaled_dot_product_attention = _original.pop("sdpa")
+
+
+def variant() -> str | None:
+    """What the fingerprint records while attention is routed (its kernel set and version:
+    the sets differ in the last bits), else None."""
+    if not _original:
+        return None
+    return f"attn-{kernels.attention_isa()}-v{kernels.ATTENTION_VERSION}"
