@@ -28,34 +28,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.decoding import Decoder, Ended
 from mlx_nbengine.engine.hot import HotCache
-from mlx_nbengine.engine.reasons import computed_reasons
-from mlx_nbengine.engine.results import BlockSource
+from mlx_nbengine.engine.restores import Restores, Start
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.sampling import RequestSampler
 from mlx_nbengine.engine.sequence import Phase, Sequence
 from mlx_nbengine.engine.steps import final_step_group, next_step
 
+__all__ = ["DEFER_LIMIT_S", "Scheduler", "Start"]
+
 # The longest a sequence ready to prefill waits for others still restoring (to form a group).
 DEFER_LIMIT_S = 0.05
-
-
-@dataclass
-class Start:
-    """Where a sequence's prefill starts: its cache holding the first `tokens` prompt
-    tokens, restored from `source` (None: a fresh cache) in `seconds`."""
-
-    cache: list[Any]
-    tokens: int = 0
-    source: BlockSource | None = None
-    seconds: float = 0.0
-    nbytes: int = 0
-    kinds: dict[int, tuple[str, ...]] | None = None  # record kinds read per block (disk)
 
 
 class Scheduler:
@@ -81,9 +68,18 @@ class Scheduler:
         self.decoder = Decoder(runner, block_size=block_size, checkpoints=checkpoints)
         self.waiting: deque[Sequence] = deque()
         self.admitting: list[Sequence] = []
-        self.hot: HotCache | None = None
+        self.restores = Restores(runner, block_size=block_size, checkpoints=checkpoints)
         self.failures = 0
         self.group_prefills = 0  # prefill steps that served several sequences at once
+
+    @property
+    def hot(self) -> HotCache | None:
+        """The hot cache: the last finished sequence's cache, in memory (`restores`)."""
+        return self.restores.hot
+
+    @hot.setter
+    def hot(self, hot: HotCache | None) -> None:
+        self.restores.hot = hot
 
     @property
     def active(self) -> int:
@@ -144,11 +140,13 @@ class Scheduler:
         if not seq.greedy:
             seq.sampler = RequestSampler(**seq.sampling)  # its MLX key is made here
         if self.checkpoints is None:
-            self._begin(seq, self._choose_start(seq, None, 0.0))
+            self.restores.start(seq, None, 0.0)
             return
         seq.restore_started = time.perf_counter()
         fut = self.checkpoints.restore(
-            seq, other_source_tokens=self._hot_tokens(seq), make_cache=self.runner.lm.make_cache
+            seq,
+            other_source_tokens=self.restores.hot_tokens(seq),
+            make_cache=self.runner.lm.make_cache,
         )
         seq.restore_future = fut
         if self._on_restored is not None:
@@ -165,56 +163,7 @@ class Scheduler:
         except Exception:
             result = None  # a restore that fails is a miss: the prompt is computed instead
         seconds = time.perf_counter() - seq.restore_started
-        self._guard([seq], lambda: self._begin(seq, self._choose_start(seq, result, seconds)))
-
-    def _hot_tokens(self, seq: Sequence) -> int:
-        if self.hot is None:
-            return 0
-        bidirectional = seq.images if self.runner.bidirectional else ()
-        return self.hot.servable_tokens(
-            seq.prompt_match, block_size=self.block_size, bidirectional=bidirectional
-        )
-
-    def _choose_start(self, seq: Sequence, result: Any, seconds: float) -> Start:
-        """The better of the disk restore `result` (a `cacheio.RestoreResult` or None) and
-        the hot cache; sets `seq`'s restore facts, prompt keys and reasons."""
-        plan = result.plan if result is not None else None
-        rebuilt = result.restored if result is not None else None
-        hot_n = self._hot_tokens(seq)
-        if rebuilt is not None and plan.tokens > hot_n:
-            # Rebuilt on the cache-I/O thread, in the restore's own job (see `cacheio`).
-            start = Start(rebuilt.cache, plan.tokens, "disk", seconds, rebuilt.nbytes)
-            start.kinds = rebuilt.kinds
-            seq.kept_boundary = plan.kept_boundary
-        elif hot_n > 0:
-            t = time.perf_counter()
-            cache, self.hot = self.hot.take(hot_n), None
-            nbytes = sum(c.nbytes for c in cache)
-            start = Start(cache, hot_n, "memory", time.perf_counter() - t, nbytes)
-        else:
-            start = Start(self.runner.lm.make_cache())
-            seq.kept_boundary = plan.kept_boundary if plan is not None else None
-        facts = None
-        if self.checkpoints is not None:
-            facts = result.facts if result is not None else None
-            keys = plan.keys if plan is not None else self.checkpoints.keys(seq.prompt, seq.images)
-            seq.prompt_keys = list(keys)
-        store_off = self.checkpoints is None or self.checkpoints.store_off
-        first = start.tokens // self.block_size  # the first block not wholly restored
-        seq.set_reasons(*computed_reasons(seq.n_blocks, first, facts, store_off=store_off))
-        return start
-
-    def _begin(self, seq: Sequence, start: Start) -> None:
-        seq.cache = start.cache
-        seq.cache_tokens = list(seq.prompt[: start.tokens])
-        seq.restored_bytes = start.nbytes
-        self.runner.embed(seq, start.tokens)
-        if start.source is not None:
-            seq.report_restored(start.tokens, start.source, start.seconds, records=start.kinds)
-        else:
-            seq.report_nothing_restored()
-        seq.phase = Phase.PREFILLING
-        seq.ready_at = time.perf_counter()
+        self._guard([seq], self.restores.start, seq, result, seconds)
 
     def _deferred_until(self) -> float | None:
         """Until when ready sequences wait for others still restoring (None: no wait)."""
