@@ -312,6 +312,21 @@ def _tensor(tensor, arch: str, config: dict[str, Any]) -> np.ndarray:
 
 
 def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
+    """Write the GGUF's tokenizer as ``tokenizer.json`` and ``tokenizer_config.json``."""
+    add_bos, add_eos = _write_tokenizer_json(meta, arch, directory)
+    _write_tokenizer_config(meta, arch, directory, add_bos=add_bos, add_eos=add_eos)
+
+
+def _special_token(meta: dict[str, Any], key: str) -> str | None:
+    """The text of the token whose id ``tokenizer.ggml.<key>`` names, None if none."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    idx = meta.get(f"tokenizer.ggml.{key}")
+    return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
+
+
+def _write_tokenizer_json(meta: dict[str, Any], arch: str, directory: Path) -> tuple[bool, bool]:
+    """Rebuild the fast tokenizer (transformers' GGUF builders) with a post-processor that
+    adds BOS/EOS as the file says; write it; return whether it adds BOS and EOS."""
     from tokenizers import processors
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
@@ -330,12 +345,7 @@ def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
             f"The tokenizer in the GGUF metadata could not be rebuilt ({type(e).__name__}: {e})."
         ) from e
     tokens = meta["tokenizer.ggml.tokens"]
-
-    def token(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
-
-    bos, eos = token("bos_token_id"), token("eos_token_id")
+    bos, eos = _special_token(meta, "bos_token_id"), _special_token(meta, "eos_token_id")
     add_bos = bool(
         meta.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
     )
@@ -353,7 +363,12 @@ def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
         single=single, pair=f"{single} $B", special_tokens=special
     )
     backend.save(str(directory / "tokenizer.json"))
+    return add_bos, add_eos
 
+
+def _write_tokenizer_config(
+    meta: dict[str, Any], arch: str, directory: Path, *, add_bos: bool, add_eos: bool
+) -> None:
     # A file without a chat template is a base model: it gets none, so prompts go in raw
     # (a made-up turn format only makes a base model ramble).
     template = meta.get("tokenizer.chat_template")
@@ -370,8 +385,8 @@ def _tokenizer_files(meta: dict[str, Any], arch: str, directory: Path) -> None:
         ("unk_token", "unknown_token_id"),
         ("pad_token", "padding_token_id"),
     ):
-        if token(key) is not None:
-            tokenizer_config[name] = token(key)
+        if _special_token(meta, key) is not None:
+            tokenizer_config[name] = _special_token(meta, key)
     if template:
         tokenizer_config["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
@@ -424,8 +439,6 @@ def convert(
     `dtype` (bfloat16 by default: half the disk of float32 and far below the
     quantization error; `load` upcasts to float32 on CPU).
     """
-    import mlx.core as mx
-
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise GGUFError(f"No GGUF file at '{path}'.")
@@ -437,6 +450,29 @@ def convert(
 
     reader = _reader(path)
     meta = read_metadata(reader)
+    arch, config = _model_config(reader, meta, path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    bar = _Bar(sum(int(t.n_bytes) for t in reader.tensors), path.name, progress, show_bar)
+    try:
+        _write_model(reader, meta, arch, config, tmp, bar=bar, source=path, dtype=dtype)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; its result is as good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if output_dir is None:  # in the conversion cache; a directory the caller named is theirs
+        remove_older_conversions(target)
+    return target
+
+
+def _model_config(reader: Any, meta: dict[str, Any], path: Path) -> tuple[str, dict[str, Any]]:
+    """The architecture and the mlx-lm ``config.json`` of the GGUF file at `path`;
+    `UnsupportedModelError` or `GGUFError` when it cannot be converted."""
     arch = meta.get("general.architecture")
     if arch not in _MODEL_TYPES:
         raise UnsupportedModelError(
@@ -457,44 +493,45 @@ def convert(
         )
         if scaling is not None:
             config["rope_scaling"] = scaling
+    return arch, config
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    bar = _Bar(sum(int(t.n_bytes) for t in reader.tensors), path.name, progress, show_bar)
-    try:
-        store = getattr(mx, dtype)
-        weights: dict[str, Any] = {}
-        for tensor in reader.tensors:
-            name = _mlx_name(tensor.name, arch)
-            if name is not None:
-                weights[name] = mx.array(_tensor(tensor, arch, config)).astype(store)
-                mx.eval(weights[name])
-            bar.advance(int(tensor.n_bytes))
-        mx.save_safetensors(
-            str(tmp / "model.safetensors"),
-            weights,
-            metadata={"format": "mlx", "source": path.name},
+
+def _write_model(
+    reader: Any,
+    meta: dict[str, Any],
+    arch: str,
+    config: dict[str, Any],
+    directory: Path,
+    *,
+    bar: _Bar,
+    source: Path,
+    dtype: str,
+) -> None:
+    """Write the MLX model directory's files: the weights as `dtype`, ``config.json``, the
+    tokenizer and where it came from."""
+    import mlx.core as mx
+
+    store = getattr(mx, dtype)
+    weights: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        name = _mlx_name(tensor.name, arch)
+        if name is not None:
+            weights[name] = mx.array(_tensor(tensor, arch, config)).astype(store)
+            mx.eval(weights[name])
+        bar.advance(int(tensor.n_bytes))
+    mx.save_safetensors(
+        str(directory / "model.safetensors"),
+        weights,
+        metadata={"format": "mlx", "source": source.name},
+    )
+    del weights
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer_files(meta, arch, directory)
+    (directory / "mlx_nbengine_source.json").write_text(
+        json.dumps(
+            {"gguf": source.name, "size": source.stat().st_size, "converter": CONVERTER_VERSION}
         )
-        del weights
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        _tokenizer_files(meta, arch, tmp)
-        (tmp / "mlx_nbengine_source.json").write_text(
-            json.dumps(
-                {"gguf": path.name, "size": path.stat().st_size, "converter": CONVERTER_VERSION}
-            )
-        )
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first; its result is as good.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if output_dir is None:  # in the conversion cache; a directory the caller named is theirs
-        remove_older_conversions(target)
-    return target
+    )
 
 
 def remove_older_conversions(target: Path) -> list[Path]:
