@@ -622,3 +622,108 @@ def test_tools_reach_a_chat_template_that_reads_them(thinking_engine, thinking, 
         model=engine.model_name, messages=msgs, tools=tools, max_tokens=2, temperature=0
     )
     assert plain.usage.prompt_tokens == len(engine.model.apply_chat_template(msgs))
+
+
+# -- limits: idle connections, requests in flight ------------------------------------------------
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(engine):
+    with ApiServer(engine, port=0, idle_timeout_s=1).start() as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+            started = time.monotonic()
+            assert conn.recv(1) == b""  # the server closed it; nothing was sent
+            assert 0.5 < time.monotonic() - started < 8
+
+
+def test_requests_over_the_in_flight_limit_get_429_and_the_server_recovers(engine):
+    with ApiServer(engine, port=0, max_pending=1).start() as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+        long = client.chat.completions.create(
+            model=engine.model_name,
+            messages=messages("Tell me a long story."),
+            max_tokens=8000,
+            temperature=0,
+            stream=True,
+        )
+        next(iter(long))  # the first request is in flight
+        with pytest.raises(openai.RateLimitError) as limited:
+            client.chat.completions.create(
+                model=engine.model_name, messages=messages("hi"), max_tokens=2
+            )
+        assert limited.value.status_code == 429
+        long.close()
+        wait_idle(engine)
+        deadline = time.monotonic() + 10
+        while srv.app.state.handlers.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        good_request_still_served(client, engine)
+
+
+# -- images -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    from mlx_nbengine.testing import make_tiny_vlm
+
+    directory = make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+    with Engine.load(directory, block_size=BLOCK) as e:
+        srv = ApiServer(e, port=0).start()
+        yield e, openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+        srv.stop()
+
+
+def png(seed: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_image_url_data_urls_reach_a_vision_model(vision):
+    import base64
+
+    engine, client = vision
+    data = png(1)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    parts = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    want_messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is in this picture?"}, {"type": "image"}],
+        }
+    ]
+    want = reference(engine, want_messages, images=[data], max_tokens=8)
+    got = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_tokens)
+    again = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the repeated image restored
+    not_data = [{"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}]
+    with pytest.raises(openai.BadRequestError, match="data URLs"):
+        client.chat.completions.create(
+            model=engine.model_name, messages=[{"role": "user", "content": not_data}]
+        )
+    broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=engine.model_name, messages=[{"role": "user", "content": broken}]
+        )

@@ -68,7 +68,9 @@ def _decoder(engine: Any) -> tuple[Any, frozenset[int]]:
 def row_of(entry: Any, engine: Any, *, block_size: int) -> dict[str, Any]:
     """The view's row of a journal entry: its figures, and its strip and map HTML."""
     decode, special = _decoder(engine) if entry.finish is not None else (None, frozenset())
-    blocks = block_dicts(entry.blocks, decode=decode, tokens=entry.tokens or None, special=special)
+    blocks = block_dicts(
+        list(entry.blocks), decode=decode, tokens=entry.tokens or None, special=special
+    )
     n_blocks = math.ceil(entry.prompt_tokens / block_size) if block_size else len(blocks)
     figures = {
         "number": entry.number,
@@ -166,12 +168,14 @@ def rows_text(rows: list[dict], *, url: str) -> str:
 
 
 class AgentRows:
-    """The rows of one server's journal, kept as the entries change; `on_change()` is
-    called at most every `REDRAW_S` seconds with the rows (from a timer thread)."""
+    """The rows of one server's journal, kept as the entries change; `on_change(rows)` is
+    called at most every `REDRAW_S` seconds (from its own thread, which also draws the
+    changed rows: the server's thread only notes which entries changed)."""
 
     def __init__(self, server: ApiServer, on_change: Any) -> None:
         self.server = server
         self._rows: dict[int, dict] = {}
+        self._changed_entries: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._stale = threading.Event()
         self._on_change = on_change
@@ -187,12 +191,21 @@ class AgentRows:
             return [self._rows[n] for n in sorted(self._rows)][-SHOWN_ROWS:]
 
     def _changed(self, entry: Any) -> None:
-        row = row_of(entry, self.server.engine, block_size=self._block_size)
         with self._lock:
-            self._rows[entry.number] = row
+            self._changed_entries[entry.number] = entry
+        self._stale.set()
+
+    def _draw_changed(self) -> None:
+        with self._lock:
+            entries, self._changed_entries = self._changed_entries, {}
+        rows = {
+            n: row_of(e, self.server.engine, block_size=self._block_size)
+            for n, e in entries.items()
+        }
+        with self._lock:
+            self._rows.update(rows)
             for old in sorted(self._rows)[:-SHOWN_ROWS]:
                 del self._rows[old]
-        self._stale.set()
 
     def _loop(self) -> None:
         while True:
@@ -200,6 +213,7 @@ class AgentRows:
             time.sleep(REDRAW_S)
             self._stale.clear()
             try:
+                self._draw_changed()
                 self._on_change(self.rows())
             except Exception:  # a view's failure never reaches the server
                 pass

@@ -260,8 +260,16 @@ class _App:
         self.journal.changed(entry)
         pump = _Pump(handle, asyncio.get_running_loop())
         if call.stream:
-            return StreamingResponse(
+
+            def cleanup() -> None:  # however the response ended, even before it began
+                handle.cancel()  # a no-op once done; frees the slot of a client gone
+                if entry.finish is None:
+                    self.journal.cancel(entry)
+                self.in_flight -= 1
+
+            return _Stream(
                 self.stream(pump, call, entry, endpoint),
+                cleanup,
                 media_type="text/event-stream",
                 headers=STREAM_HEADERS,
             )
@@ -320,53 +328,60 @@ class _App:
     async def stream(
         self, pump: _Pump, call: Call, entry: Entry, endpoint: str
     ) -> AsyncIterator[bytes]:
-        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last."""
+        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last. A client
+        that goes away cancels this iterator; `_Stream`'s cleanup then cancels the call."""
         chat = endpoint == "chat"
         id_ = new_id("chatcmpl" if chat else "cmpl")
         created = int(entry.started)
         model = self.model_name
-        finished = False
+        if chat:
+            yield _sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
         try:
-            if chat:
-                yield _sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
-            try:
-                async for event in pump.events():
-                    if isinstance(event, TextDelta) and event.text:
-                        if chat:
-                            chunk = chat_chunk(id_, created, model, {"content": event.text})
-                        else:
-                            chunk = completion_chunk(id_, created, model, event.text)
-                        yield _sse(chunk)
-                    elif isinstance(event, BlockReport):
-                        entry.blocks.append(event)
-                        self.journal.changed(entry)
-                    elif isinstance(event, Finished):
-                        completion = event.completion
-                        self.journal.finish(entry, completion)
-                        self._log_answer(entry, completion.text)
-                        finish = _finish_reason(completion.finish_reason)
-                        if chat:
-                            yield _sse(chat_chunk(id_, created, model, {}, finish))
-                        else:
-                            yield _sse(completion_chunk(id_, created, model, "", finish))
-                        if call.include_usage:
-                            use = usage(
-                                entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
-                            )
-                            maker = chat_chunk if chat else completion_chunk
-                            yield _sse(maker(id_, created, model, None, None, use))
-            except Exception as exc:
-                message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                self.journal.fail(entry, 500, message)
-                yield _sse(error_body(message, type="server_error"))
-            yield b"data: [DONE]\n\n"
-            finished = True
+            async for event in pump.events():
+                if isinstance(event, TextDelta) and event.text:
+                    if chat:
+                        chunk = chat_chunk(id_, created, model, {"content": event.text})
+                    else:
+                        chunk = completion_chunk(id_, created, model, event.text)
+                    yield _sse(chunk)
+                elif isinstance(event, BlockReport):
+                    entry.blocks.append(event)
+                    self.journal.changed(entry)
+                elif isinstance(event, Finished):
+                    completion = event.completion
+                    self.journal.finish(entry, completion)
+                    self._log_answer(entry, completion.text)
+                    finish = _finish_reason(completion.finish_reason)
+                    if chat:
+                        yield _sse(chat_chunk(id_, created, model, {}, finish))
+                    else:
+                        yield _sse(completion_chunk(id_, created, model, "", finish))
+                    if call.include_usage:
+                        use = usage(
+                            entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
+                        )
+                        maker = chat_chunk if chat else completion_chunk
+                        yield _sse(maker(id_, created, model, None, None, use))
+        except Exception as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.journal.fail(entry, 500, message)
+            yield _sse(error_body(message, type="server_error"))
+        yield b"data: [DONE]\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that runs `cleanup()` once it ends, however it ends (sent
+    whole, the client gone mid-stream, or cancelled before the first byte)."""
+
+    def __init__(self, content: Any, cleanup: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            if not finished and entry.finish is None:
-                pump.handle.cancel()  # the client went away mid-answer: free the slot
-                self.journal.cancel(entry)
-            pump.handle.cancel()
-            self.in_flight -= 1
+            self._cleanup()
 
 
 async def _disconnected(request: HTTPRequest) -> None:

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlx_nbengine.server.app import build_app
 from mlx_nbengine.server.journal import Journal
@@ -45,6 +46,27 @@ def _stop_all() -> None:
         server.stop(timeout=2)
 
 
+class _IdleTimeoutH11(H11Protocol):
+    """Uvicorn's h11 protocol whose idle timer (its keep-alive timeout) also runs before the
+    first request and while a request's head is coming: a connection that sends nothing for
+    that long is closed, not only one kept alive after a response."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm_idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is None or self.cycle.response_complete:  # no request being answered
+            self._arm_idle_timer()
+
+    def _arm_idle_timer(self) -> None:
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+
 class ServeError(RuntimeError):
     """The server cannot start as asked; the one-line message says what to change."""
 
@@ -62,7 +84,8 @@ def is_loopback(host: str) -> bool:
 class ApiServer:
     """The OpenAI-compatible endpoint of one `Engine`; `start()`, then `stop()`.
 
-    `idle_timeout_s` closes a kept-alive connection idle that long; `limits` bounds a
+    `idle_timeout_s` closes a connection that sends nothing that long (between requests, or
+    before its first request's head is complete); `limits` bounds a
     request (body size, messages, images; `max_tokens` is bounded by the model's context);
     `max_pending` requests in flight at most (then 429); `log_prompts` logs prompts and
     answers to the ``mlx_nbengine.server`` logger (off: nothing holding them is logged).
@@ -109,7 +132,7 @@ class ApiServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="h11",
+            http=_IdleTimeoutH11,
             timeout_keep_alive=idle_timeout_s,
             timeout_graceful_shutdown=2,
             limit_concurrency=max_pending + 16,
@@ -124,7 +147,8 @@ class ApiServer:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        """True from `start` until the serving thread has ended (after `stop`)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def url(self) -> str:
