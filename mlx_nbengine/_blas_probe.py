@@ -30,6 +30,26 @@ def main(path: str) -> dict:
     for name in ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm"):
         if not hasattr(lib, name):
             return {"ok": False, "reason": f"it does not export {name}"}
+    config, core = _identify(lib)
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    checker = _Checker()
+    wrong = _check_sgemm(lib, rng, checker) or _check_mlx(rng, checker)
+    if wrong:
+        return {"ok": False, "reason": wrong, "config": config, "core": core}
+    return {
+        "ok": True,
+        "reason": "passed its check",
+        "config": config,
+        "core": core,
+        "max_error": checker.worst,
+    }
+
+
+def _identify(lib: ctypes.CDLL) -> tuple[str | None, str | None]:
+    """OpenBLAS's build configuration and the core it chose (None where not OpenBLAS)."""
     config = core = None
     if hasattr(lib, "openblas_get_config"):
         lib.openblas_get_config.restype = ctypes.c_char_p
@@ -37,26 +57,36 @@ def main(path: str) -> dict:
     if hasattr(lib, "openblas_get_corename"):
         lib.openblas_get_corename.restype = ctypes.c_char_p
         core = lib.openblas_get_corename().decode(errors="replace")
+    return config, core
 
-    import numpy as np
 
-    rng = np.random.default_rng(0)
-    sgemm = lib.cblas_sgemm
-    f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-    sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
-    sgemm.restype = None
-    worst = 0.0
+class _Checker:
+    """Compares products with numpy's in float64; keeps the worst relative error."""
 
-    def check(what: str, got, a, b, c0, alpha, beta) -> str | None:
-        nonlocal worst
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    def __call__(self, what: str, got, a, b, c0, alpha, beta) -> str | None:
+        import numpy as np
+
         want = alpha * (a.astype(np.float64) @ b.astype(np.float64)) + beta * c0
         scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64) + np.abs(c0) + 1e-30
         error = float(np.max(np.abs(got - want) / scale.max()))
-        worst = max(worst, error)
+        self.worst = max(self.worst, error)
         if not np.isfinite(error) or error > TOLERANCE:
             return f"it computes {what} wrong (relative error {error:.2g})"
         return None
 
+
+def _check_sgemm(lib: ctypes.CDLL, rng, check: _Checker) -> str | None:
+    """``cblas_sgemm`` through ctypes on every shape, transpose pair and beta; what is
+    wrong, or None."""
+    import numpy as np
+
+    sgemm = lib.cblas_sgemm
+    f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+    sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    sgemm.restype = None
     for m, n, k in SHAPES:
         for ta in (False, True):
             for tb in (False, True):
@@ -87,7 +117,13 @@ def main(path: str) -> dict:
                     )
                     wrong = check(what, c.astype(np.float64), a, b, c0, alpha, beta)
                     if wrong:
-                        return {"ok": False, "reason": wrong, "config": config, "core": core}
+                        return wrong
+    return None
+
+
+def _check_mlx(rng, check: _Checker) -> str | None:
+    """MLX's own matmul (bound to the library now) on every shape; what is wrong, or None."""
+    import numpy as np
 
     say("trying MLX matmuls bound to it")
     import mlx.core as mx
@@ -100,14 +136,8 @@ def main(path: str) -> dict:
             got = np.array(x @ mx.array(right), dtype=np.float64)
             wrong = check(f"MLX's matmul {m}x{n}x{k} {name}", got, left, right, 0.0, 1.0, 0.0)
             if wrong:
-                return {"ok": False, "reason": wrong, "config": config, "core": core}
-    return {
-        "ok": True,
-        "reason": "passed its check",
-        "config": config,
-        "core": core,
-        "max_error": worst,
-    }
+                return wrong
+    return None
 
 
 if __name__ == "__main__":
