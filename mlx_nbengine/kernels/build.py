@@ -42,6 +42,9 @@ SOURCES = (
     "qkernels_x86.cpp",
     "qmatvec.cpp",
     "qmatvec.h",
+    "rowops.cpp",
+    "rowops.h",
+    "rowops_bindings.cpp",
 )
 # Bumped when the build itself changes (flags, layout) in a way the sources do not show.
 BUILD_FORMAT = 1

@@ -11,6 +11,8 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)); // rowops_bindings
+
 namespace {
 
 mnb::Isa parse_isa(const std::string& name) {
@@ -101,5 +103,6 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       },
       "isa"_a,
       "The attention kernel set that runs for `isa` on this CPU.");
+  bind_rowops(m, parse_isa);
   m.def("exp_poly", &mnb::exp_poly, "x"_a, "The softmax's exp (x <= 0), scalar form.");
 }

@@ -1,0 +1,55 @@
+"""RMS norm and RoPE as our own CPU primitives (src/rowops.h), in the kernels' one module.
+
+MLX 0.32 runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` on the CPU as graphs of a dozen or
+more small operations each (RoPE recomputes its cos and sin on every call); each of these is
+one primitive, float32, vectorized for the kernel set `kernels.status` chose.
+`models/fastops.py` routes the library's functions here.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+import mlx_nbengine.kernels as _kernels
+
+__all__ = ["rms_norm", "rope"]
+
+
+def _module():
+    if not _kernels.status().active:
+        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
+    return _kernels._module  # noqa: SLF001 - the package's one built module
+
+
+def rms_norm(
+    x: mx.array, weight: mx.array | None, eps: float, *, isa: str | None = None
+) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)`` for a float32 `x` on the CPU."""
+    return _module().rms_norm(x, weight, float(eps), isa or _kernels.status().isa)
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+    isa: str | None = None,
+) -> mx.array:
+    """``mx.fast.rope`` of a float32 `x` on the CPU; `offset` an int, or an array of one
+    offset or one per batch row."""
+    if not isinstance(offset, mx.array):
+        offset = mx.array(int(offset), dtype=mx.int32)
+    return _module().rope(
+        x,
+        int(dims),
+        bool(traditional),
+        None if base is None else float(base),
+        float(scale),
+        offset,
+        freqs,
+        isa or _kernels.status().isa,
+    )

@@ -1,0 +1,431 @@
+#include "rowops.h"
+
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+// The bodies are plain loops over contiguous floats, written once (always inlined) and
+// compiled three times: for the baseline and inside functions that carry the avx2 or avx512
+// target, where the compiler vectorizes them for that set. Which runs is chosen at run time.
+#define MNB_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__)
+#define MNB_AVX2 __attribute__((target("avx2,fma")))
+#define MNB_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+
+namespace mnb {
+
+namespace {
+
+// Where each row of x (every axis but the last) starts, in elements.
+std::vector<int64_t> row_starts(const mx::array& x) {
+  const int nd = x.ndim();
+  const int64_t rows = nd > 1 ? int64_t(x.size() / x.shape(-1)) : 1;
+  std::vector<int64_t> starts(rows);
+  std::vector<int> index(std::max(nd - 1, 0), 0);
+  int64_t at = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    starts[r] = at;
+    for (int d = nd - 2; d >= 0; --d) { // advance the multi-index, last axis first
+      at += x.strides()[d];
+      if (++index[d] < x.shape(d)) {
+        break;
+      }
+      at -= int64_t(x.strides()[d]) * x.shape(d);
+      index[d] = 0;
+    }
+  }
+  return starts;
+}
+
+// The rows of x as a float pointer and each row's start: in place where the last axis is
+// contiguous, else gathered into `scratch` (a strided view, read at eval time, when its
+// strides are known).
+const float* rows_of(const mx::array& x, std::vector<float>& scratch,
+                     std::vector<int64_t>& starts) {
+  starts = row_starts(x);
+  const int n = x.ndim() ? x.shape(-1) : 1;
+  const int64_t step = x.ndim() ? int64_t(x.strides().back()) : 1;
+  if (step == 1 || n == 1) {
+    return x.data<float>();
+  }
+  scratch.resize(starts.size() * size_t(n));
+  const float* src = x.data<float>();
+  for (size_t r = 0; r < starts.size(); ++r) {
+    for (int i = 0; i < n; ++i) {
+      scratch[r * n + i] = src[starts[r] + i * step];
+    }
+    starts[r] = int64_t(r) * n;
+  }
+  return scratch.data();
+}
+
+// Element i of a 0-D or 1-D array of T, whatever its stride (a broadcast has stride 0).
+template <typename T>
+T element(const mx::array& a, int64_t i) {
+  return a.ndim() == 0 ? a.data<T>()[0] : a.data<T>()[i * a.strides()[0]];
+}
+
+// --- RMS norm ------------------------------------------------------------------------------
+
+// 16 partial sums: the compiler keeps them in one or two vector registers.
+MNB_INLINE float sum_squares(const float* x, int n) {
+  float part[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      part[j] += x[i + j] * x[i + j];
+    }
+  }
+  float total = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    total += part[j];
+  }
+  for (; i < n; ++i) {
+    total += x[i] * x[i];
+  }
+  return total;
+}
+
+MNB_INLINE void norm_row(const float* x, const float* w, float* out, int n, float eps) {
+  const float r = 1.0f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+  if (w != nullptr) {
+    for (int i = 0; i < n; ++i) {
+      out[i] = (x[i] * r) * w[i];
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      out[i] = x[i] * r;
+    }
+  }
+}
+
+struct NormJob {
+  const float* x;
+  const int64_t* starts;
+  const float* w;
+  float* out;
+  int64_t rows;
+  int n;
+  float eps;
+};
+
+MNB_INLINE void norm_rows(const NormJob& j) {
+  for (int64_t r = 0; r < j.rows; ++r) {
+    norm_row(j.x + j.starts[r], j.w, j.out + r * j.n, j.n, j.eps);
+  }
+}
+
+void norm_portable(const NormJob& j) {
+  norm_rows(j);
+}
+#if defined(__x86_64__)
+MNB_AVX2 void norm_avx2(const NormJob& j) {
+  norm_rows(j);
+}
+MNB_AVX512 void norm_avx512(const NormJob& j) {
+  norm_rows(j);
+}
+#endif
+
+// --- RoPE ----------------------------------------------------------------------------------
+
+struct RopeJob {
+  const float* x;
+  const int64_t* starts;
+  const int* table_row; // per row of x: its row of the cos/sin table
+  const float* cos; // table rows x half
+  const float* sin;
+  float* out;
+  int64_t rows;
+  int n; // features per row
+  int dims; // rotated features
+  bool traditional;
+};
+
+MNB_INLINE void rope_rows(const RopeJob& j) {
+  const int half = j.dims / 2;
+  for (int64_t r = 0; r < j.rows; ++r) {
+    const float* x = j.x + j.starts[r];
+    float* o = j.out + r * j.n;
+    const float* c = j.cos + int64_t(j.table_row[r]) * half;
+    const float* s = j.sin + int64_t(j.table_row[r]) * half;
+    if (j.traditional) {
+      for (int i = 0; i < half; ++i) {
+        const float x1 = x[2 * i], x2 = x[2 * i + 1];
+        o[2 * i] = x1 * c[i] - x2 * s[i];
+        o[2 * i + 1] = x1 * s[i] + x2 * c[i];
+      }
+    } else {
+      for (int i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        o[i] = x1 * c[i] - x2 * s[i];
+        o[i + half] = x1 * s[i] + x2 * c[i];
+      }
+    }
+    for (int i = j.dims; i < j.n; ++i) {
+      o[i] = x[i];
+    }
+  }
+}
+
+void rope_portable(const RopeJob& j) {
+  rope_rows(j);
+}
+#if defined(__x86_64__)
+MNB_AVX2 void rope_avx2(const RopeJob& j) {
+  rope_rows(j);
+}
+MNB_AVX512 void rope_avx512(const RopeJob& j) {
+  rope_rows(j);
+}
+#endif
+
+// The cos and sin of every position a call needs: the same positions come back for the
+// queries and keys of a layer and for every layer of a step, so the last few tables are kept.
+struct RopeTable {
+  std::vector<float> inv_freq; // the key, with positions
+  std::vector<int64_t> positions;
+  float scale;
+  std::vector<float> cos, sin; // positions x half
+};
+
+class RopeTables {
+ public:
+  const RopeTable& get(const std::vector<float>& inv_freq,
+                       const std::vector<int64_t>& positions,
+                       float scale) {
+    for (auto it = tables_.begin(); it != tables_.end(); ++it) {
+      if (it->scale == scale && it->positions == positions && it->inv_freq == inv_freq) {
+        tables_.splice(tables_.begin(), tables_, it);
+        return tables_.front();
+      }
+    }
+    RopeTable t{inv_freq, positions, scale, {}, {}};
+    const size_t half = inv_freq.size();
+    t.cos.resize(positions.size() * half);
+    t.sin.resize(positions.size() * half);
+    for (size_t p = 0; p < positions.size(); ++p) {
+      // The angle in double: float32 products lose whole ulps of the angle at long positions.
+      const double pos = double(positions[p]) * double(scale);
+      for (size_t i = 0; i < half; ++i) {
+        const double theta = pos * double(inv_freq[i]);
+        t.cos[p * half + i] = float(std::cos(theta));
+        t.sin[p * half + i] = float(std::sin(theta));
+      }
+    }
+    tables_.push_front(std::move(t));
+    if (tables_.size() > kKept) {
+      tables_.pop_back();
+    }
+    return tables_.front();
+  }
+
+ private:
+  static constexpr size_t kKept = 4;
+  std::list<RopeTable> tables_;
+};
+
+std::mutex tables_lock;
+RopeTables& tables() {
+  static RopeTables* t = new RopeTables(); // never destroyed: eval threads may outlive statics
+  return *t;
+}
+
+} // namespace
+
+// --- the operations ------------------------------------------------------------------------
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, Isa isa) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1) {
+    throw std::invalid_argument("rms_norm: x must be a float32 array");
+  }
+  const int n = x.shape(-1);
+  if (w && (w->dtype() != mx::float32 || w->ndim() != 1 || w->shape(0) != n)) {
+    throw std::invalid_argument("rms_norm: weight must be float32 of x's last dimension");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x};
+  if (w) {
+    inputs.push_back(*w);
+  }
+  return mx::array(
+      x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps, bool(w), usable(isa)), inputs);
+}
+
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const bool has_weight = has_weight_;
+  const int n = x.ndim() ? x.shape(-1) : 1;
+  const Isa isa = isa_;
+  const float eps = eps_;
+  float* op = out.data<float>();
+  std::optional<mx::array> weight;
+  if (has_weight) {
+    weight = inputs[1];
+  }
+  encoder.dispatch([x, weight, n, isa, eps, op]() {
+    if (x.size() == 0) {
+      return;
+    }
+    std::vector<float> scratch, dense_w;
+    std::vector<int64_t> starts;
+    const float* xp = rows_of(x, scratch, starts);
+    const float* w = nullptr;
+    if (weight) {
+      dense_w.resize(n);
+      for (int i = 0; i < n; ++i) {
+        dense_w[i] = element<float>(*weight, i);
+      }
+      w = dense_w.data();
+    }
+    NormJob job{xp, starts.data(), w, op, int64_t(starts.size()), n, eps};
+#if defined(__x86_64__)
+    if (isa == Isa::avx512) {
+      return norm_avx512(job);
+    }
+    if (isa == Isa::avx2) {
+      return norm_avx2(job);
+    }
+#endif
+    norm_portable(job);
+  });
+}
+
+void RmsNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("rms_norm runs on the CPU only");
+}
+
+bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RmsNorm&>(other);
+  return eps_ == o.eps_ && has_weight_ == o.has_weight_ && isa_ == o.isa_;
+}
+
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const mx::array& offset,
+    const std::optional<mx::array>& freqs,
+    Isa isa) {
+  if (x.dtype() != mx::float32 || x.ndim() < 3) {
+    throw std::invalid_argument("rope: x must be a float32 array of at least 3 dimensions");
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: dims must be even and at most x's last dimension");
+  }
+  if (bool(base) == bool(freqs)) {
+    throw std::invalid_argument("rope: exactly one of base and freqs must be given");
+  }
+  if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != dims / 2)) {
+    throw std::invalid_argument("rope: freqs must have dims / 2 values");
+  }
+  if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 &&
+                            int(offset.size()) != x.shape(0))) {
+    throw std::invalid_argument("rope: offset must be a scalar or one per batch row");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x, mx::astype(offset, mx::int32, s)};
+  if (freqs) {
+    inputs.push_back(mx::astype(*freqs, mx::float32, s));
+  }
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<Rope>(
+          s, dims, traditional, base.value_or(0.0f), scale, bool(freqs), usable(isa)),
+      inputs);
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& offset = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const int half = dims_ / 2;
+  std::vector<float> inv_freq(half);
+  std::optional<mx::array> freqs;
+  if (has_freqs_) {
+    freqs = inputs[2];
+  }
+  const float base = base_;
+  const int dims = dims_;
+  const bool traditional = traditional_;
+  const float scale = scale_;
+  const Isa isa = isa_;
+  float* op = out.data<float>();
+  encoder.dispatch([=, inv_freq = std::move(inv_freq)]() mutable {
+    if (x.size() == 0) {
+      return;
+    }
+    for (int i = 0; i < half; ++i) {
+      inv_freq[i] = freqs
+          ? 1.0f / element<float>(*freqs, i)
+          : float(std::exp(-double(i) * std::log(double(base)) / double(half)));
+    }
+    const int nd = x.ndim();
+    const int B = x.shape(0), T = x.shape(nd - 2);
+    const int64_t rows = int64_t(x.size() / x.shape(-1));
+    const int64_t per_batch = rows / B; // rows of one batch element: (*, T)
+    const bool each = offset.size() > 1;
+    // Table rows: one per (batch offset, t); a shared offset needs T rows only.
+    const int distinct = each ? B : 1;
+    std::vector<int64_t> positions(int64_t(distinct) * T);
+    for (int b = 0; b < distinct; ++b) {
+      for (int t = 0; t < T; ++t) {
+        positions[int64_t(b) * T + t] = int64_t(element<int>(offset, b)) + t;
+      }
+    }
+    std::vector<int> table_row(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int b = each ? int(r / per_batch) : 0;
+      table_row[r] = b * T + int(r % T);
+    }
+    std::vector<float> scratch;
+    std::vector<int64_t> starts;
+    const float* xp = rows_of(x, scratch, starts);
+    std::lock_guard<std::mutex> lock(tables_lock);
+    const RopeTable& table = tables().get(inv_freq, positions, scale);
+    RopeJob job{xp, starts.data(), table_row.data(), table.cos.data(), table.sin.data(),
+                op, rows, int(x.shape(-1)), dims, traditional};
+#if defined(__x86_64__)
+    if (isa == Isa::avx512) {
+      return rope_avx512(job);
+    }
+    if (isa == Isa::avx2) {
+      return rope_avx2(job);
+    }
+#endif
+    rope_portable(job);
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("rope runs on the CPU only");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+      scale_ == o.scale_ && has_freqs_ == o.has_freqs_ && isa_ == o.isa_;
+}
+
+} // namespace mnb

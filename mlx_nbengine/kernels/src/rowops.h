@@ -1,0 +1,89 @@
+// Row operations of a transformer step as MLX primitives on the CPU device: RMS norm and
+// rotary position embedding (RoPE).
+//
+// MLX 0.32 has no CPU kernel for mx.fast.rms_norm or mx.fast.rope: on the CPU each is a
+// graph of a dozen or more small operations (RoPE recomputes its cos and sin every call),
+// and a decode step of a small model runs a hundred norms and dozens of RoPEs. Each of these
+// is one primitive: one pass over the rows, vectorized by the compiler for the instruction
+// set chosen at run time (Isa), float32 only.
+//
+// Rows: an input [..., D] is a sequence of rows of D contiguous floats; the leading
+// dimensions may have any strides (a transposed view is read in place). Outputs are
+// row-major.
+
+#pragma once
+
+#include <optional>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "qmatvec.h" // Isa, usable
+
+namespace mnb {
+
+namespace mx = mlx::core;
+
+// x * rsqrt(mean(x^2) + eps) [* w] over the last axis, as mx.fast.rms_norm computes it.
+mx::array rms_norm(
+    const mx::array& x, const std::optional<mx::array>& w, float eps, Isa isa);
+
+// mx.fast.rope: x [B, *, T, D]; the first `dims` features of position p (offset + t, the
+// offset a scalar or one per batch row, int32) rotate by p * scale * inv_freq[i], with
+// inv_freq[i] = base^(-2i/dims), or 1 / freqs[i] where freqs is given. `traditional`
+// rotates pairs (2i, 2i+1), else (i, i + dims/2). Features past `dims` are copied.
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const mx::array& offset,
+    const std::optional<mx::array>& freqs,
+    Isa isa);
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps, bool has_weight, Isa isa)
+      : mx::UnaryPrimitive(stream), eps_(eps), has_weight_(has_weight), isa_(isa) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MnbRmsNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+  bool has_weight_;
+  Isa isa_;
+};
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, bool has_freqs,
+       Isa isa)
+      : mx::UnaryPrimitive(stream),
+        dims_(dims),
+        traditional_(traditional),
+        base_(base),
+        scale_(scale),
+        has_freqs_(has_freqs),
+        isa_(isa) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MnbRope";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+  bool has_freqs_;
+  Isa isa_;
+};
+
+} // namespace mnb
