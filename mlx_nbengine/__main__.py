@@ -19,6 +19,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
 
 from mlx_nbengine._blas import ensure_fast_blas
 from mlx_nbengine.demo import DEFAULT_OUT
@@ -70,16 +71,33 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything imports MLX: only then can OpenBLAS take over its matmuls.
     ensure_fast_blas()
 
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: python -m mlx_nbengine {args.command} stopped", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per bullet of the module docstring."""
     doc = __doc__ or ""
     about = _descriptions(doc)
     parser = argparse.ArgumentParser(
         prog="python -m mlx_nbengine", description=_plain(doc.split("\n")[0])
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="run the quickstart notebook headless: a long prompt, an edit, the re-run",
-        description=about.get("demo"),
+
+    def command(name: str, run: Callable[..., int], summary: str) -> argparse.ArgumentParser:
+        child = sub.add_parser(name, help=summary, description=about.get(name))
+        child.set_defaults(run=run)
+        return child
+
+    demo = command(
+        "demo", _demo, "run the quickstart notebook headless: a long prompt, an edit, the re-run"
     )
     demo.add_argument("--model", default="default", help="'default', a model directory or a .gguf")
     demo.add_argument(
@@ -98,37 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         help="execute this notebook instead of the quickstart (its %%load_model default "
         "gets --model)",
     )
-    demo.set_defaults(run=_demo)
-    conv = sub.add_parser(
-        "convert",
-        help="convert a GGUF file into an MLX model directory",
-        description=about.get("convert"),
-    )
+    conv = command("convert", _convert, "convert a GGUF file into an MLX model directory")
     conv.add_argument("file", help="path of the .gguf file")
     conv.add_argument("--cache-dir", default=None, help="where conversions are kept")
-    conv.set_defaults(run=_convert)
-    html = sub.add_parser(
-        "html",
-        help="export an executed notebook to HTML with its block pictures (no kernel)",
-        description=about.get("html"),
+    html = command(
+        "html", _html, "export an executed notebook to HTML with its block pictures (no kernel)"
     )
     html.add_argument("notebook", help="path of the .ipynb file")
     html.add_argument("-o", "--out", default=None, help="the HTML file (default: beside it)")
-    html.set_defaults(run=_html)
-    blas = sub.add_parser(
-        "blas", help="report whether the optimized BLAS is in use", description=about.get("blas")
-    )
-    blas.set_defaults(run=_blas)
-
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except EngineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"interrupted: python -m mlx_nbengine {args.command} stopped", file=sys.stderr)
-        return 130
+    command("blas", _blas, "report whether the optimized BLAS is in use")
+    return parser
 
 
 if __name__ == "__main__":
