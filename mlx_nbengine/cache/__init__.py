@@ -7,7 +7,9 @@ record, its bytes and signature), `snapshots` (recurrent states as skeleton + ar
 `reader` (a restore's reads, checked), `facts` (`BlockFacts`: what the store knows of a
 computed block), `followers` (which stored blocks followed a prefix, with their tokens),
 `assembly` (what one rebuild reads, slice copying), `store` (`BlockStore`, the LRU over
-one scratch file), `persist` and `blobfile`.
+one scratch file), `backends` (memory, scratch file or persistent directory), `persist`
+(the persistent directory), `indexlog` (its index), `blobfile` (a file's blob I/O) and
+`extents` (its offset table and free list).
 """
 
 from mlx_nbengine.cache.blocks import block_keys, partial_key

@@ -1,17 +1,18 @@
 """The engine layer: continuous batching, streaming and the prefix cache wired together.
 
-Modules, one concept each. The face: `engine` (`Engine`), `request` (the caller's handle),
-`results` (`Completion`, `Report`, `BlockReport`, `Finished`), `events` (what a stream
-yields; block reasons), `prompts` (prompts to token ids), `internals` (what tests and
-tools reach). The parts the generation thread owns: `scheduler` (admission, restores,
-groups, joins; no thread), `steps` (where prefill steps end), `runner` (the model calls),
-`decoding` (pipelined decode steps), `batch` (the decode batch's caches), `checkpoints`
-(saves to the store), `hot` (the hot cache), `sequence` (one request), `sampling`, `text`
-(detokenizing, stop strings), `reasons` (why a block was computed), `vision`. The
-threads: `generation` (the inbox and loop around the scheduler), `cacheio` (the block
-store's thread), with `blockstore` (opening the store, its identity and figures), `ledger`
-(what the store view shows over time) and `memory` (giving freed memory back). Knows
-nothing of IPython.
+Modules, one concept each. The face: `engine` (`Engine`), `storeface` (its block-store part:
+note, warning, store view, clearing), `request` (the caller's handle), `results`
+(`Completion`, `Report`, `BlockReport`, `Finished`), `events` (what a stream yields; block
+reasons), `prompts` (prompts to token ids), `internals` (what tests and tools reach). The
+parts the generation thread owns: `scheduler` (admission, groups, joins; no thread),
+`restores` (hot cache or disk: where a prefill starts), `steps` (where prefill steps end),
+`runner` (the model calls), `decoding` (pipelined decode steps), `batch` (the decode batch's
+caches), `checkpoints` (saves to the store), `hot` (the hot cache), `sequence` (one
+request), `sampling`, `text` (detokenizing, stop strings), `reasons` (why a block was
+computed), `vision`. The threads: `generation` (the inbox and loop around the scheduler),
+`cacheio` (the block store's thread), with `blockstore` (opening the store, its identity and
+figures), `ledger` (what the store view shows over time) and `memory` (giving freed memory
+back). Knows nothing of IPython.
 """
 
 from mlx_nbengine._blas import ensure_fast_blas
