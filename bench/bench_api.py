@@ -1,9 +1,11 @@
 """The OpenAI-compatible endpoint: the reference engine's three API benchmarks, through HTTP.
 
 Every server runs in a process of its own on 127.0.0.1 and is driven by the real `openai`
-client from this process, with the same prompts:
+client from this process, with the same prompts, streamed: text through ``/v1/completions``
+(the default model is a base model, and every server then reads the same raw prompt), the
+image through ``/v1/chat/completions``:
 
-- **parallel**: four chats with different prompts (``--prompt-tokens`` each, ``--max-tokens``
+- **parallel**: four requests with different prompts (``--prompt-tokens`` each, ``--max-tokens``
   generated, greedy) sent one after another (*sequential*), then all four at once
   (*parallel*); wall time of each way and the speed-up (sequential / parallel).
 - **memory**: the server process's resident memory (RSS, with its children) before and
@@ -181,31 +183,36 @@ def text_of(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def chat(tokens: int, seed: int) -> list[dict]:
+def document(tokens: int, seed: int) -> str:
     # About one token a word for these words with the default model's tokenizer.
-    return [
-        {"role": "system", "content": "You are a careful assistant."},
-        {"role": "user", "content": f"Document {seed}: {text_of(tokens, seed)}\nSummarize it."},
-    ]
+    return f"Document {seed}: {text_of(tokens, seed)}\nSummary:"
 
 
-def ask(server: Server, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat: time to its first token, its whole time, its usage."""
+def ask(server: Server, prompt: str | list[dict], max_tokens: int) -> dict:
+    """One streamed request (text: /v1/completions, the same raw prompt for every server;
+    messages: /v1/chat/completions): time to its first token, its whole time, its usage."""
     started = time.perf_counter()
     first = None
     usage = None
-    stream = server.client().chat.completions.create(
+    common = dict(
         model=server.model,
-        messages=messages,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
+    client = server.client()
+    if isinstance(prompt, str):
+        stream = client.completions.create(prompt=prompt, **common)
+    else:
+        stream = client.chat.completions.create(messages=prompt, **common)
     for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - started
-        if chunk.usage is not None:
+        if first is None and chunk.choices:
+            choice = chunk.choices[0]
+            text = choice.text if isinstance(prompt, str) else choice.delta.content
+            if text:
+                first = time.perf_counter() - started
+        if getattr(chunk, "usage", None) is not None:
             usage = chunk.usage
     total = time.perf_counter() - started
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
@@ -219,12 +226,12 @@ def ask(server: Server, messages: list[dict], max_tokens: int) -> dict:
 
 
 def parallel(server: Server, args) -> dict:
-    prompts = [chat(args.prompt_tokens, seed) for seed in range(4)]
-    ask(server, chat(16, 99), 2)  # warm up (first-call set-up, kernels)
+    prompts = [document(args.prompt_tokens, seed) for seed in range(4)]
+    ask(server, document(16, 99), 2)  # warm up (first-call set-up, kernels)
     started = time.perf_counter()
     one_by_one = [ask(server, p, args.max_tokens) for p in prompts]
     sequential = time.perf_counter() - started
-    fresh = [chat(args.prompt_tokens, seed) for seed in range(10, 14)]  # nothing cached
+    fresh = [document(args.prompt_tokens, seed) for seed in range(10, 14)]  # nothing cached
     results: list[dict] = [{}] * 4
 
     def run(i: int) -> None:
@@ -249,10 +256,10 @@ def parallel(server: Server, args) -> dict:
 
 
 def memory(server: Server, args) -> dict:
-    ask(server, chat(16, 98), 1)
+    ask(server, document(16, 98), 1)
     time.sleep(1.0)
     before = server.rss()
-    calls = [ask(server, chat(args.long_tokens, 200 + i), 1) for i in range(4)]
+    calls = [ask(server, document(args.long_tokens, 200 + i), 1) for i in range(4)]
     time.sleep(2.0)  # saves to the store land
     after = server.rss()
     return {"rss_before": before, "rss_after": after, "extra_bytes": after - before, "calls": calls}
@@ -293,7 +300,7 @@ def ms(s: float | None) -> str:
 
 def table(r: dict) -> str:
     lines = [
-        f"API benchmarks through the endpoint ({r['model']}; four chats of "
+        f"API benchmarks through the endpoint ({r['model']}; four prompts of "
         f"{r['sizes']['prompt_tokens']} tokens, {r['sizes']['max_tokens']} generated; "
         f"four long prompts of {r['sizes']['long_tokens']} tokens)",
         "",

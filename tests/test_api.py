@@ -727,3 +727,25 @@ def test_image_url_data_urls_reach_a_vision_model(vision):
         client.chat.completions.create(
             model=engine.model_name, messages=[{"role": "user", "content": broken}]
         )
+
+
+def test_a_base_model_without_a_chat_template_reads_the_messages_as_plain_lines(tmp_path):
+    from mlx_nbengine.server.app import plain_chat
+    from mlx_nbengine.testing import make_tiny_model, make_tiny_tokenizer
+
+    directory = make_tiny_model("llama", tmp_path / "base-llama")
+    make_tiny_tokenizer(directory, chat_template="")
+    with Engine.load(directory, block_size=BLOCK, store=False) as base:
+        assert not base.model.has_chat_template
+        msgs = messages("What is two plus two?")
+        assert plain_chat(msgs) == (
+            "system: You answer briefly.\nuser: What is two plus two?\nassistant:"
+        )
+        want = base.submit(plain_chat(msgs), max_tokens=8).result(timeout=60)
+        with ApiServer(base, port=0).start() as srv:
+            client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0)
+            got = client.chat.completions.create(
+                model=base.model_name, messages=msgs, max_tokens=8, temperature=0
+            )
+        assert got.choices[0].message.content == want.text
+        assert got.usage.prompt_tokens == len(want.prompt_tokens)

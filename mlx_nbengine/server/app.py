@@ -186,9 +186,12 @@ class _App:
 
     def submit(self, call: Call) -> Any:
         """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own."""
+        prompt = call.prompt
+        if _is_chat(prompt) and not getattr(self.engine.model, "has_chat_template", True):
+            prompt = plain_chat(prompt)  # a base model: no template to render the messages
         try:
             return self.engine.submit(
-                call.prompt,
+                prompt,
                 max_tokens=call.max_tokens,
                 temperature=call.temperature,
                 top_p=call.top_p,
@@ -382,6 +385,22 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._cleanup()
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def plain_chat(messages: list[dict]) -> str:
+    """Chat messages as plain text for a model without a chat template (a base model):
+    one ``role: content`` line each, then ``assistant:`` for the answer to follow."""
+    lines = []
+    for m in messages:
+        content = m.get("content") or ""
+        if isinstance(content, list):  # parts (images are refused for text models)
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        lines.append(f"{m.get('role', 'user')}: {content}")
+    return "\n".join([*lines, "assistant:"])
 
 
 async def _disconnected(request: HTTPRequest) -> None:
