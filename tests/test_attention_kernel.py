@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_nbengine import Engine, kernels
-from mlx_nbengine.models import attnroute, load
+from mlx_nbengine.models import attnroute, fastops, load
 from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES
 
 ISAS = ("avx512", "avx2", "portable")
@@ -239,7 +239,8 @@ def test_the_fingerprint_names_the_attention_variant(tiny_model_dir, routed):
     from mlx_nbengine.models.loader import fingerprint_directory
 
     path = tiny_model_dir("llama")
-    assert lm.fingerprint == fingerprint_directory(path, dtype="float32", variant=variant)
+    routed = "+".join(v for v in (variant, fastops.variant()) if v)  # norms and RoPE too
+    assert lm.fingerprint == fingerprint_directory(path, dtype="float32", variant=routed)
     assert lm.fingerprint != fingerprint_directory(path, dtype="float32")
 
 

@@ -1,10 +1,12 @@
 """Our quantized matrix-vector kernels (`mlx_nbengine.kernels`) and their routing (`qroute`).
 
-Every kernel is checked against ``mx.dequantize`` + matmul in float32 within
-`tolerance`: the float32 rounding bound of a K-term dot product, 4 K eps times the sum of
-the terms' magnitudes (the kernels widen the packed weights to float32 and keep the
-activations float32, so they differ from MLX only in summation order). Vectorized sets this
-CPU lacks are skipped; the portable set always runs.
+Every kernel is checked against ``mx.dequantize`` + matmul in float32 within `tolerance`:
+the float32 rounding bound of a K-term dot product, 4 K eps times the sum of the terms'
+magnitudes, plus for the vectorized sets the bound of their int16 activations
+(`int16_bound`: each x rounded to 2^-16 of its group's largest magnitude, times the centred
+weights it multiplies; measured about 1e-3 on unit normal data of K = 256, a third of the
+bound). The portable set keeps x float32 and differs from MLX only in summation order.
+Vectorized sets this CPU lacks are skipped; the portable set always runs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def tolerance(magnitudes: mx.array, k: int) -> mx.array:
     return 4 * k * EPS32 * magnitudes + 1e-6
 
 
+def int16_bound(x, q, s, b, *, bits: int, group_size: int) -> mx.array:
+    """What rounding x to int16 per group (qkernels.h, QActivations) can move each result."""
+    s, b = s.astype(mx.float32), b.astype(mx.float32)
+    dense = mx.dequantize(q, s, b, group_size=group_size, bits=bits)
+    centre = mx.repeat(b + 2 ** (bits - 1) * s, group_size, axis=1)
+    x32 = x.astype(mx.float32)
+    rows, k = x32.shape
+    largest = mx.abs(x32.reshape(rows, k // group_size, group_size)).max(axis=-1)
+    step = mx.repeat(largest / 32767, group_size, axis=1)  # x's rounding is half a step
+    return (step / 2) @ mx.abs(dense - centre).T
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -69,7 +83,10 @@ def test_kernel_matches_dequantize_then_matmul(isa, rows, group_size, bits):
     got = kernels.quantized_matmul(x, q, s, b, group_size=group_size, bits=bits, isa=isa)
     want, magnitudes = reference(x, q, s, b, bits=bits, group_size=group_size)
     assert got.shape == (rows, n) and got.dtype == mx.float32
-    assert mx.all(mx.abs(got - want) <= tolerance(magnitudes, k)).item()
+    bound = tolerance(magnitudes, k)
+    if isa != "portable":
+        bound = bound + int16_bound(x, q, s, b, bits=bits, group_size=group_size)
+    assert mx.all(mx.abs(got - want) <= bound).item()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -95,6 +112,8 @@ def test_half_precision_scales_and_inputs(isa, dtype):
     # The result is rounded to the half type at the end.
     half_eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
     bound = tolerance(magnitudes, 128) + half_eps * mx.abs(want)
+    if isa != "portable":
+        bound = bound + int16_bound(x, q, s, b, bits=4, group_size=64)
     assert mx.all(mx.abs(got.astype(mx.float32) - want) <= bound).item()
 
 
@@ -104,7 +123,7 @@ def test_leading_dimensions_are_kept():
     got = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8)
     want, _ = reference(x.reshape(6, 64), q, s, b, bits=8, group_size=32)
     assert got.shape == (2, 3, 33)
-    assert mx.allclose(got.reshape(6, 33), want, atol=1e-4).item()
+    assert mx.allclose(got.reshape(6, 33), want, atol=1e-2).item()  # int16 x: about 1e-3
 
 
 def test_more_rows_than_the_kernels_take_is_refused():

@@ -97,7 +97,8 @@ def _self_check(module: ModuleType, isa: str) -> None:
         q, s, b = mx.quantize(w, group_size=64, bits=bits, stream=mx.cpu)
         want = x @ mx.dequantize(q, s, b, group_size=64, bits=bits, stream=mx.cpu).T
         got = module.quantized_matvec(x, q, s, b, 64, bits, isa, 1)
-        if not mx.allclose(got, want, rtol=1e-4, atol=1e-3, stream=mx.cpu).item():
+        # The vectorized sets round x to int16 per group (qkernels.h): about 1e-3 off here.
+        if not mx.allclose(got, want, rtol=1e-3, atol=1e-2, stream=mx.cpu).item():
             raise ValueError(f"the {isa} kernels computed a wrong {bits}-bit product")
     q = mx.random.normal((1, 4, 5, 32), key=mx.random.key(2), stream=mx.cpu)
     k = mx.random.normal((1, 2, 40, 32), key=mx.random.key(3), stream=mx.cpu)

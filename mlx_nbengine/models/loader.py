@@ -202,8 +202,11 @@ def _route_quantized(model: Any, *, requantize: bool) -> str | None:
     if not (requantize or qroute.has_quantized_layers(model)) or not qroute.install():
         return None
     if not requantize:
-        return None
-    return qroute.quantize_for_cpu(model, bits=DEFAULT_CPU_BITS, group_size=DEFAULT_CPU_GROUP_SIZE)
+        return qroute.variant()
+    weights = qroute.quantize_for_cpu(
+        model, bits=DEFAULT_CPU_BITS, group_size=DEFAULT_CPU_GROUP_SIZE
+    )
+    return f"{weights}+{qroute.variant()}"
 
 
 _DTYPES = ("float32", "float16", "bfloat16")

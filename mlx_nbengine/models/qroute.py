@@ -36,7 +36,12 @@ __all__ = [
     "quantize_for_cpu",
     "routed_matmul",
     "uninstall",
+    "variant",
 ]
+
+# Bumped whenever the kernels change their results' bits (the fingerprint names it): 2 is
+# the int16 activations of the vectorized sets.
+VERSION = 2
 
 _QUANTIZED_MATMUL = """\
 mx.quantized_matmul(
@@ -147,6 +152,14 @@ def install() -> bool:
         _originals[(cls, name)] = getattr(cls, name)
         setattr(cls, name, replacement)
     return True
+
+
+def variant() -> str | None:
+    """What the fingerprint records while quantized layers are routed (the kernel set and
+    version: the sets differ in the last bits), else None."""
+    if not _originals:
+        return None
+    return f"qmv-{kernels.status().isa}-v{VERSION}"
 
 
 def uninstall() -> None:

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace mnb {
 
@@ -22,6 +23,23 @@ struct QJob {
   float* out; // M x N, row-major
   int M, K, N, group, bits;
   ScaleType scale_type;
+  // The vectorized sets read x as int16 (`QActivations`); the portable set reads `x`.
+  const int16_t* xq = nullptr; // M x K
+  const float* xscale = nullptr; // M x padded_groups: x ~ xq * xscale within a group
+  const float* xsum = nullptr; // M x padded_groups: the float sum of x over a group
+  int padded_groups = 0; // K / group rounded up to 16
+};
+
+// x as the vectorized sets read it. Each group of each row is scaled to int16 by its own
+// largest magnitude (x = xq * xscale + an error of at most xscale / 2, 2^-16 of the group's
+// largest value), so the products are integer multiply-adds of 16-bit lanes:
+//   sum_k (s q_k + b) x_k = s * xscale * sum_k q_k xq_k + b * sum_k x_k   (per group)
+// the bias term exact in float. For 4-bit weights each 32 values of a row are stored even
+// elements first, then odd ones: the order the packed nibbles unpack in.
+struct QActivations {
+  std::vector<int16_t> xq;
+  std::vector<float> xscale, xsum;
+  void prepare(QJob& job);
 };
 
 // Computes out[:, n0:n1]. The *_rows functions give nullptr where a set has no kernel for

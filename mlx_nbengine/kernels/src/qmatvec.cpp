@@ -1,6 +1,7 @@
 #include "qmatvec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -144,6 +145,42 @@ mx::array contiguous_input(const mx::array& a, mx::Stream s) {
 
 } // namespace
 
+void QActivations::prepare(QJob& job) {
+  const int M = job.M, K = job.K, group = job.group, G = K / group;
+  const int P = (G + 15) / 16 * 16;
+  xq.assign(size_t(M) * K, 0);
+  xscale.assign(size_t(M) * P, 0.0f);
+  xsum.assign(size_t(M) * P, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < G; ++g) {
+      const float* x = job.x + int64_t(m) * K + int64_t(g) * group;
+      float largest = 0.0f, sum = 0.0f;
+      for (int i = 0; i < group; ++i) {
+        largest = std::max(largest, std::fabs(x[i]));
+        sum += x[i];
+      }
+      xsum[size_t(m) * P + g] = sum;
+      if (largest == 0.0f || !std::isfinite(largest)) {
+        // All zero: xq stays 0. Not finite: let the float path's NaN or inf through.
+        xscale[size_t(m) * P + g] = largest == 0.0f ? 0.0f : largest;
+        continue;
+      }
+      xscale[size_t(m) * P + g] = largest / 32767.0f;
+      const float to_int = 32767.0f / largest;
+      int16_t* q = xq.data() + int64_t(m) * K + int64_t(g) * group;
+      for (int i = 0; i < group; ++i) {
+        // 4-bit rows unpack each 32 values even elements first, then odd ones.
+        const int at = job.bits == 4 ? (i & ~31) + ((i & 31) % 2) * 16 + (i & 31) / 2 : i;
+        q[at] = int16_t(std::lrint(x[i] * to_int));
+      }
+    }
+  }
+  job.xq = xq.data();
+  job.xscale = xscale.data();
+  job.xsum = xsum.data();
+  job.padded_groups = P;
+}
+
 Isa usable(Isa isa) {
   if (isa == Isa::avx512 && !cpu_has_avx512()) {
     isa = Isa::avx2;
@@ -219,10 +256,17 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   if (fn == nullptr) {
     throw std::runtime_error("quantized_matvec: no kernel for this shape");
   }
+  const bool int16_x = fn != portable_rows(job);
   // Weights of a small matrix are read faster than threads wake.
   const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
   const int threads = bytes < (int64_t(1) << 18) ? 1 : threads_;
-  encoder.dispatch([job, fn, threads]() { pool().run(threads, job, fn); });
+  encoder.dispatch([job, fn, threads, int16_x]() mutable {
+    QActivations x;
+    if (int16_x) {
+      x.prepare(job);
+    }
+    pool().run(threads, job, fn);
+  });
 }
 
 void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
