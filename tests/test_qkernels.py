@@ -252,3 +252,13 @@ def test_quantized_gemma_mlps_get_the_fused_gelu_too(tiny_q4):
     lm = load(tiny_q4)
     fused = [m for _, m in lm.model.named_modules() if type(m).__name__.startswith("CpuGelu")]
     assert fused
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_strided_view_of_x_is_read_as_its_values(isa):
+    isa_or_skip(isa)
+    q, s, b = quantized(40, 128, bits=8, group_size=32)
+    x = mx.random.normal((128, 3), key=mx.random.key(6)).T  # rows not contiguous
+    got = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8, isa=isa)
+    want = kernels.quantized_matmul(mx.array(x.tolist()), q, s, b, group_size=32, bits=8, isa=isa)
+    assert mx.array_equal(got, want).item()

@@ -136,6 +136,27 @@ RowsFn rows_for(Isa isa, const QJob& job) {
   return fn != nullptr ? fn : portable_rows(job);
 }
 
+// The elements of an evaluated array in row-major order, whatever its strides.
+std::vector<float> row_major(const mx::array& a) {
+  std::vector<float> out(a.size());
+  const int nd = a.ndim();
+  std::vector<int> index(nd, 0);
+  const float* src = a.data<float>();
+  int64_t at = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = src[at];
+    for (int d = nd - 1; d >= 0; --d) {
+      at += a.strides()[d];
+      if (++index[d] < a.shape(d)) {
+        break;
+      }
+      at -= int64_t(a.strides()[d]) * a.shape(d);
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
 mx::array contiguous_input(const mx::array& a, mx::Stream s) {
   if (a.is_available() && a.flags().row_contiguous) {
     return a;
@@ -218,19 +239,22 @@ mx::array quantized_matvec(
     throw std::invalid_argument("quantized_matvec: x must have 1 to 8 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  auto x2 = mx::contiguous(mx::reshape(mx::astype(x, mx::float32, s), {M, K}, s), false, s);
-  auto out = mx::array(
-      {M, N},
-      mx::float32,
-      std::make_shared<QuantizedMatVec>(s, group_size, bits, usable(isa), std::max(1, threads)),
-      {x2, contiguous_input(w, s), contiguous_input(scales, s), contiguous_input(biases, s)});
   auto shape = x.shape();
   shape.back() = N;
-  return mx::astype(mx::reshape(out, shape, s), x.dtype(), s);
+  std::vector<mx::array> inputs{
+      x, contiguous_input(w, s), contiguous_input(scales, s), contiguous_input(biases, s)};
+  auto primitive =
+      std::make_shared<QuantizedMatVec>(s, group_size, bits, usable(isa), std::max(1, threads));
+  if (x.dtype() == mx::float32) {
+    // No reshape, copy or cast around it: eval_cpu reads x as M x K (copying only a view
+    // whose rows are not contiguous), so a decode step's product is one graph node.
+    return mx::array(shape, mx::float32, primitive, std::move(inputs));
+  }
+  inputs[0] = mx::astype(x, mx::float32, s);
+  return mx::astype(mx::array(shape, mx::float32, primitive, std::move(inputs)), x.dtype(), s);
 }
 
 void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
   const auto& w = inputs[1];
   const auto& scales = inputs[2];
   const auto& biases = inputs[3];
@@ -240,14 +264,16 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     encoder.set_input_array(a);
   }
   encoder.set_output_array(out);
+  const auto& x = inputs[0];
+  const int K = x.shape(-1);
   QJob job{
       x.data<float>(),
       w.data<uint8_t>(),
       scales.data<void>(),
       biases.data<void>(),
       out.data<float>(),
-      x.shape(0),
-      x.shape(1),
+      int(x.size() / K),
+      K,
       w.shape(0),
       group_size_,
       bits_,
@@ -260,10 +286,16 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   // Weights of a small matrix are read faster than threads wake.
   const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
   const int threads = bytes < (int64_t(1) << 18) ? 1 : threads_;
-  encoder.dispatch([job, fn, threads, int16_x]() mutable {
-    QActivations x;
+  const bool gather = !x.flags().row_contiguous;
+  encoder.dispatch([job, fn, threads, int16_x, gather, x]() mutable {
+    std::vector<float> dense;
+    if (gather) { // a view whose rows are not contiguous: read it as M x K row-major
+      dense = row_major(x);
+      job.x = dense.data();
+    }
+    QActivations xq;
     if (int16_x) {
-      x.prepare(job);
+      xq.prepare(job);
     }
     pool().run(threads, job, fn);
   });
