@@ -195,3 +195,32 @@ def test_unload_and_load_of_another_model_stop_the_server(kernel, tiny_model_dir
     _, url = serve(kernel)
     kernel.ok(f"{SESSION}.engine.close()")
     wait_for(lambda: refused(url), timeout=10)
+
+
+def test_in_terminal_ipython_the_view_is_text_with_the_url_and_snippet(tiny_model_dir, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mlx_nbengine.notebook import magics as magics_mod
+
+    shell = InteractiveShell.instance()
+    magics_mod.unload_ipython_extension(shell)
+    magics_mod.load_ipython_extension(shell)
+    try:
+        shell.run_line_magic("load_model", f"{tiny_model_dir('llama')} --block-size {BLOCK}")
+        capsys.readouterr()
+        shell.run_line_magic("llm_serve", "--port 0")
+        server = shell._mlx_nbengine_magics.session.server
+        shown = capsys.readouterr().out
+        assert f"at {server.url}" in shown and "from openai import OpenAI" in shown
+        assert "--api-key" not in shown  # no key: the snippet says any string does
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        name = shell._mlx_nbengine_magics.session.engine.model_name
+        client.completions.create(model=name, prompt="The quick", max_tokens=3)
+        shell.run_line_magic("llm_serve", "")
+        again = capsys.readouterr().out
+        assert "serving" in again and "finish=length" in again
+        shell.run_line_magic("llm_serve", "stop")
+        assert f"stopped serving at {server.url}" in capsys.readouterr().out
+        assert refused(server.url)
+    finally:
+        magics_mod.unload_ipython_extension(shell)

@@ -191,6 +191,11 @@ class AgentRows:
         with self._lock:
             return [self._rows[n] for n in sorted(self._rows)][-SHOWN_ROWS:]
 
+    def current(self) -> list[dict]:
+        """The rows with every change so far drawn (on the caller's thread)."""
+        self._draw_changed()
+        return self.rows()
+
     def _changed(self, entry: Any) -> None:
         with self._lock:
             self._changed_entries[entry.number] = entry
@@ -354,7 +359,7 @@ class ServeMagics(Magics):
                 view.stopped = stopped
 
     def _show(self, server: ApiServer) -> None:
-        rows = self._rows.rows() if self._rows is not None else []
+        rows = self._rows.current() if self._rows is not None else []
         view = agent_view(server, rows) if self.llm._updates_in_place() else None
         if view is not None:
             self._views.append(view)
