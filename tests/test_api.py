@@ -411,7 +411,8 @@ def test_a_body_over_the_limit_is_413(server, client, engine):
     chunks = iter(
         [json.dumps(body).encode()[i : i + 4096] for i in range(0, BODY_LIMIT + 200, 4096)]
     )
-    response = post(server, "/chat/completions", content=chunks)
+    json_type = {"content-type": "application/json"}
+    response = post(server, "/chat/completions", content=chunks, headers=json_type)
     assert response.status_code == 413
     good_request_still_served(client, engine)
 
@@ -749,3 +750,25 @@ def test_a_base_model_without_a_chat_template_reads_the_messages_as_plain_lines(
             )
         assert got.choices[0].message.content == want.text
         assert got.usage.prompt_tokens == len(want.prompt_tokens)
+
+
+def test_a_web_page_cannot_reach_the_loopback_server(server, client, engine):
+    body = json.dumps({"model": engine.model_name, "messages": messages("hi"), "max_tokens": 2})
+    # A form post (a "simple" cross-site request browsers send without asking first).
+    form = post(server, "/chat/completions", content=body, headers={"content-type": "text/plain"})
+    assert form.status_code == 415 and error_of(form)["type"] == "invalid_request_error"
+    # A page whose own name was rebound to 127.0.0.1 sends its name as the Host.
+    for path in ("/models", "/chat/completions"):
+        rebound = httpx.request(
+            "GET" if path == "/models" else "POST",
+            f"{server.url}{path}",
+            content=body,
+            headers={"host": f"attacker.example:{server.port}", "content-type": "application/json"},
+            timeout=10,
+        )
+        assert rebound.status_code == 403, path
+    assert "access-control-allow-origin" not in form.headers
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
+        ok = httpx.get(f"{server.url}/models", headers={"host": host}, timeout=10)
+        assert ok.status_code == 200, host
+    good_request_still_served(client, engine)

@@ -11,8 +11,9 @@ Terms:
 Rules the app keeps:
 
 - Every refusal is OpenAI's error shape with its status (400 a bad field, 401 a wrong or
-  missing key, 404 an unknown model or path, 405, 413 a body over the limit, 429, 503 a
-  closed engine, 500 anything unforeseen); the server keeps serving.
+  missing key, 403 a Host header that is not this machine on a loopback server, 404 an
+  unknown model or path, 405, 413 a body over the limit, 415 a body not sent as JSON, 429,
+  503 a closed engine, 500 anything unforeseen); the server keeps serving.
 - A client that goes away cancels its call (the engine frees the slot): a stream's body
   iterator is cancelled by Starlette when the client disconnects; a plain request watches
   for ``http.disconnect`` while it waits.
@@ -69,6 +70,7 @@ __all__ = ["build_app"]
 log = logging.getLogger("mlx_nbengine.server")
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -120,8 +122,10 @@ class _App:
         log_prompts: bool,
         max_pending: int,
         model_name: str,
+        loopback_only: bool,
     ) -> None:
         self.engine = engine
+        self.loopback_only = loopback_only
         self.api_key = api_key
         self.limits = limits
         self.journal = journal
@@ -146,6 +150,32 @@ class _App:
                 "%llm_serve was started with",
                 status=401,
                 code="invalid_api_key",
+            )
+
+    def check_host(self, request: HTTPRequest) -> None:
+        """On loopback, the Host header must name this machine (a web page that rebinds
+        its own name to 127.0.0.1 cannot reach the server)."""
+        if not self.loopback_only:
+            return
+        host = request.headers.get("host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name.strip("[]") not in LOOPBACK_NAMES:
+            raise APIError(
+                f"the Host header {host!r} is not this machine; this server answers "
+                "127.0.0.1, localhost and ::1 only",
+                status=403,
+                type="permission_error",
+            )
+
+    def check_json(self, request: HTTPRequest) -> None:
+        """POST bodies must say they are JSON: a web page's form post (which browsers send
+        to any address without asking) is refused."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise APIError(
+                f"send the body as JSON with 'Content-Type: application/json' (got "
+                f"{kind or 'none'!r})",
+                status=415,
             )
 
     async def read_body(self, request: HTTPRequest) -> dict:
@@ -217,6 +247,7 @@ class _App:
 
     async def models(self, request: HTTPRequest) -> JSONResponse:
         try:
+            self.check_host(request)
             self.check_key(request)
         except APIError as err:
             return _error(err)
@@ -232,7 +263,9 @@ class _App:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         entry = self.journal.open(path)
         try:
+            self.check_host(request)
             self.check_key(request)
+            self.check_json(request)
             body = await self.read_body(request)
             check_model(body, [self.model_name])
             if endpoint == "chat":
@@ -429,9 +462,11 @@ def build_app(
     log_prompts: bool = False,
     max_pending: int = 64,
     model_name: str | None = None,
+    loopback_only: bool = True,
 ) -> Starlette:
     """The ASGI app serving `engine`; `model_name` (default: the engine's) is the id
-    clients send as ``model``."""
+    clients send as ``model``; `loopback_only` (a server on loopback) checks that the Host
+    header names this machine."""
     if limits is None:
         lm = getattr(engine, "model", None)
         limits = Limits(context=getattr(lm, "context_length", None))
@@ -443,6 +478,7 @@ def build_app(
         log_prompts=log_prompts,
         max_pending=max_pending,
         model_name=model_name or engine.model_name,
+        loopback_only=loopback_only,
     )
 
     async def http_error(request: HTTPRequest, exc: Exception) -> JSONResponse:

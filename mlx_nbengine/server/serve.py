@@ -125,6 +125,7 @@ class ApiServer:
             journal=self.journal,
             log_prompts=log_prompts,
             max_pending=max_pending,
+            loopback_only=is_loopback(host),
         )
         self.model_name = engine.model_name
         self._config = uvicorn.Config(
