@@ -148,3 +148,19 @@ def test_a_model_decodes_the_same_tokens_with_and_without_the_kernels(tmp_path, 
     finally:
         fastops.install()
     assert with_kernels == without
+
+
+def test_gemma_norms_add_one_to_their_weight_once_while_it_stays_the_same():
+    # Fails when mlx-lm changes Gemma's RMSNorm: then read it and update fastops.
+    import mlx_lm.models.gemma3_text as gemma3
+
+    assert gemma3.RMSNorm in fastops._offset_norm_classes()  # noqa: SLF001
+    assert fastops.install()
+    norm = gemma3.RMSNorm(64, eps=1e-6)
+    x = normal((1, 2, 64), 11)
+    first = norm(x)
+    assert mx.allclose(first, library("rms_norm")(x, 1.0 + norm.weight, 1e-6), atol=1e-6).item()
+    assert mx.array_equal(norm(x), first).item()  # the held sum
+    norm.weight = normal((64,), 12)  # new weights: the sum follows them
+    assert mx.allclose(norm(x), library("rms_norm")(x, 1.0 + norm.weight, 1e-6), atol=1e-5).item()
+    assert set(norm.parameters()) == {"weight"}  # nothing held on the module itself
