@@ -45,12 +45,9 @@ raise `UsageError`: IPython prints one line, no traceback.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +62,7 @@ from mlx_nbengine.models.default import INSTALL_COMMAND
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts, image_spans
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
 from mlx_nbengine.notebook.livestore import LiveStores
+from mlx_nbengine.notebook.loading import load_with_progress
 from mlx_nbengine.notebook.prompting import (
     build_prompt,
     engine_options,
@@ -84,7 +82,6 @@ from mlx_nbengine.notebook.render import (
     key_value_bundle,
     models_bundle,
     models_text,
-    progress_bundle,
 )
 from mlx_nbengine.notebook.serving import ServeMagics
 from mlx_nbengine.notebook.streaming import (
@@ -212,62 +209,6 @@ def _default_engine_factory(model: str, *, progress: Any = None, **options: Any)
     return Engine.load(model, progress=progress, **options)
 
 
-def _takes_progress(factory: Any) -> bool:
-    # Only factories that name `progress` get it: a custom one taking **options may pass
-    # them on to something that does not know it.
-    try:
-        return "progress" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _model_title(model: str) -> str:
-    """How the progress line names `model`: a path by its file name, an id as written."""
-    if model == "default":
-        return "the default model"
-    if os.path.exists(model):
-        return os.path.basename(model.rstrip("/\\")) or model
-    return model
-
-
-def _progress_line(verb: str, model: str, done: int, total: int) -> str:
-    percent = f" ({done / total:.0%})" if total else ""
-    return f"{verb} {_model_title(model)}: {format_bytes(done)} / {format_bytes(total)}{percent}"
-
-
-def _conversion_line(model: str, done: int, total: int) -> str:
-    return _progress_line("converting", model, done, total)
-
-
-def _download_line(model: str, done: int, total: int) -> str:
-    return _progress_line("downloading", model, done, total)
-
-
-def _starts_with_download(model: str, revision: str | None) -> bool:
-    """Whether loading `model` begins with a download: an id found in no local place.
-
-    Asked before the load so that the progress line can name its first phase; the same
-    look-ups as `sources.locate`, which reads no network for them. Anything it cannot
-    decide (an ambiguous folder, an unreadable cache) counts as no download: the load
-    itself then reports the problem.
-    """
-    if model == "default" or os.path.exists(model):
-        return False
-    parsed = sources.parse_model_id(model)
-    if parsed is None:
-        return False
-    repo_id, gguf_file = parsed
-    try:
-        if sources.find_in_hub_cache(repo_id, revision=revision, gguf_file=gguf_file) is not None:
-            return False
-        # As in `locate`: LM Studio has no revisions, so it is skipped when one is asked for.
-        if revision is None and sources.find_in_lmstudio(repo_id, gguf_file=gguf_file) is not None:
-            return False
-    except (EngineError, OSError):
-        return False
-    return True
-
-
 def _looked_in(found: list[Any]) -> str:
     """Where `%llm_models` looked, in words (and how to get the default model if absent)."""
     folders = [str(f) for f in sources.lmstudio_model_dirs()]
@@ -285,7 +226,13 @@ def _looked_in(found: list[Any]) -> str:
 
 @magics_class
 class LLMMagics(Magics):
-    """Magics of mlx_nbengine; one instance per shell, holding the `LLMSession`."""
+    """Magics of mlx_nbengine; one instance per shell, holding the `LLMSession`.
+
+    Longer than the package's other classes (about 550 lines) on purpose: IPython registers
+    magics as the methods of one `Magics` class, and each magic's argument table and help
+    text (about 180 of those lines) sit on its method, where ``%magic?`` reads them. The
+    work is elsewhere: loading.py (the load's wait), prompting.py, streaming.py (following
+    an answer), render.py, livestore.py, serving.py (%llm_serve, its own class)."""
 
     def __init__(self, shell=None, *, engine_factory=None) -> None:
         super().__init__(shell)
@@ -442,84 +389,14 @@ class LLMMagics(Magics):
     def _load_with_progress(
         self, model: str, options: dict[str, Any], *, revision: str | None = None
     ) -> Any:
-        # Engine.load blocks; it runs on a helper thread while the main thread redraws one
-        # line and stays interruptible (an interrupted load is closed when it completes).
-        # The line shows the download's and the GGUF conversion's progress, which the
-        # engine reports from its generation thread, while there is any, else the elapsed
-        # time.
-        result: dict[str, Any] = {}
-        lock = threading.Lock()
-        # Latest (phase, done, total); list ops are atomic. The hook counts from 0 again
-        # for a conversion after a download, so a drop in `done` starts the next phase.
-        reported: list[tuple[int, int, int]] = []
-        changed = threading.Event()
-        downloads = _starts_with_download(model, revision)
-
-        def progress(done: int, total: int) -> None:
-            phase = reported[0][0] if reported else 0
-            if reported and done < reported[0][1]:
-                phase += 1
-            reported[:] = [(phase, done, total)]
-            changed.set()
-
-        factory_options = dict(options)
-        if _takes_progress(self.engine_factory):
-            factory_options["progress"] = progress
-
-        def work() -> None:
-            try:
-                engine = self.engine_factory(model, **factory_options)
-            except BaseException as exc:  # noqa: BLE001 - reported on the main thread
-                result["error"] = exc
-                return
-            with lock:
-                if result.get("discard"):
-                    engine.close()
-                else:
-                    result["engine"] = engine
-            changed.set()
-
-        started = time.monotonic()
-        what = f"loading {model}"
-        live = self._updates_in_place()
-        handle = self._display(progress_bundle(what, elapsed=0.0), display_id=True)
-        worker = threading.Thread(target=work, name="mlx-nbengine-load", daemon=True)
-        worker.start()
-        try:
-            while worker.is_alive():
-                # Woken by progress reports too: a short conversion still shows.
-                changed.wait(0.1)
-                changed.clear()
-                if live and worker.is_alive():
-                    elapsed = time.monotonic() - started
-                    line = what
-                    if reported:
-                        phase, done_bytes, total = reported[0]
-                        if done_bytes < total:
-                            show = _download_line if downloads and phase == 0 else _conversion_line
-                            line = show(model, done_bytes, total)
-                    handle.update(progress_bundle(line, elapsed=elapsed), raw=True)
-        except KeyboardInterrupt:
-            with lock:
-                result["discard"] = True
-                engine = result.pop("engine", None)
-            if engine is not None:
-                engine.close()
-            handle.update({"text/plain": f"loading {model} interrupted"}, raw=True)
-            raise UsageError(f"loading {model} was interrupted; no model is loaded") from None
-        elapsed = time.monotonic() - started
-        error = result.get("error")
-        if error is not None:
-            handle.update({"text/plain": f"loading {model} failed"}, raw=True)
-            if isinstance(error, EngineError | OSError | ValueError):
-                raise UsageError(f"could not load {model}: {short_error(error)}") from None
-            raise error
-        engine = result["engine"]
-        loaded = getattr(engine, "model", None)
-        what_kind = f" ({loaded.model_type}, {loaded.kind})" if hasattr(loaded, "kind") else ""
-        done = f"loaded {model}{what_kind} in {elapsed:.1f} s"
-        handle.update({"text/plain": done}, raw=True)
-        return engine
+        return load_with_progress(
+            self.engine_factory,
+            model,
+            options,
+            revision=revision,
+            display=self._display,
+            live=self._updates_in_place(),
+        )
 
     # -- %unload_model -------------------------------------------------------------------
 
@@ -602,6 +479,40 @@ class LLMMagics(Magics):
         """
         args = parse_options(self.llm, line, "%%llm")
         engine = self._require_engine()
+        text = self._cell_text(args, engine, cell)
+        # Read before anything is submitted: a bad image is one line, and no turn begins.
+        images = read_images(args.image, self.shell.user_ns) if args.image else []
+        request, chat, sent = self._submit(args, engine, text, images, f"%%llm {line}\n{cell}")
+        thumbs = _image_dicts(sent) if sent else []
+        if images:
+            # The pictures above the answer, as the model got them (in order).
+            self._display(images_bundle(images))
+        view = self._answer_view(args, engine, request, thumbs)
+        after = (
+            (lambda completion: self._show_block_map(engine, completion, images=thumbs))
+            if args.blocks
+            else None
+        )
+        if args.bg:
+            self._start_background(request, view, args, chat, after=after)
+            return None
+        try:
+            completion, interrupted = follow(request, view, turn=chat)
+        except EngineError as exc:
+            raise UsageError(short_error(exc)) from None
+        self.session.stores.refresh(engine)
+        if args.output is not None:
+            self.shell.user_ns[args.output] = completion
+        if after is not None and completion is not None:
+            after(completion)
+        self._warn_saving(engine)
+        if interrupted:
+            raise GenerationInterrupted.of(completion)
+        return None
+
+    def _cell_text(self, args: Any, engine: Any, cell: str) -> str:
+        """The prompt text of a `%%llm` cell, its options checked (`args.raw` set for a
+        model without a chat template)."""
         text = cell.strip()
         if not text:
             raise UsageError("the cell is empty; write the prompt below the %%llm line")
@@ -618,11 +529,14 @@ class LLMMagics(Magics):
             text = interpolate(text, self.shell.user_ns)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o needs a variable name, not {args.output!r}")
-        # Read before anything is submitted: a bad image is one line, and no turn begins.
-        images = read_images(args.image, self.shell.user_ns) if args.image else []
+        return text
 
+    def _submit(
+        self, args: Any, engine: Any, text: str, images: list[Any], source: str
+    ) -> tuple[Any, Any, list[Any]]:
+        """Submit the cell's prompt: (the request, its chat turn or None, the images sent)."""
         conversation = self.session.chats.get(args.chat) if args.chat else None
-        key = None if conversation is None else self.session.next_turn_key(f"%%llm {line}\n{cell}")
+        key = None if conversation is None else self.session.next_turn_key(source)
         prompt, chat = build_prompt(
             text,
             raw=args.raw,
@@ -645,11 +559,10 @@ class LLMMagics(Magics):
             if chat is not None:
                 chat.abandon()
             raise UsageError(short_error(exc)) from None
+        return request, chat, sent
 
-        thumbs = _image_dicts(sent) if sent else []
-        if images:
-            # The pictures above the answer, as the model got them (in order).
-            self._display(images_bundle(images))
+    def _answer_view(self, args: Any, engine: Any, request: Any, thumbs: list[dict]) -> Any:
+        """The answer's view (widgets in a front end, text in a terminal), shown."""
         if self._updates_in_place():
             view = AnswerView(
                 title=args.chat or "",
@@ -662,27 +575,7 @@ class LLMMagics(Magics):
             # The main thread follows this answer: the front end's Stop interrupts the kernel.
             view.strip.stoppable("interrupt", request.cancel)
         view.show()
-        after = (
-            (lambda completion: self._show_block_map(engine, completion, images=thumbs))
-            if args.blocks
-            else None
-        )
-        if args.bg:
-            self._start_background(request, view, args, chat, after=after)
-            return None
-        try:
-            completion, interrupted = follow(request, view, turn=chat)
-        except EngineError as exc:
-            raise UsageError(short_error(exc)) from None
-        self.session.stores.refresh(engine)
-        if args.output is not None:
-            self.shell.user_ns[args.output] = completion
-        if after is not None and completion is not None:
-            after(completion)
-        self._warn_saving(engine)
-        if interrupted:
-            raise GenerationInterrupted.of(completion)
-        return None
+        return view
 
     def _watched(self) -> bool:
         """Whether a person watches this cell's strip: a front end that draws widgets and
