@@ -16,9 +16,11 @@ namespace mnb {
 
 namespace {
 
-// Workers that split one product's output columns. A call wakes them, does its own share
-// and waits for the rest; between calls they spin briefly (decode calls come back to back)
-// and then sleep.
+// Workers that split one product's output columns. A call announces itself, does its share
+// and returns as soon as every chunk is done and no worker is still inside it: a worker the
+// OS has not scheduled yet (a busy machine) never holds a call up, since the caller takes
+// the chunks nobody claimed. Between calls workers spin briefly (decode calls come back to
+// back), then sleep.
 class Pool {
  public:
   void run(int threads, const QJob& job, RowsFn fn) {
@@ -37,14 +39,16 @@ class Pool {
       job_ = &job;
       fn_ = fn;
       chunk_ = chunk;
-      next_.store(0, std::memory_order_relaxed);
       helpers_ = threads - 1;
-      pending_.store(threads - 1, std::memory_order_relaxed);
+      next_.store(0, std::memory_order_relaxed);
+      closed_.store(false, std::memory_order_seq_cst);
       epoch_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     work();
-    while (pending_.load(std::memory_order_acquire) != 0) {
+    // No worker joins from here on; wait for those inside (each finishes its chunk).
+    closed_.store(true, std::memory_order_seq_cst);
+    while (inside_.load(std::memory_order_seq_cst) != 0) {
       std::this_thread::yield();
     }
   }
@@ -72,7 +76,7 @@ class Pool {
 
   void loop(int index, uint64_t seen) {
     for (;;) {
-      for (int spin = 0; spin < 20000; ++spin) {
+      for (int spin = 0; spin < 4000; ++spin) {
         if (epoch_.load(std::memory_order_acquire) != seen) {
           break;
         }
@@ -87,10 +91,16 @@ class Pool {
         seen = epoch_.load(std::memory_order_acquire);
         mine = index < helpers_;
       }
-      if (mine) {
-        work();
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      if (!mine) {
+        continue;
       }
+      // Enter the call unless its caller has already closed it (then it did our share).
+      inside_.fetch_add(1, std::memory_order_seq_cst);
+      if (!closed_.load(std::memory_order_seq_cst) &&
+          epoch_.load(std::memory_order_acquire) == seen) {
+        work();
+      }
+      inside_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
@@ -100,7 +110,8 @@ class Pool {
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> next_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<int> inside_{0};
+  std::atomic<bool> closed_{true};
   const QJob* job_ = nullptr;
   RowsFn fn_ = nullptr;
   int chunk_ = 16;
