@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import kernels
 from mlx_nbengine.models import load, qroute
@@ -27,18 +28,9 @@ from mlx_nbengine.models.loader import fingerprint_directory
 from mlx_nbengine.testing import make_tiny_quantized_model
 
 ROOT = Path(__file__).resolve().parents[1]
-ISAS = ("avx512", "avx2", "portable")
 EPS32 = float(np.finfo(np.float32).eps)
 
-pytestmark = pytest.mark.skipif(
-    not kernels.status().active, reason=f"kernels not active: {kernels.status().reason}"
-)
-
-
-def isa_or_skip(isa: str) -> str:
-    if kernels.usable_isa(isa) != isa:
-        pytest.skip(f"this CPU has no {isa}")
-    return isa
+pytestmark = needs_kernels
 
 
 def quantized(n: int, k: int, *, bits: int, group_size: int, seed: int = 0, dtype=mx.float32):

@@ -13,24 +13,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import rowops
 from mlx_nbengine.models import fastops, load
 from mlx_nbengine.testing import make_tiny_model
 
-ISAS = ("avx512", "avx2", "portable")
 EPS32 = float(np.finfo(np.float32).eps)
 
-pytestmark = pytest.mark.skipif(
-    not kernels.status().active, reason=f"kernels not active: {kernels.status().reason}"
-)
-
-
-def isa_or_skip(isa: str) -> str:
-    if kernels.usable_isa(isa) != isa:
-        pytest.skip(f"this CPU has no {isa}")
-    return isa
+pytestmark = needs_kernels
 
 
 def library(name: str):

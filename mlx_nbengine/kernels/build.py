@@ -45,6 +45,7 @@ SOURCES = (
     "rowops.cpp",
     "rowops.h",
     "rowops_bindings.cpp",
+    "strided.h",
 )
 # Bumped when the build itself changes (flags, layout) in a way the sources do not show.
 BUILD_FORMAT = 1

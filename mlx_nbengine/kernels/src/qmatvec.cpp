@@ -12,6 +12,8 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "strided.h"
+
 namespace mnb {
 
 namespace {
@@ -147,27 +149,6 @@ RowsFn rows_for(Isa isa, const QJob& job) {
   return fn != nullptr ? fn : portable_rows(job);
 }
 
-// The elements of an evaluated array in row-major order, whatever its strides.
-std::vector<float> row_major(const mx::array& a) {
-  std::vector<float> out(a.size());
-  const int nd = a.ndim();
-  std::vector<int> index(nd, 0);
-  const float* src = a.data<float>();
-  int64_t at = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    out[i] = src[at];
-    for (int d = nd - 1; d >= 0; --d) {
-      at += a.strides()[d];
-      if (++index[d] < a.shape(d)) {
-        break;
-      }
-      at -= int64_t(a.strides()[d]) * a.shape(d);
-      index[d] = 0;
-    }
-  }
-  return out;
-}
-
 mx::array contiguous_input(const mx::array& a, mx::Stream s) {
   if (a.is_available() && a.flags().row_contiguous) {
     return a;
@@ -301,7 +282,14 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.dispatch([job, fn, threads, int16_x, gather, x]() mutable {
     std::vector<float> dense;
     if (gather) { // a view whose rows are not contiguous: read it as M x K row-major
-      dense = row_major(x);
+      std::vector<int64_t> starts;
+      const float* rows = rows_of(x, dense, starts);
+      if (rows != dense.data()) { // rows apart, each contiguous: copy them together
+        dense.resize(x.size());
+        for (size_t r = 0; r < starts.size(); ++r) {
+          std::copy_n(rows + starts[r], job.K, dense.data() + r * job.K);
+        }
+      }
       job.x = dense.data();
     }
     QActivations xq;

@@ -10,6 +10,8 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "strided.h"
+
 // The bodies are plain loops over contiguous floats, written once (always inlined) and
 // compiled three times: for the baseline and inside functions that carry the avx2 or avx512
 // target, where the compiler vectorizes them for that set. Which runs is chosen at run time.
@@ -22,49 +24,6 @@
 namespace mnb {
 
 namespace {
-
-// Where each row of x (every axis but the last) starts, in elements.
-std::vector<int64_t> row_starts(const mx::array& x) {
-  const int nd = x.ndim();
-  const int64_t rows = nd > 1 ? int64_t(x.size() / x.shape(-1)) : 1;
-  std::vector<int64_t> starts(rows);
-  std::vector<int> index(std::max(nd - 1, 0), 0);
-  int64_t at = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    starts[r] = at;
-    for (int d = nd - 2; d >= 0; --d) { // advance the multi-index, last axis first
-      at += x.strides()[d];
-      if (++index[d] < x.shape(d)) {
-        break;
-      }
-      at -= int64_t(x.strides()[d]) * x.shape(d);
-      index[d] = 0;
-    }
-  }
-  return starts;
-}
-
-// The rows of x as a float pointer and each row's start: in place where the last axis is
-// contiguous, else gathered into `scratch` (a strided view, read at eval time, when its
-// strides are known).
-const float* rows_of(const mx::array& x, std::vector<float>& scratch,
-                     std::vector<int64_t>& starts) {
-  starts = row_starts(x);
-  const int n = x.ndim() ? x.shape(-1) : 1;
-  const int64_t step = x.ndim() ? int64_t(x.strides().back()) : 1;
-  if (step == 1 || n == 1) {
-    return x.data<float>();
-  }
-  scratch.resize(starts.size() * size_t(n));
-  const float* src = x.data<float>();
-  for (size_t r = 0; r < starts.size(); ++r) {
-    for (int i = 0; i < n; ++i) {
-      scratch[r * n + i] = src[starts[r] + i * step];
-    }
-    starts[r] = int64_t(r) * n;
-  }
-  return scratch.data();
-}
 
 // Element i of a 0-D or 1-D array of T, whatever its stride (a broadcast has stride 0).
 template <typename T>
