@@ -33,6 +33,7 @@ CASES = {
     "persist": ("bench_persist", [], None),
     "blas": ("bench_blas", [], ("gemma3_text", {"sliding_window": 64})),
     "cpu_decode": ("bench_cpu_decode", [], ("llama", {})),
+    "cpu_prefill": ("bench_cpu_prefill", [], ("gemma3_text", {"sliding_window": 64})),
     "api": ("bench_api", [], ("llama", {})),  # its tiny vision model made inside
 }
 
