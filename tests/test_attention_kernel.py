@@ -19,7 +19,7 @@ import pytest
 
 from mlx_nbengine import Engine, kernels
 from mlx_nbengine.models import attnroute, fastops, load
-from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES
+from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES, VISION_FAMILIES
 
 ISAS = ("avx512", "avx2", "portable")
 # Measured 2026-12-01 on an AMD EPYC (Zen 4), every case below on every set: the largest
@@ -316,3 +316,39 @@ def test_an_edited_rerun_restores_with_the_kernel_exactly_as_without(
     slow, slow_cold = edited_run(tmp_path / "slow", with_kernel=False)
     assert fast.report.restored_tokens == slow.report.restored_tokens == 37
     assert fast.tokens == fast_cold == slow.tokens == slow_cold
+
+
+def _image_chat() -> list:
+    parts = [
+        {"type": "text", "text": "Some long preamble text that goes on and on " * 3},
+        {"type": "image"},
+        {"type": "text", "text": "What is in this picture? Tell me all"},
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_every_tiny_vision_family_answers_an_image_prompt_alike_with_and_without_the_kernel(
+    family, tiny_model_dir, routed, monkeypatch
+):
+    # Vision models call mx.fast's attention directly, with image-overlay bool masks.
+    path = tiny_model_dir(family)
+    image = (np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8")
+    calls = []
+    real = kernels.attention
+    monkeypatch.setattr(kernels, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def answer(*, with_kernel: bool) -> list[int]:
+        engine = Engine.load(path, block_size=16, store=False)
+        try:
+            if not with_kernel:
+                attnroute.uninstall()
+            done = engine.submit(_image_chat(), images=[image], max_tokens=8).result(timeout=120)
+            return done.tokens
+        finally:
+            engine.close()
+            attnroute.install()
+
+    fast = answer(with_kernel=True)
+    assert calls, "the vision model's attention did not reach the kernel"
+    assert fast == answer(with_kernel=False)
