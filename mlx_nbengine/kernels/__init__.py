@@ -55,7 +55,7 @@ MODE_ENV = "MLX_NBENGINE_KERNELS"
 MODES = ("auto", "avx512", "avx2", "portable", "off")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-MAX_ROWS = 8
+MAX_ROWS = 64  # a decode step (1 to 8 rows), and short prefill steps in blocks of 8
 # Bumped whenever the attention kernels change their results' bits (the fingerprint names it).
 ATTENTION_VERSION = 1
 

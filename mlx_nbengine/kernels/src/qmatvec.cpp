@@ -4,6 +4,7 @@
 #include <cmath>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -25,12 +26,14 @@ namespace {
 // back), then sleep.
 class Pool {
  public:
-  void run(int threads, const QJob& job, RowsFn fn) {
-    const int N = job.N;
+  using Task = std::function<void(int n0, int n1)>;
+
+  // task(n0, n1) for every chunk of [0, N), on up to `threads` threads.
+  void run(int threads, int N, const Task& task) {
     // Chunks several times more than threads: a thread slowed by other load takes fewer.
     const int chunk = std::max(16, (N + threads * 8 - 1) / (threads * 8));
     if (threads <= 1 || N <= chunk) {
-      fn(job, 0, N);
+      task(0, N);
       return;
     }
     std::lock_guard<std::mutex> one_call(call_);
@@ -38,8 +41,8 @@ class Pool {
     {
       // Workers read the call's fields under this lock, with the epoch that announces them.
       std::lock_guard<std::mutex> lock(m_);
-      job_ = &job;
-      fn_ = fn;
+      task_ = &task;
+      n_ = N;
       chunk_ = chunk;
       helpers_ = threads - 1;
       next_.store(0, std::memory_order_relaxed);
@@ -66,13 +69,12 @@ class Pool {
   }
 
   void work() {
-    const int N = job_->N;
     for (;;) {
       const int n0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
-      if (n0 >= N) {
+      if (n0 >= n_) {
         return;
       }
-      fn_(*job_, n0, std::min(N, n0 + chunk_));
+      (*task_)(n0, std::min(n_, n0 + chunk_));
     }
   }
 
@@ -114,8 +116,8 @@ class Pool {
   std::atomic<int> next_{0};
   std::atomic<int> inside_{0};
   std::atomic<bool> closed_{true};
-  const QJob* job_ = nullptr;
-  RowsFn fn_ = nullptr;
+  const Task* task_ = nullptr;
+  int n_ = 0;
   int chunk_ = 16;
   int helpers_ = 0;
 };
@@ -228,7 +230,7 @@ mx::array quantized_matvec(
   scale_type(scales.dtype());
   const int M = int(x.size() / K);
   if (M < 1 || M > kMaxRows) {
-    throw std::invalid_argument("quantized_matvec: x must have 1 to 8 rows");
+    throw std::invalid_argument("quantized_matvec: x must have 1 to 64 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
@@ -270,16 +272,12 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       group_size_,
       bits_,
       scale_type(scales.dtype())};
-  RowsFn fn = rows_for(isa_, job);
-  if (fn == nullptr) {
-    throw std::runtime_error("quantized_matvec: no kernel for this shape");
-  }
-  const bool int16_x = fn != portable_rows(job);
   // Weights of a small matrix are read faster than threads wake.
   const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
   const int threads = bytes < (int64_t(1) << 18) ? 1 : threads_;
   const bool gather = !x.flags().row_contiguous;
-  encoder.dispatch([job, fn, threads, int16_x, gather, x]() mutable {
+  const Isa isa = isa_;
+  encoder.dispatch([job, isa, threads, gather, x]() mutable {
     std::vector<float> dense;
     if (gather) { // a view whose rows are not contiguous: read it as M x K row-major
       std::vector<int64_t> starts;
@@ -292,11 +290,29 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       }
       job.x = dense.data();
     }
-    QActivations xq;
-    if (int16_x) {
-      xq.prepare(job);
+    // Blocks of at most kBlockRows rows, each with its kernel and its int16 x.
+    const int blocks = (job.M + kBlockRows - 1) / kBlockRows;
+    std::vector<QJob> jobs(blocks, job);
+    std::vector<RowsFn> fns(blocks);
+    std::vector<QActivations> xq(blocks);
+    for (int i = 0; i < blocks; ++i) {
+      QJob& b = jobs[i];
+      b.M = std::min(kBlockRows, job.M - i * kBlockRows);
+      b.x = job.x + int64_t(i) * kBlockRows * job.K;
+      b.out = job.out + int64_t(i) * kBlockRows * job.N;
+      fns[i] = rows_for(isa, b);
+      if (fns[i] == nullptr) {
+        throw std::runtime_error("quantized_matvec: no kernel for this shape");
+      }
+      if (fns[i] != portable_rows(b)) {
+        xq[i].prepare(b);
+      }
     }
-    pool().run(threads, job, fn);
+    pool().run(threads, job.N, [&](int n0, int n1) {
+      for (int i = 0; i < blocks; ++i) {
+        fns[i](jobs[i], n0, n1);
+      }
+    });
   });
 }
 

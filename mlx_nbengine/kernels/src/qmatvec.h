@@ -12,7 +12,11 @@ namespace mnb {
 
 namespace mx = mlx::core;
 
-constexpr int kMaxRows = 8;
+// The row kernels take up to kBlockRows rows of x at a time; a product of more rows (up to
+// kMaxRows: a short prefill step, an edit's tail) runs them block after block on each chunk
+// of output columns, so a chunk's weights are read from memory once and again from cache.
+constexpr int kBlockRows = 8;
+constexpr int kMaxRows = 64;
 
 // x @ dequantize(w, scales, biases).T for x of any leading shape with at most kMaxRows rows
 // in all; the result has x's dtype. `threads` splits the output columns.
