@@ -9,7 +9,7 @@
 A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
 32, 64 or 128) with at most `kernels.MAX_ROWS` (64) rows of input on the CPU device: a
 decode step, or a short prefill step such as an edit's tail (the kernels take it 8 rows at a
-time; a 20-token tail of Gemma 3 270M ran 2.5x faster so than dequantized onto the BLAS). A
+time; a 20-token tail of Gemma 3 270M ran 2.5x faster that way than dequantized onto the BLAS). A
 longer prefill step dequantizes the weights into float32 and multiplies on the BLAS, about
 ten times faster on the CPU than ``mx.quantized_matmul``; anything else (other modes,
 the GPU) calls the library's own method. Both methods are patched only while their source is
