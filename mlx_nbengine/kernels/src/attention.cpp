@@ -42,8 +42,11 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 constexpr int kTileRows = 512;
 constexpr int kTileFloats = 1 << 19;
 
-// Workers that share one softmax tile's rows: a call wakes them, does its own share and
-// waits for the rest. Between tiles they spin briefly, then sleep.
+// Workers that share one softmax tile's rows: a call wakes them, takes chunks of rows
+// itself, and returns once every row is done and no worker is inside the call. It never
+// waits for a worker the OS has not scheduled yet (on a busy machine that costs more than
+// the split saves): such a worker finds the call closed and sleeps again. Between tiles
+// workers spin briefly, then sleep.
 class RowPool {
  public:
   void run(int threads, int rows, SoftmaxFn fn, const SoftmaxTile& tile) {
@@ -61,13 +64,21 @@ class RowPool {
       rows_ = rows;
       chunk_ = std::max(1, (rows + threads * 4 - 1) / (threads * 4));
       next_.store(0, std::memory_order_relaxed);
+      finished_.store(0, std::memory_order_relaxed);
       helpers_ = threads - 1;
-      pending_.store(threads - 1, std::memory_order_relaxed);
+      open_ = true;
       epoch_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     work();
-    while (pending_.load(std::memory_order_acquire) != 0) {
+    while (finished_.load(std::memory_order_acquire) != rows) {
+      std::this_thread::yield();
+    }
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      open_ = false;
+    }
+    while (inside_.load(std::memory_order_acquire) != 0) {
       std::this_thread::yield();
     }
   }
@@ -88,13 +99,15 @@ class RowPool {
       if (r0 >= rows_) {
         return;
       }
-      fn_(*tile_, r0, std::min(rows_, r0 + chunk_));
+      const int r1 = std::min(rows_, r0 + chunk_);
+      fn_(*tile_, r0, r1);
+      finished_.fetch_add(r1 - r0, std::memory_order_acq_rel);
     }
   }
 
   void loop(int index, uint64_t seen) {
     for (;;) {
-      for (int spin = 0; spin < 20000; ++spin) {
+      for (int spin = 0; spin < 4000; ++spin) {
         if (epoch_.load(std::memory_order_acquire) != seen) {
           break;
         }
@@ -107,11 +120,14 @@ class RowPool {
         std::unique_lock<std::mutex> lock(m_);
         wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
         seen = epoch_.load(std::memory_order_acquire);
-        mine = index < helpers_;
+        mine = open_ && index < helpers_;
+        if (mine) {
+          inside_.fetch_add(1, std::memory_order_acq_rel);
+        }
       }
       if (mine) {
         work();
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+        inside_.fetch_sub(1, std::memory_order_acq_rel);
       }
     }
   }
@@ -122,12 +138,14 @@ class RowPool {
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> next_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<int> finished_{0};
+  std::atomic<int> inside_{0};
   const SoftmaxTile* tile_ = nullptr;
   SoftmaxFn fn_ = nullptr;
   int rows_ = 0;
   int chunk_ = 1;
   int helpers_ = 0;
+  bool open_ = false;
 };
 
 RowPool& pool() {
