@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import os
 import random
 import socket
@@ -373,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             if "memory" in what:
                 row["memory"] = memory(server, args)
             servers[server.name] = row
-            print(f"{server.name}: done", flush=True)
+            figures = {
+                k: {n: v for n, v in r.items() if not n.endswith("calls")} for k, r in row.items()
+            }
+            print(f"{server.name}: {json.dumps(figures)}", flush=True)  # kept if the run dies
         finally:
             server.stop()
 
