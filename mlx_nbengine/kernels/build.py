@@ -46,6 +46,7 @@ SOURCES = (
     "rowops.h",
     "rowops_bindings.cpp",
     "strided.h",
+    "workers.h",
 )
 # Bumped when the build itself changes (flags, layout) in a way the sources do not show.
 BUILD_FORMAT = 1

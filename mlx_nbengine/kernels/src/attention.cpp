@@ -1,17 +1,15 @@
 #include "attention.h"
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+
+#include "workers.h"
 
 // The BLAS MLX's own matmuls call: resolved when the module loads, to the same library (the
 // engine's OpenBLAS where it bound one, else the wheel's bundled BLAS).
@@ -41,117 +39,6 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 // scores tile stays within 2 MiB whatever the number of keys.
 constexpr int kTileRows = 512;
 constexpr int kTileFloats = 1 << 19;
-
-// Workers that share one softmax tile's rows: a call wakes them, takes chunks of rows
-// itself, and returns once every row is done and no worker is inside the call. It never
-// waits for a worker the OS has not scheduled yet (on a busy machine that costs more than
-// the split saves): such a worker finds the call closed and sleeps again. Between tiles
-// workers spin briefly, then sleep.
-class RowPool {
- public:
-  void run(int threads, int rows, SoftmaxFn fn, const SoftmaxTile& tile) {
-    if (threads <= 1 || rows < 2) {
-      fn(tile, 0, rows);
-      return;
-    }
-    std::lock_guard<std::mutex> one_call(call_);
-    threads = std::min(threads, rows);
-    ensure(threads - 1);
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      tile_ = &tile;
-      fn_ = fn;
-      rows_ = rows;
-      chunk_ = std::max(1, (rows + threads * 4 - 1) / (threads * 4));
-      next_.store(0, std::memory_order_relaxed);
-      finished_.store(0, std::memory_order_relaxed);
-      helpers_ = threads - 1;
-      open_ = true;
-      epoch_.fetch_add(1, std::memory_order_release);
-    }
-    wake_.notify_all();
-    work();
-    while (finished_.load(std::memory_order_acquire) != rows) {
-      std::this_thread::yield();
-    }
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      open_ = false;
-    }
-    while (inside_.load(std::memory_order_acquire) != 0) {
-      std::this_thread::yield();
-    }
-  }
-
- private:
-  void ensure(int helpers) {
-    while (int(workers_.size()) < helpers) {
-      const int index = int(workers_.size());
-      const uint64_t seen = epoch_.load(std::memory_order_acquire);
-      workers_.emplace_back([this, index, seen] { loop(index, seen); });
-      workers_.back().detach(); // lives as long as the process
-    }
-  }
-
-  void work() {
-    for (;;) {
-      const int r0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
-      if (r0 >= rows_) {
-        return;
-      }
-      const int r1 = std::min(rows_, r0 + chunk_);
-      fn_(*tile_, r0, r1);
-      finished_.fetch_add(r1 - r0, std::memory_order_acq_rel);
-    }
-  }
-
-  void loop(int index, uint64_t seen) {
-    for (;;) {
-      for (int spin = 0; spin < 4000; ++spin) {
-        if (epoch_.load(std::memory_order_acquire) != seen) {
-          break;
-        }
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-      }
-      bool mine;
-      {
-        std::unique_lock<std::mutex> lock(m_);
-        wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
-        seen = epoch_.load(std::memory_order_acquire);
-        mine = open_ && index < helpers_;
-        if (mine) {
-          inside_.fetch_add(1, std::memory_order_acq_rel);
-        }
-      }
-      if (mine) {
-        work();
-        inside_.fetch_sub(1, std::memory_order_acq_rel);
-      }
-    }
-  }
-
-  std::mutex call_;
-  std::mutex m_;
-  std::condition_variable wake_;
-  std::vector<std::thread> workers_;
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> next_{0};
-  std::atomic<int> finished_{0};
-  std::atomic<int> inside_{0};
-  const SoftmaxTile* tile_ = nullptr;
-  SoftmaxFn fn_ = nullptr;
-  int rows_ = 0;
-  int chunk_ = 1;
-  int helpers_ = 0;
-  bool open_ = false;
-};
-
-RowPool& pool() {
-  static RowPool* p = new RowPool(); // never destroyed: its threads outlive static destructors
-  return *p;
-}
 
 SoftmaxFn softmax_for(Isa isa) {
   SoftmaxFn fn = nullptr;
@@ -269,7 +156,8 @@ void run(
               p.softcap, m.data(), l.data(), o.data(), Dv, Dv};
           // A small tile is done before helpers wake.
           const int threads = int64_t(R) * tk < 16384 ? 1 : p.threads;
-          pool().run(threads, R, fn, tile);
+          const int chunk = (R + threads * 4 - 1) / (threads * 4);
+          workers().run(std::min(threads, R), R, chunk, [&](int r0, int r1) { fn(tile, r0, r1); });
           cblas_sgemm(
               kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
               int(std::max<int64_t>(v.s2, Dv)), 1.0f, o.data(), Dv);
