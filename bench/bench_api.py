@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` importable
 
 from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
 
-SIZES = {"prompt_tokens": 512, "max_tokens": 64, "long_tokens": 4096}
+SIZES = {"prompt_tokens": 256, "max_tokens": 32, "long_tokens": 1024}  # the README's run
 QUICK_SIZES = {"prompt_tokens": 64, "max_tokens": 8, "long_tokens": 128}
 START_TIMEOUT_S = 600  # a first load may convert the default model
 ROOT = Path(__file__).resolve().parents[1]
