@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf = default_gguf if args.model == "default" else None
     else:
         model, gguf = "default", default_gguf
-        title = "Gemma 3 270M (default model, float32 on CPU), blocks of 256"
+        title = "Gemma 3 270M (default model: 8-bit weights on the CPU kernels), blocks of 256"
     result = bench(args, model, block_size=256, gguf_for=gguf)
     write_results("peers", {**settings, **result}, table(result, title=title), json_path=args.json)
     return 0
