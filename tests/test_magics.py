@@ -34,6 +34,7 @@ from mlx_nbengine.notebook.render import (
     TerminalView,
     cache_rows,
     escape_markdown_html,
+    pre_text,
     summary_line,
 )
 from mlx_nbengine.notebook.streaming import GenerationInterrupted
@@ -1506,3 +1507,24 @@ def test_store_views_of_an_unloaded_engine_are_left_as_they_were(ip, notebook):
     engine().cache_view = lambda: dict(CACHE_VIEW, requests=99)
     run(ip, "%%llm\nHello")
     assert store.view["requests"] == CACHE_VIEW["requests"]
+
+
+def test_an_answer_s_text_reaches_the_page_as_written():
+    # An HTML parser turns a literal carriage return into a line feed and drops the line feed
+    # right after <pre>; the browser test of the Copy button compares what a page shows.
+    from html.parser import HTMLParser
+
+    class Text(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__(convert_charrefs=True)
+            self.text = ""
+
+        def handle_data(self, data: str) -> None:
+            self.text += data
+
+    answer = "\nfirst\r\nsecond\rthird <b>&amp;</b>"
+    escaped = pre_text(answer)
+    assert "\r" not in escaped and escaped.startswith("\n\n")
+    parsed = Text()
+    parsed.feed(escaped)
+    assert parsed.text == "\n" + answer  # html.parser keeps the leading line feed a browser drops

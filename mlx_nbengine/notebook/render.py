@@ -190,6 +190,14 @@ def _close_fences(markdown: str) -> str:
 _MD_CODE = re.compile(r"(```.*?(?:```|\Z)|`[^`\n]*`)", re.DOTALL)
 
 
+def pre_text(text: str) -> str:
+    """`text` as the content of a ``<pre>`` whose DOM text is `text` exactly: escaped, each
+    carriage return as a character reference (an HTML parser turns a literal one into a line
+    feed), and a leading line feed doubled (the parser drops the first one after ``<pre>``)."""
+    escaped = html.escape(text).replace("\r", "&#13;")
+    return "\n" + escaped if escaped.startswith("\n") else escaped
+
+
 def escape_markdown_html(text: str) -> str:
     """`text` for Markdown with its HTML shown as text: ``&`` and ``<`` escaped outside code.
 
@@ -353,9 +361,7 @@ class AnswerView:
             )
         if self.text:
             # <pre> keeps the line breaks even where a sanitizer drops the style.
-            parts.append(
-                f'<pre class="mnb-text" style="{_TEXT_STYLE}">{html.escape(self.text)}</pre>'
-            )
+            parts.append(f'<pre class="mnb-text" style="{_TEXT_STYLE}">{pre_text(self.text)}</pre>')
         status = self.status_line()
         if status:
             parts.append(
