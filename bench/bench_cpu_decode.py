@@ -57,6 +57,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.common import (  # noqa: E402
     add_run_args,
     blas_thread_counts,
+    open_llama,
     set_blas_threads,
     usable_cpus,
     write_results,
@@ -119,9 +120,7 @@ def llama_cpp_tok_s(gguf: Path | None, ids_text: str, *, threads: int, steps: in
         return {"skipped": "llama_cpp is not installed (pip install -e '.[peers]')"}
     if gguf is None:
         return {"skipped": "no GGUF file for this model"}
-    import llama_cpp  # lazy: an optional peer
-
-    llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_ctx=2048, verbose=False)
+    llm = open_llama(gguf, threads=threads, n_ctx=2048)
     tokens = llm.tokenize(ids_text.encode())
     llm.eval(tokens)
     times = []
@@ -158,11 +157,7 @@ def ours_answers(model: str, scratch: str, *, max_tokens: int) -> Answers:
 
 
 def llama_cpp_answers(gguf: Path, *, threads: int, n_ctx: int, max_tokens: int) -> Answers:
-    from llama_cpp import Llama  # lazy: an optional peer
-
-    llm = Llama(
-        model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
-    )
+    llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
 
     def run(tokens: list[int]) -> tuple[float, float, int]:
         start = time.perf_counter()

@@ -50,7 +50,13 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from bench.common import add_run_args, fill_sizes, set_blas_threads, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_run_args,
+    fill_sizes,
+    open_llama,
+    set_blas_threads,
+    write_results,
+)
 from mlx_nbengine import kernels  # noqa: E402
 from mlx_nbengine.models import attnroute, cpu_math, load  # noqa: E402
 from mlx_nbengine.models.head import split_head  # noqa: E402
@@ -222,15 +228,7 @@ class LlamaCppPeer:
     """llama-cpp-python's `Llama` on a GGUF file: prefill in steps, continuing its context."""
 
     def __init__(self, gguf: Path, text: str, *, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama  # lazy: an optional peer
-
-        self.llm = Llama(
-            model_path=str(gguf),
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
         self.tokens = self.llm.tokenize(text.encode())
 
     def reset(self) -> None:

@@ -72,6 +72,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,6 +90,7 @@ from bench.bench_engine import edited, read_bandwidth, text_prompt  # noqa: E402
 from bench.common import (  # noqa: E402
     add_run_args,
     blas_thread_counts,
+    open_llama,
     set_blas_threads,
     write_results,
 )
@@ -167,15 +169,7 @@ class LlamaCpp:
     """llama-cpp-python's `Llama` on a GGUF file, greedy, one token per call."""
 
     def __init__(self, gguf: Path, *, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(
-            model_path=str(gguf),
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
 
     def ttft(self, tokens: list[int]) -> float:
         t = time.perf_counter()
@@ -650,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as models:
             if args.model:
-                model, title = args.model, f"quick: {Path(args.model).name}, blocks of 32"
+                # A copy: writing a GGUF from a gemma3_text model rewrites its config.json.
+                model = str(shutil.copytree(args.model, Path(models) / Path(args.model).name))
+                title = f"quick: {Path(args.model).name}, blocks of 32"
                 family = json.loads((Path(model) / "config.json").read_text())["model_type"]
             else:
                 model = str(make_tiny_model("gemma3_text", Path(models) / "g", sliding_window=64))

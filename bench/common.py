@@ -161,3 +161,17 @@ def set_blas_threads(n: int) -> None:
     lib = _openblas()
     if lib is not None:
         lib.openblas_set_num_threads(int(n))
+
+
+def open_llama(gguf: Path, *, threads: int, n_ctx: int):
+    """llama-cpp-python's `Llama` on `gguf`, prefill and decode on `threads` threads (the
+    optional ``peers`` extra; import it only where it is installed)."""
+    from llama_cpp import Llama  # lazy: an optional peer
+
+    return Llama(
+        model_path=str(gguf),
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )

@@ -376,7 +376,8 @@ def make_tiny_gguf(
 
     `family` is ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"`` (GGUF arch ``gemma3``,
     six layers in Gemma 3's fixed 5-sliding-1-global layout). The weights come
-    from `source` (a `make_tiny_model` directory of that family) or a fresh one;
+    from `source` (a `make_tiny_model` directory of that family, whose config.json a
+    gemma3_text GGUF rewrites to Gemma 3's layout, as llama.cpp assumes it) or a fresh one;
     2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
     as F32, with llama.cpp's own rewrites (llama Q/K row permutation, Gemma norms
     stored as ``1 + w``, a llama source's ``llama3`` ``rope_scaling`` stored as the
