@@ -23,8 +23,9 @@ before 128 tokens is counted as it came, and the table gives the tokens generate
 Decode tok/s at 1 and 4 rows: after a ``--prompt-tokens`` prefill, the median of
 ``--decode-steps`` greedy steps (model call + argmax), the variants interleaved one step each
 in turn so a change in the machine's load hits them alike; 4 rows decode 4 sequences in one
-batch. Each variant is measured under one BLAS thread and under every usable CPU (our
-kernels split their work over the same count) and reported at its best.
+batch. Each variant is measured on one thread and on every usable CPU, as the engine runs a
+decode step (our kernels take the count and OpenBLAS one thread where they run the
+products; OpenBLAS takes it elsewhere), and reported at its best.
 
 The *floor* of a variant is the bytes of weights one decode step reads (every parameter;
 the tied head reads the whole embedding) over the read bandwidth measured here (numpy sums
@@ -46,7 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlx_nbengine._blas import ensure_fast_blas
+from mlx_nbengine._blas import ensure_fast_blas, set_step_threads
 
 ensure_fast_blas()  # before MLX is imported
 
@@ -58,7 +59,6 @@ from bench.common import (  # noqa: E402
     add_run_args,
     blas_thread_counts,
     open_llama,
-    set_blas_threads,
     usable_cpus,
     write_results,
 )
@@ -86,8 +86,12 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def decode_steps(variants: dict, ids: list[int], *, rows: int, steps: int) -> dict[str, float]:
-    """Median seconds of a decode step of `rows` sequences, per variant, interleaved."""
+def decode_steps(
+    variants: dict, ids: list[int], *, rows: int, steps: int, threads: int
+) -> dict[str, float]:
+    """Median seconds of a decode step of `rows` sequences, per variant, interleaved, on
+    `threads` threads as the engine runs a decode step (`_blas.set_step_threads`): our
+    kernels' for a routed variant (OpenBLAS on one), OpenBLAS's for the others."""
     state = {}
     for name, (lm, _) in variants.items():
         use(True)  # prefill dequantizes onto the BLAS: MLX's CPU kernel takes minutes here
@@ -99,6 +103,7 @@ def decode_steps(variants: dict, ids: list[int], *, rows: int, steps: int) -> di
     for _ in range(steps):
         for name, (lm, routed) in variants.items():
             use(routed)
+            set_step_threads(threads, decode=routed)
             cache, token, times = state[name]
             start = time.perf_counter()
             token = mx.argmax(lm.model(token, cache=cache)[:, -1:, :], axis=-1)
@@ -313,9 +318,9 @@ def run(args, model: str) -> int:
     seconds: dict[int, dict[str, float]] = {1: {}, 4: {}}
     best_threads: dict[int, dict[str, int]] = {1: {}, 4: {}}
     for count in blas_thread_counts() or [1]:
-        set_blas_threads(count)
         for rows in (1, 4):
-            for name, s in decode_steps(variants, ids, rows=rows, steps=steps).items():
+            steps_s = decode_steps(variants, ids, rows=rows, steps=steps, threads=count)
+            for name, s in steps_s.items():
                 if s < seconds[rows].get(name, float("inf")):
                     seconds[rows][name] = s
                     best_threads[rows][name] = count

@@ -63,6 +63,14 @@ preference until both counts have been timed on prefill.
 `blas_threads_for(n_tokens)` only sets the count (no timing) for callers that
 cannot wrap their steps.
 
+A *decode* step of a model whose products run on our quantized kernels gives the chosen
+count to our kernels only (`current_threads`: the quantized products and attention's
+softmax split their work over it) while OpenBLAS runs on one thread: the step's only BLAS
+calls are attention's small products, too small to split, and an OpenBLAS thread spinning
+for its next call takes a core from our kernels' workers (`set_step_threads`). Whether they
+do is what the steps since the last decode step said (`note_kernel_products`, called as a
+product is routed to them); a float32 model's decode products are OpenBLAS's, on the count.
+
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ __all__ = [
     "blas_threads_for",
     "current_threads",
     "ensure_fast_blas",
+    "note_kernel_products",
+    "set_step_threads",
 ]
 
 _ENV = "MLX_NBENGINE_BLAS"
@@ -135,6 +145,8 @@ _status: BlasStatus | None = None
 _handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symbols
 _openblas: ctypes.CDLL | None = None
 _max_threads = 1
+_kernel_threads: int | None = None  # our kernels' count in a decode step; None: OpenBLAS's
+_kernel_products = False  # a product was routed to our kernels since the last decode step
 
 # Steps with fewer tokens than this are decode or short prefill steps (module docstring).
 PARALLEL_MIN_TOKENS = 32
@@ -295,12 +307,12 @@ def blas_step(n_tokens: int) -> Iterator[int]:
         return
     if n_tokens < PARALLEL_MIN_TOKENS:
         threads = _decode_tuner().step()
-        _openblas.openblas_set_num_threads(threads)
+        set_step_threads(threads, decode=_take_kernel_products())
         yield threads
         return
     _decode_tuner().interrupt()
     threads = _prefill_choice()
-    _openblas.openblas_set_num_threads(threads)
+    set_step_threads(threads, decode=False)
     start = time.perf_counter()
     yield threads
     per_token = (time.perf_counter() - start) / n_tokens
@@ -326,8 +338,31 @@ def blas_threads_for(n_tokens: int) -> int:
     else:
         threads = _decode_tuner().preferred
     # Set every time (it is cheap): other code in the process may have changed it.
-    _openblas.openblas_set_num_threads(threads)
+    set_step_threads(threads, decode=n_tokens == 1 and _kernel_products)
     return threads
+
+
+def note_kernel_products() -> None:
+    """A product of the step being built runs on our kernels (`models.qroute` says so)."""
+    global _kernel_products
+    _kernel_products = True
+
+
+def _take_kernel_products() -> bool:
+    global _kernel_products
+    seen, _kernel_products = _kernel_products, False
+    return seen
+
+
+def set_step_threads(threads: int, *, decode: bool) -> None:
+    """Set the thread count of the step about to run: OpenBLAS's and our kernels' alike, or,
+    for a `decode` step, our kernels' only, with OpenBLAS on one thread (the module
+    docstring says why). A no-op where OpenBLAS is not in use."""
+    global _kernel_threads
+    if _openblas is None:
+        return
+    _openblas.openblas_set_num_threads(1 if decode else int(threads))
+    _kernel_threads = max(1, int(threads)) if decode else None
 
 
 _REFERENCE_WORDS = {"reference", "off", "0", "none"}
@@ -413,6 +448,8 @@ def current_threads() -> int:
     """
     if _openblas is None:
         return 1
+    if _kernel_threads is not None:
+        return _kernel_threads
     return max(1, int(_openblas.openblas_get_num_threads()))
 
 

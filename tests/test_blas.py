@@ -134,6 +134,22 @@ def test_decode_steps_start_on_one_thread(monkeypatch):
             assert _blas._openblas.openblas_get_num_threads() == 1
 
 
+def test_a_decode_step_gives_its_threads_to_our_kernels_and_one_to_openblas():
+    if _blas._openblas is None:
+        pytest.skip("OpenBLAS is not in use here")
+    try:
+        _blas.set_step_threads(2, decode=True)
+        assert _blas._openblas.openblas_get_num_threads() == 1
+        assert _blas.current_threads() == 2
+        _blas.set_step_threads(2, decode=False)
+        assert _blas._openblas.openblas_get_num_threads() == 2
+        assert _blas.current_threads() == 2
+        _blas.set_step_threads(1, decode=True)
+        assert _blas.current_threads() == 1
+    finally:
+        _blas.set_step_threads(_blas._max_threads, decode=False)
+
+
 class FakeClock:
     """Seconds that advance only when a simulated step runs."""
 
@@ -233,8 +249,14 @@ def test_blas_step_sets_the_decode_choice_and_prefill_interrupts_it(monkeypatch)
     tuner.preferred = _blas._max_threads
     monkeypatch.setattr(_blas, "_decode", tuner)
     monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.001, _blas._max_threads: 0.003})
-    with _blas.blas_step(1) as threads:
+    monkeypatch.setattr(_blas, "_kernel_products", False)
+    with _blas.blas_step(1) as threads:  # a float32 model's step: OpenBLAS takes the count
         assert threads == _blas._max_threads == _blas._openblas.openblas_get_num_threads()
+    _blas.note_kernel_products()  # the step's products ran on our kernels
+    with _blas.blas_step(1) as threads:
+        # Our kernels take the decode count; OpenBLAS stays on one thread.
+        assert threads == _blas._max_threads == _blas.current_threads()
+        assert _blas._openblas.openblas_get_num_threads() == 1
     assert tuner.last is not None
     assert _blas.blas_threads_for(1) == _blas._max_threads
     with _blas.blas_step(_blas.PARALLEL_MIN_TOKENS):

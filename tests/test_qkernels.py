@@ -54,22 +54,23 @@ def int16_bound(x, q, s, b, *, bits: int, group_size: int) -> mx.array:
     """What rounding x to int16 per group (qkernels.h, QActivations) can move each result."""
     s, b = s.astype(mx.float32), b.astype(mx.float32)
     dense = mx.dequantize(q, s, b, group_size=group_size, bits=bits)
-    centre = mx.repeat(b + 2 ** (bits - 1) * s, group_size, axis=1)
+    offset = mx.repeat(b, group_size, axis=1)  # the kernels multiply q itself: dense - b
     x32 = x.astype(mx.float32)
     rows, k = x32.shape
     largest = mx.abs(x32.reshape(rows, k // group_size, group_size)).max(axis=-1)
     step = mx.repeat(largest / 32767, group_size, axis=1)  # x's rounding is half a step
-    return (step / 2) @ mx.abs(dense - centre).T
+    return (step / 2) @ mx.abs(dense - offset).T
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 20, 64])  # past 8: blocks of 8 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 20, 64])  # past 8: blocks of 8 rows
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_matches_dequantize_then_matmul(isa, rows, group_size, bits):
     isa_or_skip(isa)
-    # N odd; K three groups, not a multiple of the widest vector step (4 x 16 floats).
-    n, k = 77, 3 * group_size
+    # N odd; K seven groups (the 1- and 2-row kernels take four at a time, then the rest),
+    # not a multiple of the widest vector step (4 x 16 floats).
+    n, k = 77, 7 * group_size
     q, s, b = quantized(n, k, bits=bits, group_size=group_size)
     x = mx.random.normal((rows, k), key=mx.random.key(1))
     got = kernels.quantized_matmul(x, q, s, b, group_size=group_size, bits=bits, isa=isa)
@@ -91,22 +92,40 @@ def test_threads_split_the_columns_without_changing_the_result(isa):
     assert mx.array_equal(one, two).item()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("isa", ISAS)
-def test_half_precision_scales_and_inputs(isa, dtype):
+def test_half_precision_scales_and_inputs(isa, dtype, rows):
     isa_or_skip(isa)
-    q, s, b = quantized(65, 128, bits=4, group_size=64, dtype=dtype)
+    q, s, b = quantized(65, 320, bits=4, group_size=64, dtype=dtype)
     assert s.dtype == dtype
-    x = mx.random.normal((3, 128), key=mx.random.key(3)).astype(dtype)
+    x = mx.random.normal((rows, 320), key=mx.random.key(3)).astype(dtype)
     got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=4, isa=isa)
     want, magnitudes = reference(x, q, s, b, bits=4, group_size=64)
     assert got.dtype == dtype
     # The result is rounded to the half type at the end.
     half_eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    bound = tolerance(magnitudes, 128) + half_eps * mx.abs(want)
+    bound = tolerance(magnitudes, 320) + half_eps * mx.abs(want)
     if isa != "portable":
         bound = bound + int16_bound(x, q, s, b, bits=4, group_size=64)
     assert mx.all(mx.abs(got.astype(mx.float32) - want) <= bound).item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_scales_with_float32_inputs(isa, rows):
+    # What quantize_for_cpu(half_scales=True) gives the kernels: a float32 model's x.
+    isa_or_skip(isa)
+    q, s, b = quantized(129, 9 * 32, bits=8, group_size=32)
+    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    x = mx.random.normal((rows, 9 * 32), key=mx.random.key(4))
+    got = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8, isa=isa)
+    want, magnitudes = reference(x, q, s, b, bits=8, group_size=32)
+    assert got.dtype == mx.float32
+    bound = tolerance(magnitudes, 9 * 32)
+    if isa != "portable":
+        bound = bound + int16_bound(x, q, s, b, bits=8, group_size=32)
+    assert mx.all(mx.abs(got - want) <= bound).item()
 
 
 def test_leading_dimensions_are_kept():

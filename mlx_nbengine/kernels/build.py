@@ -40,6 +40,7 @@ SOURCES = (
     "qkernels.h",
     "qkernels_portable.cpp",
     "qkernels_x86.cpp",
+    "qkernels_x86_body.h",
     "qmatvec.cpp",
     "qmatvec.h",
     "rowops.cpp",
