@@ -270,12 +270,15 @@ def make_tiny_model(
     seed: int = 0,
     num_layers: int | None = None,
     dtype: str = "float32",
+    kv_heads: int | None = None,
 ) -> Path:
     """Write a random-weight model directory of `family` into `directory` and return it.
 
     `sliding_window` only matters for ``gemma3_text`` and ``gemma4``; `num_layers` overrides
     the depth of a text family (llama 2, the others 4, so both layer kinds exist);
-    `seed` fixes the weights; `dtype` is the dtype the weights are stored in.
+    `seed` fixes the weights; `dtype` is the dtype the weights are stored in; `kv_heads`
+    (a text family) sets the key/value heads (default 1) and as many query heads, at
+    least 2: tensor parallelism over N ranks splits both, so it needs N of each.
     """
     if family == "gemma4":
         return make_tiny_gemma4_vlm(
@@ -286,6 +289,10 @@ def make_tiny_model(
     if family in VISION_FAMILIES:
         return make_tiny_vlm(directory, seed=seed, dtype=dtype)
     config = _config(family, sliding_window=sliding_window, num_layers=num_layers)
+    if kv_heads is not None:
+        text = config.get("text_config", config)
+        text["num_key_value_heads"] = kv_heads
+        text["num_attention_heads"] = max(2, kv_heads)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
 

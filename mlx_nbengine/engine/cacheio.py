@@ -70,7 +70,7 @@ class RestoreResult:
     facts: dict[int, Any] | None = None
 
 
-def _rebuild(prefix: Any, plan: Any, records: dict, make_cache: Callable[[], list]) -> Any:
+def rebuild_cache(prefix: Any, plan: Any, records: dict, make_cache: Callable[[], list]) -> Any:
     """`Restored` from `records`, or None (a miss, never a failed request) when they do
     not fit the model after all."""
     try:
@@ -135,6 +135,7 @@ class CacheIO:
         to_token: bool = False,
         images: tuple = (),
         bidirectional_images: bool = False,
+        agree: Any = None,
     ) -> Future:
         """Plan the longest restorable prefix of `tokens`; if it beats `other_source_tokens`
         (what another source, the hot cache, serves), load its records and rebuild the cache
@@ -151,6 +152,10 @@ class CacheIO:
 
         The records are views of the scratch file's pages (`PrefixCache.load` with
         `mapped`): they are used up in this job, before any save can change the file.
+
+        `agree` (a sharded model's engine, `ranks.mirror.Agreement`) holds the plan to what
+        every rank's store holds (``agree.plan(prefix, plan)``) and has every rank rebuild
+        the plan served (``agree.rebuilt(plan)``, False: a miss on all of them).
         """
 
         def job():
@@ -171,12 +176,16 @@ class CacheIO:
             plan = prefix.plan(
                 tokens, images, bidirectional_images=bidirectional_images, to_token=to_token
             )
+            if agree is not None:
+                plan = agree.plan(prefix, plan)
             restored = None
             if plan.tokens > other_source_tokens:
                 plan, records = prefix.load(plan, mapped=True)
                 if plan.tokens > other_source_tokens:
-                    restored = _rebuild(prefix, plan, records, make_cache)
+                    restored = rebuild_cache(prefix, plan, records, make_cache)
                 del records  # views of the file: none may outlive this job
+            if restored is not None and agree is not None and not agree.rebuilt(plan):
+                restored = None
             # After the load: a record found damaged there is gone now.
             facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
             return RestoreResult(plan, restored, {f.index: f for f in facts})

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_nbengine.engine.batch import DecodeBatch
 from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.sequence import Phase, Sequence
@@ -41,7 +40,7 @@ class Decoder:
         self.runner = runner
         self.block_size = block_size
         self.checkpoints = checkpoints
-        self.batch = DecodeBatch()
+        self.batch = runner.new_batch()
         self._launched_at = 0.0
 
     def __len__(self) -> int:

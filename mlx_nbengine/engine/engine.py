@@ -62,6 +62,9 @@ RESTORE_MODES = ("token", "block")
 # How long close() lets a persistent store write the saves still queued.
 PERSIST_DRAIN_S = 10.0
 
+# How long close() waits for a sharded engine's generation thread to end its step.
+SHARDED_STOP_S = 15.0
+
 # Strong references: an engine's threads run until it is closed, dropped or not.
 _open_engines: set[Engine] = set()
 
@@ -93,6 +96,7 @@ class Engine(StoreFace):
         store: bool = True,
         restore: str = "token",
         persist_dir: str | os.PathLike | None = None,
+        sharded: Any = None,
     ) -> None:
         persist_dir = _check_options(
             restore=restore,
@@ -114,6 +118,10 @@ class Engine(StoreFace):
         self._io = CacheIO()
         self._ledger = CacheLedger()
         self._saving_warned = False
+        self.sharded = sharded  # a `ranks.ShardedModel`, or None: one process
+        if sharded is not None:
+            loader = sharded.load
+            sharded.group.on_fault = self._rank_fault
         self._gen = _generation_thread(
             loader,
             self._io,
@@ -126,6 +134,7 @@ class Engine(StoreFace):
             persist_dir=persist_dir,
             max_prefill_step=max_prefill_step,
             restore=restore,
+            sharded=sharded,
         )
         self.internals = EngineInternals(self._gen, self._io, closed=lambda: self._closed)
         try:
@@ -133,6 +142,8 @@ class Engine(StoreFace):
         except BaseException:
             self._closed = True
             self._io.close()
+            if sharded is not None:
+                sharded.close()
             raise
         self.model_name = name
         self._ledger.start_clock()
@@ -154,6 +165,9 @@ class Engine(StoreFace):
         restore: str = "token",
         revision: str | None = None,
         persist_dir: str | os.PathLike | None = None,
+        ranks: int | None = None,
+        hosts: SequenceABC[str] | None = None,
+        shard: str | None = None,
     ) -> Engine:
         """Load `model` and start serving.
 
@@ -180,12 +194,36 @@ class Engine(StoreFace):
         process loading the same model, dtype and block size restores its blocks from disk;
         when another process holds it, the engine runs with a temporary store and
         `store_note` says so (an incompatible store found there is set aside, also noted).
-        Raises a `ModelError` if the model cannot be loaded.
+        `ranks=N` runs the model sharded over N local processes (rank 0 is this one; the
+        others are worker processes it starts), `hosts=[THIS, HOST2, ...]` over one rank per
+        host (workers started over ssh; see `engine.ranks`); `shard` is ``"tensor"`` or
+        ``"pipeline"`` (default: what mlx-lm supports for the family, tensor first). Each
+        rank loads only its shard and keeps the block records of its own layers or heads
+        in a store of its own; a lost worker fails the running requests with a
+        `RankLostError` naming its host and rank and closes the engine.
+        Raises a `ModelError` if the model cannot be loaded (`NotShardableError`: a family
+        mlx-lm cannot shard).
         """
 
         def loader() -> Any:
             return load_model(model, dtype=dtype, progress=progress, revision=revision)
 
+        sharded = None
+        if ranks is not None or hosts is not None:
+            sharded = _sharded(
+                model,
+                ranks=ranks,
+                hosts=hosts,
+                shard=shard,
+                dtype=dtype,
+                revision=revision,
+                store=store,
+                restore=restore,
+                block_size=block_size,
+                disk_budget=disk_budget,
+                cache_dir=cache_dir,
+                persist_dir=persist_dir,
+            )
         name = os.path.basename(os.fspath(model).rstrip("/\\")) or os.fspath(model)
         return cls(
             loader,
@@ -198,6 +236,7 @@ class Engine(StoreFace):
             store=store,
             restore=restore,
             persist_dir=persist_dir,
+            sharded=sharded,
         )
 
     # --- requests ---------------------------------------------------------------------------
@@ -318,6 +357,12 @@ class Engine(StoreFace):
             closed=self._closed,
             **self._gen.counts(),
         )
+        if self.sharded is not None:
+            view = self.cache_view()
+            out["sharded"] = self.sharded.status()
+            out["sharded"]["rank0_store"] = {
+                k: view[k] for k in ("blocks_held", "records", "bytes_held", "backend")
+            }
         return out
 
     # --- for tools and tests ----------------------------------------------------------------
@@ -349,11 +394,27 @@ class Engine(StoreFace):
             if self._closed:
                 return
             self._closed = True
-        self._gen.stop()
+        self._close_now()
+
+    def _close_now(self) -> None:
+        # A sharded step waits for its workers: bounded, a lost worker must not hang close.
+        self._gen.stop(timeout=SHARDED_STOP_S if self.sharded is not None else None)
         # A persistent store keeps the saves still queued (bounded: closing must not hang).
         self._io.close(drain_s=PERSIST_DRAIN_S if self.persist_dir is not None else 0.0)
+        if self.sharded is not None:
+            self.sharded.close()  # every worker stops; each deletes its scratch file
         self.model = None
         _open_engines.discard(self)
+
+    def _rank_fault(self, error: Exception) -> None:
+        """A worker rank is lost (on the group's fault thread): refuse new requests, fail
+        every request held with `error`, then close."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._gen.fail_everything(error)
+        self._close_now()
 
     def __enter__(self) -> Engine:
         return self
@@ -379,6 +440,7 @@ def _generation_thread(
     persist_dir: str | None,
     max_prefill_step: int,
     restore: str,
+    sharded: Any = None,
 ) -> GenerationThread:
     """An engine's generation thread, not started; with `store`, its prefix factory (run
     on the cache-I/O thread `io`) opens the block store."""
@@ -398,6 +460,49 @@ def _generation_thread(
         block_size=block_size,
         max_prefill_step=max_prefill_step,
         restore=restore,
+        **(
+            {}
+            if sharded is None
+            else {"runner_factory": sharded.runner, "checkpoints_factory": sharded.checkpoints}
+        ),
+    )
+
+
+def _sharded(
+    model: Any,
+    *,
+    ranks: Any,
+    hosts: Any,
+    store: bool,
+    restore: str,
+    persist_dir: Any,
+    **options: Any,
+) -> Any:
+    """The `ranks.ShardedModel` of `Engine.load(ranks=..., hosts=...)`."""
+    from mlx_nbengine.engine.ranks import ShardedModel  # lazy: sharded engines only
+
+    if persist_dir is not None:
+        raise InvalidRequestError("persist_dir is not supported with ranks or hosts")
+    block_size, disk_budget, cache_dir = (
+        options.pop("block_size"),
+        options.pop("disk_budget"),
+        options.pop("cache_dir"),
+    )
+    store_options = None
+    if store:
+        store_options = {
+            "block_size": block_size,
+            "disk_budget": disk_budget,
+            "cache_dir": cache_dir,
+            "persist_dir": None,
+        }
+    return ShardedModel(
+        os.fspath(model),
+        ranks=ranks,
+        hosts=list(hosts) if hosts is not None else None,
+        store=store_options,
+        to_token=restore == "token",
+        **options,
     )
 
 

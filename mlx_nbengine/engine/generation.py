@@ -39,6 +39,10 @@ ADMIT_GRACE_S = 0.005
 class GenerationThread:
     """The inbox and the loop of the module docstring, on one daemon thread."""
 
+    # Set for good when a thread got stuck in a lost rank group's step (`fail_everything`):
+    # MLX's streams wait for it, so no engine can run in this process any more.
+    wedged: str | None = None
+
     def __init__(
         self,
         *,
@@ -50,8 +54,13 @@ class GenerationThread:
         max_prefill_step: int,
         restore: str = "token",
         name: str = "mlx-nbengine-generation",
+        runner_factory: Callable[..., Runner] = Runner,
+        checkpoints_factory: Callable[..., Checkpoints] = Checkpoints,
     ) -> None:
         self._loader = loader
+        # A sharded model's engine (`ranks`) builds its own, which tell its workers.
+        self._runner_factory = runner_factory
+        self._checkpoints_factory = checkpoints_factory
         self._io = io
         self._prefix_factory = prefix_factory
         self._options = dict(
@@ -66,6 +75,7 @@ class GenerationThread:
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._stopping = False
+        self.stuck = False  # see `fail_everything`
         self.active = 0
         self.queued = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -74,6 +84,8 @@ class GenerationThread:
 
     def start(self) -> Any:
         """Start the thread, wait for the model, return it; re-raise a load error here."""
+        if GenerationThread.wedged is not None:
+            raise EngineClosedError(GenerationThread.wedged)
         self._thread.start()
         self._loaded.wait()
         if self._load_error is not None:
@@ -92,11 +104,51 @@ class GenerationThread:
     def cancel(self, request: Any) -> None:
         self._inbox.put(("cancel", request))
 
-    def stop(self) -> None:
-        """Cancel everything in flight, stop the loop and join the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel everything in flight, stop the loop and join the thread (at most
+        `timeout` s; not at all once it is `stuck`)."""
         if self._thread.is_alive():
             self._inbox.put(("stop", None))
-            self._thread.join()
+            self._thread.join(0 if self.stuck else timeout)
+
+    def fail_everything(self, exc: Exception, *, wait_s: float = 3.0) -> None:
+        """Fail every request held, waiting ones too, with `exc`, between turns; if this
+        thread does not take the job within `wait_s` (stuck in a step that will never
+        return: a lost rank's collective), fail their handles from here and mark it stuck
+        (`call` and `stop` then stop waiting for it)."""
+        ran = threading.Event()
+
+        def job() -> None:
+            scheduler = self.scheduler
+            if scheduler is not None:
+                waiting = list(scheduler.waiting)
+                scheduler.waiting.clear()
+                scheduler.fail_in_flight(exc)
+                for seq in waiting:
+                    seq.fail(exc)
+            ran.set()
+
+        self._inbox.put(("call", job))
+        if ran.wait(wait_s) or not self._thread.is_alive():
+            return
+        self.stuck = True
+        GenerationThread.wedged = (
+            "MLX in this process is stuck in a step of a sharded model whose worker was lost "
+            "(a collective of MLX's ring backend that never returns); restart the kernel "
+            "(the process) to load a model again"
+        )
+        scheduler = self.scheduler
+        if scheduler is not None:
+            held = [*scheduler.waiting, *scheduler.admitting, *scheduler.decoder.members]
+            for seq in held:
+                seq.request._fail(exc)  # thread-safe; the sequence itself stays untouched
+        while True:  # requests this thread never took
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                arg.request._fail(exc)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on this thread between turns and return its result (or raise)."""
@@ -113,7 +165,7 @@ class GenerationThread:
         self._inbox.put(("call", job))
         # A stopped loop runs the calls left in its inbox; one put after it ended never runs.
         while not done.wait(0.1):
-            if not self._thread.is_alive() and not done.is_set():
+            if (self.stuck or not self._thread.is_alive()) and not done.is_set():
                 raise EngineClosedError("the engine is closed")
         ok, value = box[0]
         if not ok:
@@ -155,7 +207,7 @@ class GenerationThread:
 
     def _load(self) -> None:
         self.lm = lm = self._loader()
-        self.runner = runner = Runner(lm)
+        self.runner = runner = self._runner_factory(lm)
         try:
             self.layer_kinds = tuple(str(k) for k in layer_kinds(lm.make_cache()))
         except Exception:  # a layer cache no record kind claims: no store can serve it anyway
@@ -168,7 +220,7 @@ class GenerationThread:
             # is read back; records an earlier process stored are held to them too.
             records = runner.probe_records()
             self._io.call(lambda: prefix.learn(records)).result()
-            checkpoints = Checkpoints(
+            checkpoints = self._checkpoints_factory(
                 self._io,
                 fingerprint=lm.fingerprint,
                 block_size=self._options["block_size"],

@@ -92,7 +92,7 @@ class Restores:
     def begin(self, seq: Sequence, start: Start) -> None:
         """Give `seq` the cache of `start`, embed its images, report the restore, and make
         it ready to prefill."""
-        seq.cache = start.cache
+        seq.cache = self.runner.adopt(seq, start.cache, start.source, start.tokens)
         seq.cache_tokens = list(seq.prompt[: start.tokens])
         seq.restored_bytes = start.nbytes
         self.runner.embed(seq, start.tokens)

@@ -46,12 +46,15 @@ def prefill_blas(n_tokens: int) -> AbstractContextManager:
 class Runner:
     """Calls one loaded model (`lm`, a `models.LoadedModel`); see the module docstring."""
 
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: Any, *, split: bool = True) -> None:
         self.lm = lm
         self.vision = VisionRunner(lm) if lm.kind == "vision" else None
-        # A final prefill step's logits for its last row only (see `models.head`).
+        # A final prefill step's logits for its last row only (see `models.head`); its
+        # check calls the model, which a sharded model (`ranks`) must not do on one rank.
         self.split = (
-            split_head(lm.model, lm.make_cache, lm.bos_token_id or 0) if lm.kind == "text" else None
+            split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
+            if split and lm.kind == "text"
+            else None
         )
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
         self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
@@ -62,6 +65,20 @@ class Runner:
     def bidirectional(self) -> bool:
         """The model's image tokens attend both ways (see `vision`)."""
         return self.vision is not None and self.vision.bidirectional
+
+    # --- caches (hooks: a sharded model's runner, `ranks.mirror`, tells its workers) ------
+
+    def new_batch(self) -> DecodeBatch:
+        """An empty decode batch (`Decoder`'s)."""
+        return DecodeBatch()
+
+    def adopt(self, seq: Sequence, cache: list[Any], source: str | None, tokens: int) -> list[Any]:
+        """The cache `seq` prefills into: `cache`, holding its first `tokens` prompt tokens
+        restored from `source` (None: fresh)."""
+        return cache
+
+    def kept_hot(self, tokens: list[int], cache: list[Any]) -> None:
+        """`cache`, holding `tokens`, became the hot cache."""
 
     # --- prefill ----------------------------------------------------------------------------
 

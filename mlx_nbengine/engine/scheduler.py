@@ -275,6 +275,7 @@ class Scheduler:
         if hot is not None:
             # The only cache kept once its sequence ends; older ones leave RAM here.
             self.hot = HotCache(*hot, images=seq.images)
+            self.runner.kept_hot(*hot)
             if self.checkpoints is not None:
                 # Queued before the caller sees the result, so a caller that then waits
                 # for the saves finds it stored.

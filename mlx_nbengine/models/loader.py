@@ -244,11 +244,11 @@ def _context_length(config: dict) -> int | None:
     return None
 
 
-def _load_text(path: Path, config: dict) -> tuple[Any, Any]:
+def _load_text(path: Path, config: dict, *, lazy: bool = False) -> tuple[Any, Any]:
     from mlx_lm.utils import load_model, load_tokenizer
 
     try:
-        model, config = load_model(path)
+        model, config = load_model(path, lazy=lazy)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         raise ModelWeightsError(
             f"The weights in '{path}' do not load into a {config['model_type']} model: {e}"
@@ -296,6 +296,7 @@ def load(
     cache_dir: str | os.PathLike | None = None,
     progress: Progress | None = None,
     revision: str | None = None,
+    shard: Callable[[Any], None] | None = None,
 ) -> LoadedModel:
     """Load a model by name (``"default"``), model id, GGUF file or model directory.
 
@@ -304,8 +305,10 @@ def load(
     `cache_dir` is where GGUF conversions are kept (default
     ``$MLX_NBENGINE_HOME`` or ``~/.cache/mlx_nbengine``); `progress(done, total)`
     is called during a download and during a conversion (each from 0 to its total).
-    `revision` picks a branch, tag or commit of a Hugging Face id. Raises a
-    `ModelError` subclass naming the problem.
+    `revision` picks a branch, tag or commit of a Hugging Face id. `shard(model)`, when
+    given (a text model), cuts the lazily loaded model down to this process's part (an
+    `engine.ranks` rank: mlx-lm's ``shard`` or ``pipeline``) before any weight is read, so
+    only that part is loaded. Raises a `ModelError` subclass naming the problem.
     """
     _check_dtype(dtype)
     path = resolve(path_or_name, cache_dir=cache_dir, progress=progress, revision=revision)
@@ -321,8 +324,13 @@ def load(
         model, processor = _load_vision(path, config)
         tokenizer = _wrap_tokenizer(getattr(processor, "tokenizer", processor), config)
     else:
-        model, tokenizer = _load_text(path, config)
+        model, tokenizer = _load_text(path, config, lazy=shard is not None)
         processor = None
+        if shard is not None:
+            import mlx.core as mx
+
+            shard(model)
+            mx.eval(model.parameters())
 
     requantize = path_or_name == "default" and dtype is None and _on_cpu()
     dtype = dtype or _default_dtype()

@@ -349,6 +349,25 @@ class LLMMagics(Magics):
         help="token (default): an edit restores up to its first changed token; block: whole "
         "blocks only, bit-identical to a cold run",
     )
+    @argument(
+        "--ranks",
+        type=int,
+        metavar="N",
+        default=None,
+        help="shard the model over N local processes (this kernel is rank 0)",
+    )
+    @argument(
+        "--hosts",
+        metavar="H1,H2",
+        default=None,
+        help="shard the model over one rank per host, this machine first (ssh to the others)",
+    )
+    @argument(
+        "--shard",
+        choices=["tensor", "pipeline"],
+        default=None,
+        help="how --ranks/--hosts shard the model (default: what mlx-lm supports, tensor first)",
+    )
     @line_magic
     def load_model(self, line: str) -> None:
         """Load a model into this kernel and start its engine.
@@ -368,6 +387,9 @@ class LLMMagics(Magics):
         restart `%load_model` of the same model restores the notebook's blocks from disk;
         a store of another model, dtype or block size there is set aside, and a DIR in use
         by another kernel leaves this one with a temporary store (one line says so).
+        --ranks N / --hosts H1,H2 shard the model with mlx-lm over MLX's ring backend: this
+        kernel is rank 0, the workers are started here (--ranks) or over ssh (--hosts); see
+        the README's "Across two machines".
         """
         args = parse_options(self.load_model, line, "%load_model")
         options = engine_options(args)
@@ -759,6 +781,8 @@ class LLMMagics(Magics):
             if name == "store":
                 rows.append(("block store", "on" if value else "off"))
                 continue
+            if name in ("ranks", "hosts", "shard"):
+                continue  # rank_rows, from the engine
             shown = format_bytes(value) if name == "disk_budget" else value
             rows.append((name.replace("_", " "), shown))
         rows += [
@@ -775,6 +799,8 @@ class LLMMagics(Magics):
             rows.append(("store note", stats["store_note"]))
         if stats.get("saving") is False:
             rows.append(("saving", stats.get("saving_error") or "off"))
+        if "sharded" in stats:
+            rows += rank_rows(stats["sharded"])
         if "vision_encodes" in stats:  # a vision model
             rows += [
                 ("pictures encoded", stats["vision_encodes"]),
@@ -782,6 +808,37 @@ class LLMMagics(Magics):
                 ("feature memo", format_bytes(stats.get("feature_memo_bytes", 0))),
             ]
         self._display(key_value_bundle("mlx_nbengine", rows))
+
+
+def rank_rows(sharded: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`%llm_status`'s rows of a sharded model: ranks, hosts, shard, each rank's store."""
+    rows: list[tuple[str, Any]] = [
+        ("ranks", sharded.get("ranks")),
+        ("hosts", ", ".join(sharded.get("hosts") or [])),
+        ("shard", sharded.get("shard") or "-"),
+    ]
+    own = sharded.get("rank0_store") or {}
+    rows.append(
+        (
+            "rank 0",
+            f"this kernel; {own.get('blocks_held', 0)} blocks, "
+            f"{format_bytes(own.get('bytes_held', 0))}",
+        )
+    )
+    for worker in sharded.get("workers") or []:
+        store = worker.get("store") or {}
+        state = "running" if worker.get("running") else "stopped"
+        figures = (
+            f"{store.get('blocks_held', 0)} blocks, {format_bytes(store.get('bytes_held', 0))}"
+            if store
+            else "no answer"
+        )
+        rows.append(
+            (f"rank {worker['rank']}", f"{worker['host']} pid {worker['pid']} {state}; {figures}")
+        )
+    if sharded.get("error"):
+        rows.append(("rank error", sharded["error"]))
+    return rows
 
 
 # -- extension entry points ---------------------------------------------------------------------

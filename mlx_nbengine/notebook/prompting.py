@@ -146,6 +146,30 @@ def engine_options(args: Any) -> dict[str, Any]:
         if options.get("store") is False or options.get("disk_budget") == 0:
             raise UsageError("--persist keeps the block store on disk; drop --no-store")
         options["persist_dir"] = os.path.expanduser(args.persist)
+    options.update(rank_options(args))
+    return options
+
+
+def rank_options(args: Any) -> dict[str, Any]:
+    """``ranks``, ``hosts`` and ``shard`` for ``Engine.load`` from `%load_model`'s
+    ``--ranks N``, ``--hosts H1,H2,...`` and ``--shard tensor|pipeline``."""
+    ranks, hosts, shard = (getattr(args, n, None) for n in ("ranks", "hosts", "shard"))
+    options: dict[str, Any] = {}
+    if ranks is not None and hosts is not None:
+        raise UsageError("give --ranks N (local ranks) or --hosts H1,H2 (one rank per host)")
+    if ranks is not None:
+        if ranks < 2:
+            raise UsageError("--ranks needs at least 2 (rank 0 is this kernel)")
+        options["ranks"] = ranks
+    if hosts is not None:
+        names = [h.strip() for h in hosts.split(",") if h.strip()]
+        if len(names) < 2:
+            raise UsageError("--hosts needs at least two hosts, this machine first: H1,H2")
+        options["hosts"] = names
+    if shard is not None:
+        if not options:
+            raise UsageError("--shard goes with --ranks or --hosts")
+        options["shard"] = shard
     return options
 
 

@@ -1,0 +1,144 @@
+"""A model sharded over MLX distributed ranks, driven by one engine (rank 0, this process).
+
+`ShardedModel` is what `Engine.load(model, ranks=N | hosts=[...], shard=...)` builds: the
+loader the generation thread runs (start the workers, form the ring, load rank 0's shard,
+have every worker load its own and open its own block store) and the factories of the
+engine parts that mirror every step to the workers (`mirror`). The rest of the engine
+(scheduler, decoder, restores, checkpoints, its cache-I/O thread) is the single-process
+engine's, unchanged: rank 0 decides everything and tells the workers.
+
+Modules: `shard` (which families, which kind), `launch` (starting and killing worker
+processes, the ring's hostfile), `channel` (the control channel: framed pickles of step
+plans, never tensors), `group` (rank 0's side: the workers, their heartbeats, faults),
+`mirror` (rank 0's engine parts), `worker` + `replay` (a worker process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from mlx_nbengine.engine.ranks.group import (
+    HANG_TIMEOUT_S,
+    RankGroup,
+    RankLostError,
+    RingUsedError,
+)
+from mlx_nbengine.engine.ranks.launch import places_for, ring_hosts
+from mlx_nbengine.engine.ranks.mirror import RankCheckpoints, RankRunner
+from mlx_nbengine.engine.ranks.shard import NotShardableError, choose_kind, shard_fn
+from mlx_nbengine.errors import InvalidRequestError
+
+__all__ = [
+    "NotShardableError",
+    "RankLostError",
+    "RingUsedError",
+    "ShardedModel",
+]
+
+
+class ShardedModel:
+    """One model over ranks: its loader, its engine parts, its status and its end."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        ranks: int | None,
+        hosts: list[str] | None,
+        shard: str | None,
+        dtype: str | None,
+        revision: str | None,
+        store: dict[str, Any] | None,
+        to_token: bool,
+        hang_timeout_s: float | None = None,
+    ) -> None:
+        if hosts is not None and (len(hosts) < 2 or ranks not in (None, len(hosts))):
+            raise InvalidRequestError("hosts needs at least two hosts (the first is this one)")
+        if hosts is None and (not isinstance(ranks, int) or ranks < 2):
+            raise InvalidRequestError(f"ranks must be an integer >= 2, got {ranks!r}")
+        self.model = model
+        self.hosts = hosts
+        self.asked = shard
+        self.dtype = dtype
+        self.revision = revision
+        self.store = store
+        self.to_token = to_token
+        self.places = places_for(ranks=ranks, hosts=hosts)
+        if hang_timeout_s is None:
+            hang_timeout_s = float(os.environ.get("MLX_NBENGINE_RANK_TIMEOUT_S", HANG_TIMEOUT_S))
+        self.group = RankGroup(self.places, hang_timeout_s=hang_timeout_s)
+        self.kind: str | None = None
+
+    # --- on the generation thread -----------------------------------------------------------
+
+    def load(self) -> Any:
+        """Start the workers, form the ring, load every rank's shard; rank 0's model."""
+        from mlx_nbengine.models import load, sources  # lazy: as Engine.load's loader
+
+        path = sources.locate(self.model, revision=self.revision)
+        config = json.loads((path / "config.json").read_text())
+        self.kind = choose_kind(config.get("model_type", "?"), self.asked)
+        hostfile = ring_hosts(self.places)
+        try:
+            self.group.start({"MLX_NBENGINE_RING_HOSTS": hostfile})
+            mx_group = self.group.init_ring(hostfile)
+            remote = self.hosts is not None
+            self.group.send(
+                "load", model=self.model if remote else str(path), dtype=self.dtype, shard=self.kind
+            )
+            lm = load(path, dtype=self.dtype, shard=shard_fn(self.kind, mx_group))
+            _barrier()
+            self.group.check()
+            store = self.store
+            if store is not None and remote:
+                store = {**store, "cache_dir": None}  # this machine's folder is not theirs
+            self.group.send("open", fingerprint=lm.fingerprint, store=store, to_token=self.to_token)
+            self.group.ask("loaded")
+        except BaseException as exc:
+            error = self.group.error or _wait_error(self.group, exc)
+            self.group.close()
+            if error is not None:
+                raise error from exc
+            raise
+        return lm
+
+    def runner(self, lm: Any) -> RankRunner:
+        return RankRunner(lm, self.group)
+
+    def checkpoints(self, *args: Any, **kwargs: Any) -> RankCheckpoints:
+        return RankCheckpoints(self.group, *args, **kwargs)
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Ranks, hosts, shard, and each worker's process and store."""
+        return {
+            "ranks": self.group.size,
+            "hosts": [p.host for p in self.places],
+            "shard": self.kind,
+            "workers": self.group.status(),
+            "error": str(self.group.error) if self.group.error is not None else None,
+        }
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _wait_error(group: RankGroup, exc: BaseException) -> RankLostError | None:
+    """The group's error for `exc`, when a lost worker caused it (named within 2 s)."""
+    if not (isinstance(exc, RuntimeError) and "[ring]" in str(exc)):
+        return None
+    for _ in range(40):
+        if group.error is not None:
+            return group.error
+        time.sleep(0.05)
+    return RankLostError(f"the rank group failed while loading: {exc}")
+
+
+def _barrier() -> None:
+    import mlx.core as mx  # lazy: the engine imports MLX's distributed parts only here
+
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))

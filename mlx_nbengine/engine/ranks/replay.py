@@ -1,0 +1,248 @@
+"""`Replay`: a worker's state and the step plans it replays (see `worker`, `mirror`).
+
+It holds the same caches rank 0 holds, under the same refs: sequences' caches, group
+prefills' batched caches, single copies of batch rows, the `DecodeBatch` (same rows, same
+order) and the hot cache; a disk restore rebuilt on its cache-I/O thread waits in
+`restored` until rank 0 starts the sequence from it. Each model call evaluates what rank
+0's same call evaluates, so both run the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_nbengine.engine.batch import DecodeBatch
+from mlx_nbengine.engine.blockstore import open_prefix_cache, store_figures
+from mlx_nbengine.engine.cacheio import SAVE, CacheIO, rebuild_cache
+from mlx_nbengine.engine.checkpoints import Checkpoints
+from mlx_nbengine.engine.hot import HotCache
+from mlx_nbengine.engine.ledger import CacheLedger
+from mlx_nbengine.engine.ranks.channel import Link
+from mlx_nbengine.engine.ranks.shard import shard_fn
+from mlx_nbengine.engine.runner import Runner, prefill_blas
+
+AFTER_SAVES = SAVE + 1  # a store question waits for the saves sent before it
+
+
+class _Row:
+    """What `Runner.prefill_group` reads of a sequence: its tokens and its cache."""
+
+    def __init__(self, prompt: list[int], cache: list[Any]) -> None:
+        self.prompt = prompt
+        self.cache = cache
+
+
+class Replay:
+    """One worker's caches, store and step plans (see the module docstring)."""
+
+    def __init__(self, link: Link, rank: int) -> None:
+        self.link = link
+        self.rank = rank
+        self.group: Any = None
+        self.lm: Any = None
+        self.runner: Runner | None = None
+        self.io: CacheIO | None = None
+        self.checkpoints: Checkpoints | None = None
+        self.held: dict[tuple[str, int], list[Any]] = {}
+        self.restored: dict[int, Future] = {}
+        self.batch = DecodeBatch()
+        self.hot: HotCache | None = None
+        self.stopped = False
+        self.restores = 0  # disk restores this rank rebuilt (rank 0 ordered each)
+
+    def run(self) -> None:
+        while not self.stopped:
+            kind, fields = self.link.receive(timeout=None)
+            handler = getattr(self, f"on_{kind}", None)
+            if handler is None:
+                raise ValueError(f"unknown step plan {kind!r}")
+            handler(**fields)
+
+    def answer(self, ask: int, value: Any) -> None:
+        self.link.send("answer", ask=ask, value=value)
+
+    def close(self) -> None:
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+
+    # --- start ------------------------------------------------------------------------------
+
+    def on_init(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="mlx-nbengine-ring-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.environ["MLX_NBENGINE_RING_HOSTS"])
+            os.environ["MLX_HOSTFILE"] = path
+            self.group = mx.distributed.init(backend="ring", strict=True)
+        finally:
+            os.unlink(path)
+
+    def on_load(self, *, model: str, dtype: Any, shard: str) -> None:
+        from mlx_nbengine.models import load  # lazy: the worker's first MLX work
+
+        self.lm = load(model, dtype=dtype, shard=shard_fn(shard, self.group))
+        self.runner = Runner(self.lm, split=False)
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded
+
+    def on_open(self, *, fingerprint: str, store: dict[str, Any] | None, to_token: bool) -> None:
+        """Rank 0's fingerprint (the block keys), and this rank's own block store."""
+        self.lm = lm = replace(self.lm, fingerprint=fingerprint)
+        self.runner.lm = lm
+        if store is None:
+            return
+        self.io = CacheIO(name=f"mlx-nbengine-cache-io-rank{self.rank}")
+        self.io.open(lambda: open_prefix_cache(lm, ledger=CacheLedger(), **store))
+        prefix = self.io.prefix
+        self.checkpoints = Checkpoints(
+            self.io,
+            fingerprint=fingerprint,
+            block_size=store["block_size"],
+            to_token=to_token,
+            uncuttable_kind=prefix.uncuttable_kind,
+            recurrent="state" in [str(k) for k in prefix.kinds],
+            store_off=prefix.store.budget_bytes == 0,
+            vision=False,
+            bidirectional=False,
+        )
+
+    def on_loaded(self, ask: int) -> None:
+        self.answer(ask, {"rank": self.rank, "pid": os.getpid()})
+
+    def on_probe(self) -> None:
+        records = self.runner.probe_records()
+        if self.io is not None:
+            prefix = self.io.prefix
+            self.io.call(lambda: prefix.learn(records)).result()
+
+    def on_stop(self) -> None:
+        self.stopped = True
+
+    # --- caches -----------------------------------------------------------------------------
+
+    def on_start(self, *, ref: Any, cid: int, source: str | None, tokens: int) -> None:
+        pending = self.restored.pop(cid, None)
+        if source == "disk":
+            cache = pending.result() if pending is not None else None
+            if cache is None:
+                raise RuntimeError(
+                    f"rank 0 restored request {cid} from disk; this rank has no restore"
+                )
+        elif source == "memory":
+            cache, self.hot = self.hot.take(tokens), None
+        else:
+            cache = self.lm.make_cache()
+        self.held[ref] = cache
+
+    def on_hot(self, *, ref: Any, tokens: list[int]) -> None:
+        self.hot = HotCache(tokens, self.held[ref])
+
+    def on_free(self, *, ref: Any) -> None:
+        self.held.pop(ref, None)
+
+    def on_add(self, *, ref: Any) -> None:
+        self.batch.add(ref, self.held.pop(ref))
+
+    def on_add_group(self, *, ref: Any, n: int) -> None:
+        self.batch.add_group([ref] * n, self.held.pop(ref))
+
+    def on_remove(self, *, indices: list[int]) -> None:
+        self.batch.pending = None
+        self.batch.remove(indices)
+
+    def on_clear(self) -> None:
+        self.batch.clear()
+
+    def on_single(self, *, index: int, ref: Any) -> None:
+        self.held[ref] = self.batch.single_cache(index)
+
+    # --- model calls ------------------------------------------------------------------------
+
+    def on_prefill(self, *, ref: Any, tokens: list[int], last: bool) -> None:
+        cache = self.held[ref]
+        with prefill_blas(len(tokens)):
+            logits = self.lm.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)
+            logits = getattr(logits, "logits", logits)
+            # What rank 0's same step evaluates: its last row's token (and the cache).
+            mx.eval(
+                [mx.argmax(logits[:, -1, :], axis=-1)] if last else [], [c.state for c in cache]
+            )
+
+    def on_group(self, *, refs: list[Any], rows: list[list[int]], ref: Any) -> None:
+        members = [_Row(row, self.held.pop(r)) for r, row in zip(refs, rows, strict=True)]
+        spans = [(0, len(row)) for row in rows]
+        self.held[ref] = self.runner.prefill_group(members, spans)
+
+    def on_decode(self, *, tokens: list[int]) -> None:
+        logits = self.batch.forward(self.lm.model, tokens)
+        mx.eval(mx.argmax(logits, axis=-1))
+
+    # --- the store --------------------------------------------------------------------------
+
+    def cache_of(self, ref: Any) -> list[Any]:
+        return self.held[ref]
+
+    def on_save(
+        self, *, ref: Any, keys: list[str], tokens: list[int], block: int, chain: list[str] | None
+    ) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints._save_block(keys, tokens, self.cache_of(ref), block, chain=chain)
+
+    def on_partial(self, *, ref: Any, tokens: list[int]) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.partial(tokens, self.cache_of(ref))
+
+    def on_holds(self, *, ask: int, plan: Any) -> None:
+        def job() -> dict[str, Any]:
+            prefix = self.io.prefix
+            has = prefix.store.has
+            n = plan.n_blocks
+            while n and not all(has(k, kind) for k, kind in prefix.needed(plan.keys, n)):
+                n -= 1
+            cut = plan.cut is not None and all(has(k, kind) for k, kind in plan.cut.needed)
+            return {"blocks": n, "cut": cut}
+
+        self._ask_store(ask, job, {"blocks": 0, "cut": False})
+
+    def on_restore(self, *, ask: int, cid: int, plan: Any) -> None:
+        make_cache = self.lm.make_cache
+        served: Future = Future()
+
+        def job() -> int:
+            rebuilt = None
+            try:
+                prefix = self.io.prefix
+                got, records = prefix.load(plan, mapped=True)
+                if got.tokens == plan.tokens:
+                    rebuilt = rebuild_cache(prefix, got, records, make_cache)
+                    self.restores += rebuilt is not None
+                del records  # views of the scratch file: used up in this job
+            finally:
+                served.set_result(rebuilt.cache if rebuilt is not None else None)
+            return plan.tokens if rebuilt is not None else 0
+
+        self.restored[cid] = served
+        self._ask_store(ask, job, 0)
+
+    def on_store(self, *, ask: int) -> None:
+        def job() -> dict[str, Any]:
+            figures = store_figures(self.io.prefix.store if self.io.prefix is not None else None)
+            return {**figures, "restores": self.restores}
+
+        self._ask_store(ask, job, store_figures(None))
+
+    def _ask_store(self, ask: int, job: Any, empty: Any) -> None:
+        """Run `job` on the cache-I/O thread after the saves sent before it; answer."""
+        if self.io is None:
+            self.answer(ask, empty)
+            return
+        fut = self.io.call(job, priority=AFTER_SAVES)
+        fut.add_done_callback(
+            lambda f: self.answer(ask, f.result() if not f.exception() else empty)
+        )

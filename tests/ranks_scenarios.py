@@ -1,0 +1,118 @@
+"""Scenarios of a model sharded over two local ranks, each run in a process of its own.
+
+`tests/test_ranks.py` runs ``python tests/ranks_scenarios.py SCENARIO MODEL CACHE_DIR
+[SHARD]`` with a timeout and reads the one JSON line it prints last. A process of its own
+per scenario: MLX makes one distributed group per process, for its whole life, so every
+sharded engine needs a fresh process (a kernel restart, in a notebook).
+
+- ``behaviour``: greedy tokens against the single-process engine; an edited prompt
+  restored from disk on both ranks; four requests batched; a cancel; the status.
+- ``kill``: the worker killed mid-request (SIGKILL) or stopped (SIGSTOP, `hang`): the
+  error, how long it took, the engine closed; then a single-process engine loads in the
+  same process and a second sharded one is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from mlx_nbengine.engine import Engine
+
+PROMPT = list(range(5, 45))
+EDITED = PROMPT[:30] + [99] + PROMPT[31:]
+BATCH = [list(range(7 + i, 27 + 6 * i)) for i in range(4)]
+
+
+def single_process(model: str, cache_dir: str) -> dict:
+    with Engine.load(model, block_size=16, cache_dir=cache_dir) as engine:
+        plain = engine.submit(PROMPT, max_tokens=12).result().tokens
+        engine.wait_for_saves(10)
+        engine.drop_hot_cache()
+        edited = engine.submit(EDITED, max_tokens=12).result()
+        batch = [engine.submit(p, max_tokens=10).result().tokens for p in BATCH]
+    return {
+        "plain": plain,
+        "edited": edited.tokens,
+        "restored": edited.report.restored_tokens,
+        "batch": batch,
+    }
+
+
+def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
+    cold = single_process(model, cache_dir)
+    engine = Engine.load(model, ranks=2, shard=shard, block_size=16, cache_dir=cache_dir)
+    out: dict = {"pids": [w["pid"] for w in engine.stats()["sharded"]["workers"]]}
+    out["plain"] = engine.submit(PROMPT, max_tokens=12).result().tokens == cold["plain"]
+    engine.wait_for_saves(10)
+    engine.drop_hot_cache()  # the edited prompt restores from every rank's disk store
+    edited = engine.submit(EDITED, max_tokens=12).result()
+    out["edited"] = edited.tokens == cold["edited"]
+    out["edited_sources"] = [b.source for b in edited.report.blocks]
+    out["restored"] = [edited.report.restored_tokens, cold["restored"]]
+    handles = [engine.submit(p, max_tokens=10) for p in BATCH]  # submitted together
+    out["batch"] = [h.result(timeout=60).tokens for h in handles] == cold["batch"]
+    handle = engine.submit(PROMPT, max_tokens=500)
+    for _ in handle.stream(timeout=60):
+        handle.cancel()
+        break
+    cancelled = handle.result(timeout=60)
+    out["cancel"] = [cancelled.finish_reason, len(cancelled.tokens)]
+    out["after_cancel"] = engine.submit(PROMPT, max_tokens=12).result().tokens == cold["plain"]
+    status = engine.stats()["sharded"]
+    out["status"] = {
+        "ranks": status["ranks"],
+        "hosts": status["hosts"],
+        "shard": status["shard"],
+        "rank0_blocks": status["rank0_store"]["blocks_held"],
+        "worker_blocks": status["workers"][0]["store"]["blocks_held"],
+        "worker_restores": status["workers"][0]["store"]["restores"],
+    }
+    engine.close()
+    return out
+
+
+def kill(model: str, cache_dir: str, how: str) -> dict:
+    engine = Engine.load(model, ranks=2, block_size=16, cache_dir=cache_dir)
+    pid = engine.stats()["sharded"]["workers"][0]["pid"]
+    handle = engine.submit(PROMPT, max_tokens=4000)
+    out: dict = {"pids": [pid]}
+    started = None
+    try:
+        for n, _ in enumerate(handle.stream(timeout=60)):
+            if n == 10:
+                os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                started = time.monotonic()
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the error is what the scenario reports
+        out["error"] = [type(exc).__name__, str(exc)]
+    out["seconds"] = None if started is None else time.monotonic() - started
+    out["closed"] = engine.closed
+    engine.close()
+    try:
+        Engine.load(model, ranks=2, block_size=16, cache_dir=cache_dir)
+        out["second"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["second"] = [type(exc).__name__, str(exc)]
+    try:
+        with Engine.load(model, block_size=16, cache_dir=cache_dir) as single:
+            out["single_after"] = len(single.submit(PROMPT, max_tokens=4).result().tokens)
+    except Exception as exc:  # noqa: BLE001 - MLX stuck in the lost group's step
+        out["single_after"] = [type(exc).__name__, str(exc)]
+    return out
+
+
+def main() -> None:
+    scenario, model, cache_dir, *rest = sys.argv[1:]
+    if scenario == "behaviour":
+        result = behaviour(model, cache_dir, rest[0] if rest else None)
+    else:
+        result = kill(model, cache_dir, scenario)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
