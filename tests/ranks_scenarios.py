@@ -105,8 +105,21 @@ def kill(model: str, cache_dir: str, how: str) -> dict:
     return out
 
 
+def orphan(model: str, cache_dir: str) -> None:
+    """Print the worker's pid mid-request, then wait to be killed (rank 0 dies)."""
+    engine = Engine.load(model, ranks=2, block_size=16, cache_dir=cache_dir)
+    pid = engine.stats()["sharded"]["workers"][0]["pid"]
+    handle = engine.submit(PROMPT, max_tokens=100000)
+    next(iter(handle.stream(timeout=60)))
+    print(json.dumps({"pids": [pid]}), flush=True)
+    time.sleep(120)
+
+
 def main() -> None:
     scenario, model, cache_dir, *rest = sys.argv[1:]
+    if scenario == "orphan":
+        orphan(model, cache_dir)
+        return
     if scenario == "behaviour":
         result = behaviour(model, cache_dir, rest[0] if rest else None)
     else:

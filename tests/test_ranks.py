@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from mlx_nbengine.engine import Engine
-from mlx_nbengine.engine.ranks import NotShardableError
+from mlx_nbengine.engine.ranks import NotShardableError, RankLostError
 from mlx_nbengine.engine.ranks.shard import choose_kind, kinds_of
 
 SCENARIOS = Path(__file__).with_name("ranks_scenarios.py")
@@ -119,6 +119,40 @@ def test_a_lost_worker_fails_its_requests_in_one_line(tiny_model_dir, cache_dir,
     else:
         assert single[0] == "EngineClosedError" and "restart the kernel" in single[1]
     assert_nothing_left(result, cache_dir)
+
+
+@pytest.mark.timeout(120)
+def test_workers_exit_when_rank_0_dies(tiny_model_dir, cache_dir):
+    """A kernel killed outright (no atexit) leaves no worker behind: each notices its
+    control channel close."""
+    model = tiny_model_dir("llama", kv_heads=2)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCENARIOS), "orphan", str(model), str(cache_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        result = json.loads(line)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert_nothing_left(result, cache_dir)
+
+
+def test_a_host_that_cannot_be_reached_fails_the_load_in_one_line(tiny_model_dir):
+    model = tiny_model_dir("llama", kv_heads=2)
+    with pytest.raises(RankLostError) as caught:
+        Engine.load(model, hosts=["127.0.0.1", "no-such-host.invalid"])
+    assert "rank 1 on no-such-host.invalid cannot be reached" in str(caught.value)
+    # An address ssh cannot log in to (no sshd there, or no key): the worker's ssh exits.
+    started = time.monotonic()
+    with pytest.raises(RankLostError) as caught:
+        Engine.load(model, hosts=["127.0.0.1", "127.0.0.3"])
+    assert "rank 1 on 127.0.0.3" in str(caught.value) and "\n" not in str(caught.value)
+    assert time.monotonic() - started < 60
 
 
 def test_a_family_mlx_lm_cannot_shard_gets_one_line(tiny_model_dir):

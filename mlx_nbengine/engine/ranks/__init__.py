@@ -66,7 +66,10 @@ class ShardedModel:
         self.revision = revision
         self.store = store
         self.to_token = to_token
-        self.places = places_for(ranks=ranks, hosts=hosts)
+        try:
+            self.places = places_for(ranks=ranks, hosts=hosts)
+        except OSError as exc:
+            raise RankLostError(str(exc)) from None
         if hang_timeout_s is None:
             hang_timeout_s = float(os.environ.get("MLX_NBENGINE_RANK_TIMEOUT_S", HANG_TIMEOUT_S))
         self.group = RankGroup(self.places, hang_timeout_s=hang_timeout_s)

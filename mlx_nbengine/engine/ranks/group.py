@@ -80,7 +80,7 @@ class RankGroup:
     def start(self, env: dict[str, str], *, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Start every worker and accept its channel; raise `RankLostError` naming the
         first one that did not connect in `timeout` s (every worker is then stopped)."""
-        if not _ring_used.acquire(blocking=False):
+        if _ring_used.locked():
             raise RingUsedError(
                 "this process already formed its MLX distributed group (MLX allows one per "
                 "process); restart the kernel to load a sharded model again"
@@ -147,6 +147,8 @@ class RankGroup:
         self.send("init")
         time.sleep(0.2)  # MLX's init waits without a timeout: start it only beside live peers
         self.check()
+        if not _ring_used.acquire(blocking=False):
+            raise RingUsedError("this process already formed its MLX distributed group")
         self.hostfile = hostfile
         import mlx.core as mx  # lazy: MLX's distributed module is used by sharded engines only
 

@@ -59,7 +59,7 @@ def places_for(*, ranks: int | None, hosts: list[str] | None) -> list[Place]:
             try:
                 ip = socket.gethostbyname(name)
             except OSError as exc:
-                raise OSError(f"rank {rank}: cannot resolve host {host!r}: {exc}") from exc
+                raise OSError(f"rank {rank} on {host} cannot be reached: {exc}") from exc
             out.append(Place(rank, LOCAL if rank == 0 else host, ip))
         return out
     return [Place(rank, LOCAL, LOCAL) for rank in range(ranks or 1)]
@@ -174,4 +174,3 @@ def describe(process: Process, *, extra: str = "") -> dict[str, Any]:
         "running": process.exit_code() is None,
         **({"note": extra} if extra else {}),
     }
-
