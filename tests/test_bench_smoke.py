@@ -35,6 +35,7 @@ CASES = {
     "cpu_decode": ("bench_cpu_decode", [], ("llama", {})),
     "cpu_prefill": ("bench_cpu_prefill", [], ("gemma3_text", {"sliding_window": 64})),
     "api": ("bench_api", [], ("llama", {})),  # its tiny vision model made inside
+    "ranks": ("bench_ranks", [], ("llama", {"kv_heads": 2})),  # two local ranks, loopback
 }
 
 

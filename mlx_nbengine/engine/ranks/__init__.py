@@ -114,6 +114,32 @@ class ShardedModel:
     def checkpoints(self, *args: Any, **kwargs: Any) -> RankCheckpoints:
         return RankCheckpoints(self.group, *args, **kwargs)
 
+    def measure_comm(self, nbytes: int, *, repeats: int = 50) -> dict[str, float]:
+        """Seconds of one all_sum of `nbytes` over the ring (median and best of `repeats`,
+        every rank taking part), and of sending one step plan; run it on the generation
+        thread (`Engine.on_model_thread`), between steps."""
+        import statistics
+
+        import mlx.core as mx  # lazy: as in `load`
+
+        self.group.send("comm", nbytes=nbytes, repeats=repeats)
+        x = mx.ones((max(1, nbytes // 4),), dtype=mx.float32)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
+            times.append(time.perf_counter() - start)
+        plans = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.group.send("clear_nothing")
+            plans.append(time.perf_counter() - start)
+        return {
+            "all_sum_s": statistics.median(times[1:] or times),
+            "all_sum_best_s": min(times),
+            "plan_send_s": statistics.median(plans),
+        }
+
     # --- any thread -------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:

@@ -121,6 +121,9 @@ class Replay:
             prefix = self.io.prefix
             self.io.call(lambda: prefix.learn(records)).result()
 
+    def on_clear_nothing(self) -> None:
+        """A step plan that does nothing (`ShardedModel.measure_comm` times sending one)."""
+
     def on_stop(self) -> None:
         self.stopped = True
 
@@ -182,6 +185,12 @@ class Replay:
     def on_decode(self, *, tokens: list[int]) -> None:
         logits = self.batch.forward(self.lm.model, tokens)
         mx.eval(mx.argmax(logits, axis=-1))
+
+    def on_comm(self, *, nbytes: int, repeats: int) -> None:
+        """Rank 0's `ShardedModel.measure_comm`: the same all_sums, in the same order."""
+        x = mx.ones((max(1, nbytes // 4),), dtype=mx.float32)
+        for _ in range(repeats):
+            mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
 
     # --- the store --------------------------------------------------------------------------
 
