@@ -71,6 +71,15 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
         "worker_blocks": status["workers"][0]["store"]["blocks_held"],
         "worker_restores": status["workers"][0]["store"]["restores"],
     }
+    # A block only rank 0 holds is not restored: the worker's store emptied alone, the
+    # edited prompt is computed on every rank, with a cold run's tokens.
+    engine.sharded.group.ask("clear_store")
+    engine.drop_hot_cache()
+    alone = engine.submit(EDITED, max_tokens=12).result()
+    blocks = alone.report.blocks
+    out["rank0_only"] = [alone.tokens == cold["edited"], [(b.source, b.reason) for b in blocks]]
+    engine.clear_cache()
+    out["cleared"] = [w["store"]["blocks_held"] for w in engine.stats()["sharded"]["workers"]]
     engine.close()
     return out
 

@@ -87,6 +87,11 @@ def test_two_ranks_serve_as_one_process(tiny_model_dir, cache_dir, family, shard
     assert result["restored"][0] == result["restored"][1] > 0
     assert result["status"]["worker_restores"] >= 1, "the worker rebuilt no restore"
     assert result["status"]["worker_blocks"] == result["status"]["rank0_blocks"] > 0
+    assert result["rank0_only"][0], "tokens differ when only rank 0 held the blocks"
+    sources = result["rank0_only"][1]
+    assert all(source != "disk" for source, _ in sources), "restored what a rank lacked"
+    assert sources[0] == ["computed", "evicted"], "the block a rank lost is not called evicted"
+    assert result["cleared"] == [0], "clear_cache left blocks in the worker's store"
     assert result["batch"], "four batched requests differ from one by one"
     assert result["cancel"][0] == "cancelled"
     assert result["after_cancel"]

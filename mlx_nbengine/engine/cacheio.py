@@ -154,8 +154,9 @@ class CacheIO:
         `mapped`): they are used up in this job, before any save can change the file.
 
         `agree` (a sharded model's engine, `ranks.mirror.Agreement`) holds the plan to what
-        every rank's store holds (``agree.plan(prefix, plan)``) and has every rank rebuild
-        the plan served (``agree.rebuilt(plan)``, False: a miss on all of them).
+        every rank's store holds (``agree.plan(prefix, plan)``), has every rank rebuild
+        the plan served (``agree.rebuilt(plan)``, False: a miss on all of them), and marks
+        the blocks a rank does not hold as not held (``agree.facts(facts)``).
         """
 
         def job():
@@ -188,6 +189,8 @@ class CacheIO:
                 restored = None
             # After the load: a record found damaged there is gone now.
             facts = prefix.block_facts(tokens, plan.keys, first=plan.n_blocks, images=images)
+            if agree is not None:
+                facts = agree.facts(facts)
             return RestoreResult(plan, restored, {f.index: f for f in facts})
 
         return self.call(job, priority=RESTORE)

@@ -112,6 +112,9 @@ class StoreFace:
         self.drop_hot_cache()
         if self._gen.has_store:
             self._io.clear().result(timeout=60)
+            sharded = getattr(self, "sharded", None)
+            if sharded is not None:
+                sharded.clear_stores()  # every worker's own store too
 
     def drop_hot_cache(self) -> None:
         """Forget the hot in-memory cache and the image features, keeping the block store

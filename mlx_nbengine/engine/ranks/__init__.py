@@ -140,6 +140,10 @@ class ShardedModel:
             "plan_send_s": statistics.median(plans),
         }
 
+    def clear_stores(self) -> None:
+        """Empty every worker's block store (`Engine.clear_cache` empties rank 0's)."""
+        self.group.ask("clear_store")
+
     # --- any thread -------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:

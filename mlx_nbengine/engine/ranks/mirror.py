@@ -217,12 +217,14 @@ class Agreement:
     def __init__(self, group: RankGroup, cid: int) -> None:
         self.group = group
         self.cid = cid
+        self.held: list[bool] | None = None  # per prompt block: every worker holds it
 
     def plan(self, prefix: Any, plan: Any) -> Any:
         """`plan` cut back to what every worker's store holds."""
         if plan.tokens == 0:
             return plan
         answers = self.group.ask("holds", plan=_portable(plan))
+        self.held = [all(held) for held in zip(*(a["held"] for a in answers), strict=True)]
         n = min(a["blocks"] for a in answers)
         cut_held = all(a["cut"] for a in answers)
         if n == plan.n_blocks and (plan.cut is None or cut_held):
@@ -236,6 +238,17 @@ class Agreement:
             spare_cuts=(),
             kept_boundary=kept,
         )
+
+    def facts(self, facts: list[Any]) -> list[Any]:
+        """`facts` (rank 0's store's) with the blocks a worker lacks marked as not held:
+        such a block is reported ``"evicted"`` (its records are gone on a rank)."""
+        if self.held is None:
+            return facts
+        lacking = {j for j, held in enumerate(self.held) if not held}
+        return [
+            replace(f, held=False, chain_held=False, restorable=False) if f.index in lacking else f
+            for f in facts
+        ]
 
     def rebuilt(self, plan: Any) -> bool:
         """Every worker rebuilt `plan` (the one rank 0 served)."""

@@ -215,9 +215,10 @@ class Replay:
             while n and not all(has(k, kind) for k, kind in prefix.needed(plan.keys, n)):
                 n -= 1
             cut = plan.cut is not None and all(has(k, kind) for k, kind in plan.cut.needed)
-            return {"blocks": n, "cut": cut}
+            held = [any(has(k, kind) for kind in prefix.kinds) for k in plan.keys]
+            return {"blocks": n, "cut": cut, "held": held}
 
-        self._ask_store(ask, job, {"blocks": 0, "cut": False})
+        self._ask_store(ask, job, {"blocks": 0, "cut": False, "held": [False] * len(plan.keys)})
 
     def on_restore(self, *, ask: int, cid: int, plan: Any) -> None:
         make_cache = self.lm.make_cache
@@ -238,6 +239,15 @@ class Replay:
 
         self.restored[cid] = served
         self._ask_store(ask, job, 0)
+
+    def on_clear_store(self, *, ask: int) -> None:
+        """Empty this rank's store (rank 0's `Engine.clear_cache`)."""
+
+        def job() -> bool:
+            self.io.prefix.store.clear()
+            return True
+
+        self._ask_store(ask, job, False)
 
     def on_store(self, *, ask: int) -> None:
         def job() -> dict[str, Any]:
