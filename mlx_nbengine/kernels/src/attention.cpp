@@ -51,6 +51,16 @@ SoftmaxFn softmax_for(Isa isa) {
   return fn != nullptr ? fn : softmax_portable();
 }
 
+// Our products for tiles of few rows: AVX2 for both vectorized sets (they read as fast as
+// the memory gives), the portable loops otherwise.
+SmallProducts small_for(Isa isa) {
+  SmallProducts f{};
+  if (isa != Isa::portable) {
+    f = small_products_avx2();
+  }
+  return f.scores != nullptr ? f : small_products_portable();
+}
+
 // A 4-D array's data with unit stride on its last axis: the array itself, or a dense copy.
 template <typename T>
 struct View {
@@ -106,6 +116,7 @@ void run(
   const int rows_max = G * Lq;
   const int Tk = std::max(64, std::min(4096, kTileFloats / rows_max));
   SoftmaxFn fn = softmax_for(p.isa);
+  const SmallProducts small = small_for(p.isa);
   std::vector<float> qs(size_t(rows_max) * D), sc(size_t(rows_max) * Tk), o(size_t(rows_max) * Dv);
   std::vector<float> m(rows_max), l(rows_max);
   std::vector<int> lo(rows_max), hi(rows_max);
@@ -134,9 +145,14 @@ void run(
         const int kbeg = p.window > 0 ? std::max(0, first - p.window + 1) : 0;
         for (int k0 = kbeg; k0 < kend; k0 += Tk) {
           const int tk = std::min(Tk, kend - k0);
-          cblas_sgemm(
-              kRowMajor, kNoTrans, kTrans, R, tk, D, 1.0f, qs.data(), D, kp + k0 * k.s2,
-              int(std::max<int64_t>(k.s2, D)), 0.0f, sc.data(), Tk);
+          const int64_t ks = std::max<int64_t>(k.s2, D), vs = std::max<int64_t>(v.s2, Dv);
+          if (R <= kSmallRows) {
+            small.scores(qs.data(), R, D, kp + k0 * k.s2, ks, tk, sc.data(), Tk);
+          } else {
+            cblas_sgemm(
+                kRowMajor, kNoTrans, kTrans, R, tk, D, 1.0f, qs.data(), D, kp + k0 * k.s2,
+                int(ks), 0.0f, sc.data(), Tk);
+          }
           for (int g = 0; g < G; ++g) {
             for (int i = 0; i < lq; ++i) {
               const int r = g * lq + i, pos = first + i;
@@ -158,9 +174,13 @@ void run(
           const int threads = int64_t(R) * tk < 16384 ? 1 : p.threads;
           const int chunk = (R + threads * 4 - 1) / (threads * 4);
           workers().run(std::min(threads, R), R, chunk, [&](int r0, int r1) { fn(tile, r0, r1); });
-          cblas_sgemm(
-              kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
-              int(std::max<int64_t>(v.s2, Dv)), 1.0f, o.data(), Dv);
+          if (R <= kSmallRows) {
+            small.values(sc.data(), R, Tk, vp + k0 * v.s2, vs, tk, o.data(), Dv, Dv);
+          } else {
+            cblas_sgemm(
+                kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
+                int(vs), 1.0f, o.data(), Dv);
+          }
         }
         for (int g = 0; g < G; ++g) {
           for (int i = 0; i < lq; ++i) {

@@ -3,7 +3,8 @@
 // softmax(scale * Q K^T [+ soft-cap] [+ mask]) V for queries [B, Hq, L, D] and keys and values
 // [B, Hkv, S, D] (Hq a multiple of Hkv: grouped-query heads). Query i sits at absolute
 // position S - L + i (the keys end with the queries; a restored or cut cache brings the
-// offset). The two products run on the BLAS (cblas_sgemm); the softmax is ours, tiled over
+// offset). The two products run on the BLAS (cblas_sgemm), or for a tile of few rows on
+// ours (SmallProducts); the softmax is ours, tiled over
 // keys with a running max and sum (the "online" softmax), so memory stays bounded whatever
 // the number of keys; its row kernels are chosen per instruction set (attention_x86.cpp,
 // attention_portable.cpp).
@@ -43,6 +44,21 @@ using SoftmaxFn = void (*)(const SoftmaxTile& t, int r0, int r1);
 SoftmaxFn softmax_portable();
 SoftmaxFn softmax_avx2(); // nullptr where this CPU (or the build's target) lacks the set
 SoftmaxFn softmax_avx512();
+
+// The two products of a tile of few rows (a decode step's query heads of one KV group, at
+// most kSmallRows), ours instead of the BLAS's: for so few rows the BLAS's packing (a copy of
+// the keys or values) costs more than the product.
+constexpr int kSmallRows = 8;
+struct SmallProducts {
+  // s[r * lds + j] = q[r * D:(r + 1) * D] . k[j * ks:j * ks + D]   (r < R, j < tk)
+  void (*scores)(const float* q, int R, int D, const float* k, int64_t ks, int tk, float* s, int lds);
+  // o[r * ldo + d] += sum_j p[r * lds + j] * v[j * vs + d]   (r < R, d < dv)
+  void (*values)(
+      const float* p, int R, int lds, const float* v, int64_t vs, int tk, float* o, int ldo, int dv);
+};
+
+SmallProducts small_products_portable();
+SmallProducts small_products_avx2(); // {nullptr, nullptr} where this CPU lacks the set
 
 // exp(x) for float32 x <= 0 by the polynomial the vectorized kernels use (x < -87.3 gives 0):
 // the scalar form, exposed so a test can measure its error.

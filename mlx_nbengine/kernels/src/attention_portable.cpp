@@ -60,10 +60,39 @@ void rows(const SoftmaxTile& t, int r0, int r1) {
   }
 }
 
+void scores(const float* q, int R, int D, const float* k, int64_t ks, int tk, float* s, int lds) {
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < tk; ++j) {
+      float a = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        a += q[int64_t(r) * D + d] * k[j * ks + d];
+      }
+      s[int64_t(r) * lds + j] = a;
+    }
+  }
+}
+
+void values(
+    const float* p, int R, int lds, const float* v, int64_t vs, int tk, float* o, int ldo, int dv) {
+  for (int r = 0; r < R; ++r) {
+    float* out = o + int64_t(r) * ldo;
+    for (int j = 0; j < tk; ++j) {
+      const float pr = p[int64_t(r) * lds + j];
+      for (int d = 0; d < dv; ++d) {
+        out[d] += pr * v[j * vs + d];
+      }
+    }
+  }
+}
+
 } // namespace
 
 SoftmaxFn softmax_portable() {
   return rows;
+}
+
+SmallProducts small_products_portable() {
+  return {scores, values};
 }
 
 float exp_poly(float x) {

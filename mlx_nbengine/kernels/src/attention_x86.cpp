@@ -7,6 +7,7 @@
 // output row rescaled where the running max grew. exp and tanh are attention_math.h's, lane
 // for lane; AVX2's last partial vector runs the scalar forms.
 
+#include <algorithm>
 #include <limits>
 
 #include "attention.h"
@@ -155,6 +156,129 @@ MNB_AVX2 void rows_avx2(const SoftmaxTile& t, int r0, int r1) {
   }
 }
 
+// --- the products of a tile of few rows (AVX2) -------------------------------------------
+
+// Scores of R rows against KP keys at a time (KP = 2 keeps 2R accumulators in registers).
+template <int R, int KP>
+MNB_AVX2 void scores_r(const float* q, int D, const float* k, int64_t ks, int tk, float* s,
+                       int lds) {
+  const int D8 = D & ~7;
+  int j = 0;
+  for (; j + KP <= tk; j += KP) {
+    __m256 a[KP][R];
+    for (int c = 0; c < KP; ++c) {
+      for (int r = 0; r < R; ++r) {
+        a[c][r] = _mm256_setzero_ps();
+      }
+    }
+    for (int d = 0; d < D8; d += 8) {
+      __m256 x[KP];
+      for (int c = 0; c < KP; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(k + (j + c + 8) * ks + d), _MM_HINT_T0);
+        x[c] = _mm256_loadu_ps(k + (j + c) * ks + d);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + int64_t(r) * D + d);
+        for (int c = 0; c < KP; ++c) {
+          a[c][r] = _mm256_fmadd_ps(qv, x[c], a[c][r]);
+        }
+      }
+    }
+    for (int c = 0; c < KP; ++c) {
+      const float* kj = k + (j + c) * ks;
+      for (int r = 0; r < R; ++r) {
+        float t = hsum8(a[c][r]);
+        for (int d = D8; d < D; ++d) {
+          t += q[int64_t(r) * D + d] * kj[d];
+        }
+        s[int64_t(r) * lds + j + c] = t;
+      }
+    }
+  }
+  if (j < tk) { // the odd key out
+    scores_r<R, 1>(q, D, k + j * ks, ks, tk - j, s + j, lds);
+  }
+}
+
+// o += P V for keys in blocks of kValueBlock, so that the passes over a block's value rows
+// (one per 8 C columns) read them from cache, not memory.
+constexpr int kValueBlock = 64;
+
+template <int R>
+MNB_AVX2 void values_r(const float* p, int lds, const float* v, int64_t vs, int tk, float* o,
+                       int ldo, int dv) {
+  constexpr int C = R <= 4 ? 2 : 1; // vectors of 8 per row and pass: 2R or R accumulators
+  const int dv_vec = dv / (8 * C) * (8 * C);
+  for (int j0 = 0; j0 < tk; j0 += kValueBlock) {
+    const int j1 = std::min(tk, j0 + kValueBlock);
+    for (int d = 0; d < dv_vec; d += 8 * C) {
+      __m256 acc[R][C];
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = _mm256_loadu_ps(o + int64_t(r) * ldo + d + 8 * c);
+        }
+      }
+      for (int j = j0; j < j1; ++j) {
+        __m256 x[C];
+        if (d == 0) { // the first pass over the block brings it in
+          _mm_prefetch(reinterpret_cast<const char*>(v + (j + 8) * vs), _MM_HINT_T0);
+        }
+        for (int c = 0; c < C; ++c) {
+          x[c] = _mm256_loadu_ps(v + j * vs + d + 8 * c);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 pr = _mm256_broadcast_ss(p + int64_t(r) * lds + j);
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm256_fmadd_ps(pr, x[c], acc[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+          _mm256_storeu_ps(o + int64_t(r) * ldo + d + 8 * c, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int d = dv_vec; d < dv; ++d) { // a width that is not a multiple of the pass
+    for (int r = 0; r < R; ++r) {
+      float a = o[int64_t(r) * ldo + d];
+      for (int j = 0; j < tk; ++j) {
+        a += p[int64_t(r) * lds + j] * v[j * vs + d];
+      }
+      o[int64_t(r) * ldo + d] = a;
+    }
+  }
+}
+
+#define MNB_BY_ROWS(call)  \
+  switch (R) {             \
+    case 1: call(1); break; \
+    case 2: call(2); break; \
+    case 3: call(3); break; \
+    case 4: call(4); break; \
+    case 5: call(5); break; \
+    case 6: call(6); break; \
+    case 7: call(7); break; \
+    default: call(8); break; \
+  }
+
+void small_scores(const float* q, int R, int D, const float* k, int64_t ks, int tk, float* s,
+                  int lds) {
+#define MNB_CALL(n) scores_r<n, (n <= 4 ? 2 : 1)>(q, D, k, ks, tk, s, lds)
+  MNB_BY_ROWS(MNB_CALL)
+#undef MNB_CALL
+}
+
+void small_values(const float* p, int R, int lds, const float* v, int64_t vs, int tk, float* o,
+                  int ldo, int dv) {
+#define MNB_CALL(n) values_r<n>(p, lds, v, vs, tk, o, ldo, dv)
+  MNB_BY_ROWS(MNB_CALL)
+#undef MNB_CALL
+}
+
+#undef MNB_BY_ROWS
+
 // --- AVX-512 ----------------------------------------------------------------------------
 
 MNB_AVX512 static inline __m512 exp16(__m512 x) {
@@ -264,6 +388,10 @@ SoftmaxFn softmax_avx512() {
   return cpu_has_avx512() ? rows_avx512 : nullptr;
 }
 
+SmallProducts small_products_avx2() {
+  return cpu_has_avx2() ? SmallProducts{small_scores, small_values} : SmallProducts{};
+}
+
 } // namespace mnb
 
 #else // not x86-64: the portable kernel only
@@ -274,6 +402,9 @@ SoftmaxFn softmax_avx2() {
 }
 SoftmaxFn softmax_avx512() {
   return nullptr;
+}
+SmallProducts small_products_avx2() {
+  return {};
 }
 } // namespace mnb
 
