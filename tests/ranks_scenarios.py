@@ -124,8 +124,36 @@ def orphan(model: str, cache_dir: str) -> None:
     time.sleep(120)
 
 
+def magics(model: str, cache_dir: str) -> dict:
+    """`%load_model --ranks 2`, a `%%llm` cell, `%llm_status`, `%unload_model` in IPython."""
+    import contextlib
+    import io
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mlx_nbengine.notebook import magics as face
+
+    shell = InteractiveShell.instance()
+    loaded = face.load_ipython_extension(shell)  # the real engine factory: Engine.load
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        options = f"--ranks 2 --block-size 16 --cache-dir {cache_dir}"
+        shell.run_line_magic("load_model", f"{model} {options}")
+        shell.run_cell_magic("llm", "--raw --max-tokens 6 -o answer", "one two three four")
+        shell.run_line_magic("llm_status", "")
+        engine = loaded.session.engine
+        pids = [w["pid"] for w in engine.stats()["sharded"]["workers"]]
+        shell.run_line_magic("unload_model", "")
+    out = {"pids": pids, "closed": engine.closed}
+    answer = shell.user_ns.get("answer")
+    return {**out, "shown": shown.getvalue(), "tokens": len(getattr(answer, "tokens", []))}
+
+
 def main() -> None:
     scenario, model, cache_dir, *rest = sys.argv[1:]
+    if scenario == "magics":
+        print(json.dumps(magics(model, cache_dir)), flush=True)
+        return
     if scenario == "orphan":
         orphan(model, cache_dir)
         return

@@ -34,7 +34,9 @@ def scenario(*args: str, timeout: float, env: dict | None = None) -> dict:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, **(env or {})},
+        # Our CPU kernels off: a scenario must not wait for their first build (their own
+        # tests cover them); the single-process runs it compares with run without them too.
+        env={**os.environ, "MLX_NBENGINE_KERNELS": "off", **(env or {})},
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -133,6 +135,7 @@ def test_workers_exit_when_rank_0_dies(tiny_model_dir, cache_dir):
     model = tiny_model_dir("llama", kv_heads=2)
     proc = subprocess.Popen(
         [sys.executable, str(SCENARIOS), "orphan", str(model), str(cache_dir)],
+        env={**os.environ, "MLX_NBENGINE_KERNELS": "off"},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -158,6 +161,20 @@ def test_a_host_that_cannot_be_reached_fails_the_load_in_one_line(tiny_model_dir
         Engine.load(model, hosts=["127.0.0.1", "127.0.0.3"])
     assert "rank 1 on 127.0.0.3" in str(caught.value) and "\n" not in str(caught.value)
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(150)
+def test_the_notebook_drives_two_ranks(tiny_model_dir, cache_dir):
+    """`%load_model --ranks 2` (the real engine factory), a `%%llm` cell, `%llm_status`
+    showing both ranks, `%unload_model` stopping the worker."""
+    model = tiny_model_dir("llama", kv_heads=2)
+    result = scenario("magics", str(model), str(cache_dir), timeout=120)
+    assert result["tokens"] == 6
+    shown = result["shown"]
+    assert "ranks" in shown and "tensor" in shown and "rank 1" in shown
+    assert f"pid {result['pids'][0]} running" in shown
+    assert "unloaded" in shown and result["closed"]
+    assert_nothing_left(result, cache_dir)
 
 
 def test_a_family_mlx_lm_cannot_shard_gets_one_line(tiny_model_dir):
