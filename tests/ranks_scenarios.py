@@ -84,8 +84,9 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
     return out
 
 
-def kill(model: str, cache_dir: str, how: str) -> dict:
-    engine = Engine.load(model, ranks=2, block_size=16, cache_dir=cache_dir)
+def kill(model: str, cache_dir: str, how: str, hosts: list[str] | None = None) -> dict:
+    where = {"hosts": hosts} if hosts else {"ranks": 2}
+    engine = Engine.load(model, block_size=16, cache_dir=cache_dir, **where)
     pid = engine.stats()["sharded"]["workers"][0]["pid"]
     handle = engine.submit(PROMPT, max_tokens=4000)
     out: dict = {"pids": [pid]}
@@ -159,8 +160,15 @@ def main() -> None:
         return
     if scenario == "behaviour":
         result = behaviour(model, cache_dir, rest[0] if rest else None)
-    else:
-        result = kill(model, cache_dir, scenario)
+    elif scenario == "ssh":  # rank 1 over ssh (tests/test_ranks.py: where sshd lets us in)
+        cold = single_process(model, cache_dir)
+        engine = Engine.load(model, hosts=["127.0.0.1", rest[0]], block_size=16)
+        worker = engine.stats()["sharded"]["workers"][0]
+        same = engine.submit(PROMPT, max_tokens=12).result().tokens == cold["plain"]
+        engine.close()
+        result = {"pids": [worker["pid"]], "host": worker["host"], "same": same}
+    else:  # kill / hang, [HOST]: its rank 1 over ssh
+        result = kill(model, cache_dir, scenario, hosts=["127.0.0.1", *rest] if rest else None)
     print(json.dumps(result), flush=True)
 
 

@@ -177,6 +177,39 @@ def test_the_notebook_drives_two_ranks(tiny_model_dir, cache_dir):
     assert_nothing_left(result, cache_dir)
 
 
+SSH_HOST = "127.0.0.2"  # a loopback address: an sshd there is this machine
+
+
+def _ssh_works() -> bool:
+    try:
+        done = subprocess.run(
+            ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=3", SSH_HOST, "true"],
+            capture_output=True,
+            timeout=10,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_over_ssh(tiny_model_dir, cache_dir):
+    """`hosts=[...]`: rank 1 started over ssh, as on a second machine (here an sshd on a
+    loopback address; skipped where ssh cannot log in there without a password)."""
+    if not _ssh_works():
+        pytest.skip(f"no password-less ssh to {SSH_HOST} here")
+    model = tiny_model_dir("llama", kv_heads=2)
+    result = scenario("ssh", str(model), str(cache_dir), SSH_HOST, timeout=180)
+    assert result["host"] == SSH_HOST and result["same"]
+    assert_nothing_left(result, cache_dir)
+    killed = scenario("kill", str(model), str(cache_dir), SSH_HOST, timeout=120)
+    kind, message = killed["error"]
+    assert kind == "RankLostError" and f"rank 1 on {SSH_HOST}" in message
+    assert killed["seconds"] < 30
+    assert_nothing_left(killed, cache_dir)
+
+
 def test_a_family_mlx_lm_cannot_shard_gets_one_line(tiny_model_dir):
     model = tiny_model_dir("gemma3_text")
     with pytest.raises(NotShardableError) as caught:
