@@ -31,6 +31,8 @@ from mlx_nbengine.engine.ranks.mirror import RankCheckpoints, RankRunner
 from mlx_nbengine.engine.ranks.shard import NotShardableError, choose_kind, shard_fn
 from mlx_nbengine.errors import InvalidRequestError
 
+LOAD_TIMEOUT_S = 1800.0  # a worker reading its shard of a large model
+
 __all__ = [
     "NotShardableError",
     "RankLostError",
@@ -93,13 +95,15 @@ class ShardedModel:
                 "load", model=self.model if remote else str(path), dtype=self.dtype, shard=self.kind
             )
             lm = load(path, dtype=self.dtype, shard=shard_fn(self.kind, mx_group))
-            _barrier()
-            self.group.check()
+            # Every worker loaded (an answer on the control channel, never a collective: a
+            # worker that fails to load must not leave this rank waiting in MLX).
+            self.group.ask("loaded", timeout=LOAD_TIMEOUT_S)
             store = self.store
             if store is not None and remote:
                 store = {**store, "cache_dir": None}  # this machine's folder is not theirs
             self.group.send("open", fingerprint=lm.fingerprint, store=store, to_token=self.to_token)
             self.group.ask("loaded")
+            self.group.loaded()
         except BaseException as exc:
             error = self.group.error or _wait_error(self.group, exc)
             self.group.close()
@@ -169,9 +173,3 @@ def _wait_error(group: RankGroup, exc: BaseException) -> RankLostError | None:
             return group.error
         time.sleep(0.05)
     return RankLostError(f"the rank group failed while loading: {exc}")
-
-
-def _barrier() -> None:
-    import mlx.core as mx  # lazy: the engine imports MLX's distributed parts only here
-
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))

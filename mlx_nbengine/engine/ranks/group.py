@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -71,6 +72,9 @@ class RankGroup:
         self._lock = threading.Lock()
         self._closing = False
         self.hostfile: str | None = None  # the ring's addresses, once it is formed
+        # Until every rank loaded, a worker may hold its GIL (MLX's ring init, reading
+        # weights) longer than `hang_timeout_s` between heartbeats.
+        self._grace_until = float("inf")
 
     def name(self, rank: int) -> str:
         return f"rank {rank} on {self.places[rank].host}"
@@ -224,13 +228,20 @@ class RankGroup:
             if len(answers) == len(self.links) and not fut.done():
                 fut.set_result(None)
 
+    def loaded(self) -> None:
+        """Every rank loaded: from now on `hang_timeout_s` applies."""
+        self._grace_until = time.monotonic()
+
     def _watch(self) -> None:
         while not self._closing and self.error is None:
             time.sleep(0.25)
             now = time.monotonic()
+            limit = self.hang_timeout_s if now > self._grace_until else CONNECT_TIMEOUT_S
             for rank, seen in list(self._seen.items()):
-                if now - seen > self.hang_timeout_s:
-                    self.fault(rank, f"sent nothing for {self.hang_timeout_s:.0f} s (hung)")
+                # A heartbeat waiting in the socket is not a hang: this process held its
+                # GIL (a long step), so the reader thread has not taken it yet.
+                if now - seen > limit and not _readable(self.links[rank]):
+                    self.fault(rank, f"sent nothing for {limit:.0f} s (hung)")
                     return
             for process in self.processes:
                 if process.exit_code() is not None and not self._closing:
@@ -297,6 +308,13 @@ class RankGroup:
                 row["store"] = stores[i]
             rows.append(row)
         return rows
+
+
+def _readable(link: Link) -> bool:
+    try:
+        return bool(select.select([link.sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 def _init_with_hostfile(mx: Any, hostfile: str) -> Any:

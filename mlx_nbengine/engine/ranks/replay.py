@@ -89,7 +89,6 @@ class Replay:
 
         self.lm = load(model, dtype=dtype, shard=shard_fn(shard, self.group))
         self.runner = Runner(self.lm, split=False)
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded
 
     def on_open(self, *, fingerprint: str, store: dict[str, Any] | None, to_token: bool) -> None:
         """Rank 0's fingerprint (the block keys), and this rank's own block store."""
