@@ -101,6 +101,11 @@ def kill(model: str, cache_dir: str, how: str, hosts: list[str] | None = None) -
         out["error"] = [type(exc).__name__, str(exc)]
     out["seconds"] = None if started is None else time.monotonic() - started
     out["closed"] = engine.closed
+    try:
+        engine.submit(PROMPT, max_tokens=2)
+        out["submit_after"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["submit_after"] = [type(exc).__name__, str(exc)]
     engine.close()
     try:
         Engine.load(model, ranks=2, block_size=16, cache_dir=cache_dir)

@@ -114,6 +114,9 @@ def test_a_lost_worker_fails_its_requests_in_one_line(tiny_model_dir, cache_dir,
     assert ("exited" in message) if how == "kill" else ("hung" in message)
     assert result["seconds"] < 30
     assert result["closed"]
+    # A later request is refused with the same line.
+    assert result["submit_after"][0] == "EngineClosedError"
+    assert "rank 1 on 127.0.0.1" in result["submit_after"][1]
     # A second sharded engine in the same process is refused in one line (MLX: one group
     # per process). A single-process engine loads there as usual, unless MLX itself is
     # stuck in the lost group's collective (its ring backend does not always give up):

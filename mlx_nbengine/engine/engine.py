@@ -275,7 +275,7 @@ class Engine(StoreFace):
         computed (for a person watching them arrive); longer steps are faster.
         """
         if self._closed:
-            raise EngineClosedError("this engine is closed; load a new one with Engine.load")
+            raise EngineClosedError(self._closed_line())
         problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if problem:
             raise InvalidRequestError(problem)
@@ -295,7 +295,7 @@ class Engine(StoreFace):
         )
         with self._lock:
             if self._closed:
-                raise EngineClosedError("this engine is closed; load a new one with Engine.load")
+                raise EngineClosedError(self._closed_line())
             self._gen.submit(seq)
         return request
 
@@ -405,6 +405,12 @@ class Engine(StoreFace):
             self.sharded.close()  # every worker stops; each deletes its scratch file
         self.model = None
         _open_engines.discard(self)
+
+    def _closed_line(self) -> str:
+        lost = self.sharded.group.error if self.sharded is not None else None
+        if lost is not None:  # why a sharded engine closed: its lost worker, named
+            return f"this engine is closed: {lost}"
+        return "this engine is closed; load a new one with Engine.load"
 
     def _rank_fault(self, error: Exception) -> None:
         """A worker rank is lost (on the group's fault thread): refuse new requests, fail

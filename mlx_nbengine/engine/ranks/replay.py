@@ -28,6 +28,8 @@ from mlx_nbengine.engine.ranks.shard import shard_fn
 from mlx_nbengine.engine.runner import Runner, prefill_blas
 
 AFTER_SAVES = SAVE + 1  # a store question waits for the saves sent before it
+# Restores rebuilt for requests rank 0 has not started yet; older ones were cancelled.
+MAX_PENDING_RESTORES = 64
 
 
 class _Row:
@@ -237,6 +239,8 @@ class Replay:
             return plan.tokens if rebuilt is not None else 0
 
         self.restored[cid] = served
+        while len(self.restored) > MAX_PENDING_RESTORES:  # never started (cancelled)
+            self.restored.pop(next(iter(self.restored)))
         self._ask_store(ask, job, 0)
 
     def on_clear_store(self, *, ask: int) -> None:
