@@ -3,10 +3,11 @@
 Every kernel is checked against ``mx.dequantize`` + matmul in float32 within `tolerance`:
 the float32 rounding bound of a K-term dot product, 4 K eps times the sum of the terms'
 magnitudes, plus for the vectorized sets the bound of their int16 activations
-(`int16_bound`: each x rounded to 2^-16 of its group's largest magnitude, times the centred
-weights it multiplies; measured about 1e-3 on unit normal data of K = 256, a third of the
-bound). The portable set keeps x float32 and differs from MLX only in summation order.
-Vectorized sets this CPU lacks are skipped; the portable set always runs.
+(`int16_bound`: each x rounded to 2^-16 of its group's largest magnitude, times the
+weights' scaled values q * s it multiplies). The fused gated MLP (`kernels.gated_mlp`) is
+checked against its three products and the activation run one by one. The portable set
+keeps x float32 and differs from MLX only in summation order. Vectorized sets this CPU
+lacks are skipped; the portable set always runs.
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ def tiny_q4(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_q8(tmp_path_factory) -> Path:
+    return make_tiny_quantized_model(
+        "llama", tmp_path_factory.mktemp("q") / "tiny-llama-q8", bits=8, group_size=64
+    )
+
+
 def greedy(lm, prompt: list[int], *, rows: int, steps: int) -> list[list[int]]:
     cache = lm.make_cache()
     token = mx.argmax(lm.model(mx.array([prompt] * rows), cache=cache)[:, -1:, :], axis=-1)
@@ -167,9 +175,13 @@ def greedy(lm, prompt: list[int], *, rows: int, steps: int) -> list[list[int]]:
     return mx.concatenate(out, axis=1).tolist()
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_a_quantized_model_decodes_the_same_tokens_with_and_without_the_kernels(tiny_q4, rows):
-    lm = load(tiny_q4)
+def test_a_quantized_model_decodes_the_same_tokens_with_and_without_the_kernels(
+    request, family, rows
+):
+    # Gemma's GELU MLP and Llama's SwiGLU MLP each run as one gated-MLP primitive.
+    lm = load(request.getfixturevalue("tiny_q4" if family == "gemma3_text" else "tiny_llama_q8"))
     assert qroute.installed()
     prompt = lm.tokenizer.encode("The Eiffel Tower is located in the city of")
     with_kernels = greedy(lm, prompt, rows=rows, steps=24)
@@ -179,6 +191,53 @@ def test_a_quantized_model_decodes_the_same_tokens_with_and_without_the_kernels(
     finally:
         qroute.install()
     assert with_kernels == without
+
+
+@pytest.mark.parametrize("activation", kernels.ACTIVATIONS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_gated_mlp_matches_its_products_run_one_by_one(isa, bits, rows, activation):
+    isa_or_skip(isa)
+    k, h = 7 * 32, 5 * 32  # group counts with a remainder past the kernels' four at a time
+    gate, up = (quantized(h, k, bits=bits, group_size=32, seed=s) for s in (1, 2))
+    down = quantized(k, h, bits=bits, group_size=32, seed=3)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(6))
+    got = kernels.gated_mlp(
+        x, gate, up, down, group_size=32, bits=bits, activation=activation, isa=isa
+    )
+
+    def product(m, v):
+        return kernels.quantized_matmul(v, *m, group_size=32, bits=bits, isa=isa)
+
+    act = nn.gelu_approx if activation == "gelu_tanh" else nn.silu
+    want = product(down, act(product(gate, x)) * product(up, x))
+    assert got.shape == want.shape == (1, rows, k)
+    # The activations differ from MLX's by their polynomial's error (a few float32 ulps).
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * mx.abs(want).max().item()).item()
+
+
+def test_the_gated_mlp_takes_at_most_8_rows():
+    gate = up = quantized(64, 64, bits=8, group_size=32)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        kernels.gated_mlp(
+            mx.zeros((9, 64)), gate, up, gate, group_size=32, bits=8, activation="silu"
+        )
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_a_decode_step_runs_each_mlp_as_one_primitive(request, family):
+    lm = load(request.getfixturevalue("tiny_q4" if family == "gemma3_text" else "tiny_llama_q8"))
+    cache = lm.make_cache()
+    mx.eval(lm.model(mx.array([[1, 2, 3]]), cache=cache), [c.state for c in cache])
+    step = lm.model(mx.array([[4]]), cache=cache)
+    dot = Path(request.config.cache.mkdir("graphs")) / f"{family}.dot"
+    mx.export_to_dot(str(dot), step)
+    text = dot.read_text()
+    layers = len(lm.model.layers)
+    assert text.count('label ="MnbGatedMlp"') == layers
+    # Besides the MLPs' none: the attention projections and the head (4 + 1 per layer).
+    assert text.count('label ="MnbQuantizedMatVec"') == 4 * layers + 1
 
 
 def test_a_routed_layer_computes_on_the_kernels(tiny_q4):

@@ -37,6 +37,8 @@ SOURCES = (
     "attention_portable.cpp",
     "attention_x86.cpp",
     "bindings.cpp",
+    "gated_mlp.cpp",
+    "gated_mlp.h",
     "qkernels.h",
     "qkernels_portable.cpp",
     "qkernels_x86.cpp",

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_nbengine.models import patches
+from mlx_nbengine.models import patches, qroute
 
 __all__ = ["VARIANT", "gelu_tanh", "speed_up"]
 
@@ -89,6 +89,9 @@ _GELU_MLP_EXPRESSION = "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) 
 
 
 def _gelu_mlp_call(self, x: mx.array) -> mx.array:
+    fused = qroute.routed_gated_mlp(self, x, "gelu_tanh")  # a quantized decode step
+    if fused is not None:
+        return fused
     return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 

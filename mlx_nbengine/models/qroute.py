@@ -6,6 +6,11 @@
 - ``QuantizedEmbedding.as_linear``: the output head of a model whose head is tied to its
   quantized embedding (Gemma's).
 
+and the ``__call__`` of mlx-lm's SwiGLU MLPs (`_SWIGLU_MLPS`, while their body is still
+`_SWIGLU_BODY`): a decode step's MLP of quantized projections is then one primitive
+(`routed_gated_mlp`: the gate and up products, the activation and the down product, in one
+graph node); Gemma's GELU MLPs reach it through `cpu_math`.
+
 A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
 32, 64 or 128) with at most `kernels.MAX_ROWS` (64) rows of input on the CPU device: a
 decode step, or a short prefill step such as an edit's tail (the kernels take it 8 rows at a
@@ -19,6 +24,7 @@ one line says so; tests/test_qkernels.py fails loudly on such an MLX.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import textwrap
@@ -37,14 +43,16 @@ __all__ = [
     "installed",
     "matches_library",
     "quantize_for_cpu",
+    "routed_gated_mlp",
     "routed_matmul",
     "uninstall",
     "variant",
 ]
 
 # Bumped whenever the kernels change their results' bits (the fingerprint names it): 2 is
-# the int16 activations of the vectorized sets, 3 their uncentred weights (qkernels_x86).
-VERSION = 3
+# the int16 activations of the vectorized sets, 3 their uncentred weights (qkernels_x86), 4
+# the gated MLPs of decode steps as one product (`routed_gated_mlp`).
+VERSION = 4
 
 _QUANTIZED_MATMUL = """\
 mx.quantized_matmul(
@@ -106,6 +114,36 @@ def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
     return x @ dense.T.astype(x.dtype)
 
 
+def routed_gated_mlp(mlp: Any, x: mx.array, activation: str) -> mx.array | None:
+    """``down(act(gate(x)) * up(x))`` of an MLP whose three projections are routed quantized
+    layers without biases, as one kernel call (`kernels.gated_mlp`) for a decode step's 1
+    to 8 rows of float32 x; None where the MLP's own code should run."""
+    layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not _originals or x.dtype != mx.float32 or not x.ndim:
+        return None
+    if not all(isinstance(layer, nn.QuantizedLinear) for layer in layers):
+        return None
+    first = layers[0]
+    if any(
+        layer.mode != "affine"
+        or "biases" not in layer
+        or "bias" in layer
+        or (layer.bits, layer.group_size) != (first.bits, first.group_size)
+        for layer in layers
+    ) or not kernels.supports(bits=first.bits, group_size=first.group_size):
+        return None
+    if mx.default_device() != mx.cpu or not 1 <= x.size // x.shape[-1] <= 8:
+        return None
+    note_kernel_products()
+    return kernels.gated_mlp(
+        x,
+        *[(layer["weight"], layer["scales"], layer["biases"]) for layer in layers],
+        group_size=first.group_size,
+        bits=first.bits,
+        activation=activation,
+    )
+
+
 def _linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     y = routed_matmul(self, x)
     if y is None:
@@ -128,6 +166,33 @@ _REPLACEMENTS = {
     # The tied output head of a quantized embedding: the largest matrix of a small model.
     (nn.QuantizedEmbedding, "as_linear"): _embedding_as_linear,
 }
+
+
+# mlx-lm's SwiGLU MLPs (module of mlx_lm.models) whose __call__ is `_SWIGLU_BODY`: while
+# routed, a decode step's MLP is one `routed_gated_mlp` call.
+_SWIGLU_MLPS = ("llama", "qwen2", "qwen3")
+_SWIGLU_BODY = "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"
+
+
+def _swiglu_call(library: Any) -> Any:
+    def call(self: Any, x: mx.array) -> mx.array:
+        fused = routed_gated_mlp(self, x, "silu")
+        return fused if fused is not None else library(self, x)
+
+    return call
+
+
+def _swiglu_classes() -> list[type]:
+    found = []
+    for name in _SWIGLU_MLPS:
+        try:
+            cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
+            body = _body(_originals.get((cls, "__call__"), cls.__call__))
+        except (ImportError, AttributeError, OSError, TypeError):
+            continue
+        if body == _SWIGLU_BODY:
+            found.append(cls)
+    return found
 
 
 def installed() -> bool:
@@ -155,6 +220,9 @@ def install() -> bool:
     for (cls, name), replacement in _REPLACEMENTS.items():
         _originals[(cls, name)] = getattr(cls, name)
         setattr(cls, name, replacement)
+    for cls in _swiglu_classes():
+        _originals[(cls, "__call__")] = cls.__call__
+        cls.__call__ = _swiglu_call(cls.__call__)
     return True
 
 

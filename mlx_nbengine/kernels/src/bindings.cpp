@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 
 #include "attention.h"
+#include "gated_mlp.h"
 #include "qmatvec.h"
 
 namespace nb = nanobind;
@@ -64,6 +65,51 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "bits"_a,
       "isa"_a,
       "threads"_a);
+  m.def(
+      "gated_mlp",
+      [](const mnb::mx::array& x,
+         const mnb::mx::array& gw,
+         const mnb::mx::array& gs,
+         const mnb::mx::array& gb,
+         const mnb::mx::array& uw,
+         const mnb::mx::array& us,
+         const mnb::mx::array& ub,
+         const mnb::mx::array& dw,
+         const mnb::mx::array& ds,
+         const mnb::mx::array& db,
+         int group_size,
+         int bits,
+         const std::string& activation,
+         const std::string& isa,
+         int threads) {
+        mnb::Activation act;
+        if (activation == "gelu_tanh") {
+          act = mnb::Activation::gelu_tanh;
+        } else if (activation == "silu") {
+          act = mnb::Activation::silu;
+        } else {
+          throw std::invalid_argument("activation must be gelu_tanh or silu, not " + activation);
+        }
+        return mnb::gated_mlp(
+            x, {gw, gs, gb}, {uw, us, ub}, {dw, ds, db}, group_size, bits, act, parse_isa(isa),
+            threads);
+      },
+      "x"_a,
+      "gate_w"_a,
+      "gate_scales"_a,
+      "gate_biases"_a,
+      "up_w"_a,
+      "up_scales"_a,
+      "up_biases"_a,
+      "down_w"_a,
+      "down_scales"_a,
+      "down_biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      "activation"_a,
+      "isa"_a,
+      "threads"_a,
+      "down(act(x gate^T) * (x up^T)) on the quantized kernels (see gated_mlp.h).");
   m.def(
       "usable_isa",
       [](const std::string& isa) { return std::string(isa_name(mnb::usable(parse_isa(isa)))); },

@@ -13,9 +13,6 @@
 
 namespace mnb {
 
-namespace {
-
-
 ScaleType scale_type(mx::Dtype t) {
   if (t == mx::float32) {
     return ScaleType::f32;
@@ -47,7 +44,16 @@ mx::array contiguous_input(const mx::array& a, mx::Stream s) {
   return mx::contiguous(a, false, s);
 }
 
-} // namespace
+int product_threads(const QJob& job, int threads) {
+  // Weights of a small matrix are read faster than threads wake.
+  const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
+  return bytes < (int64_t(1) << 18) ? 1 : threads;
+}
+
+int product_chunk(int N, int threads) {
+  // Chunks several times more than threads: a thread slowed by other load takes fewer.
+  return std::max(16, (N + threads * 8 - 1) / (threads * 8));
+}
 
 void QActivations::prepare(QJob& job) {
   const int M = job.M, K = job.K, group = job.group, G = K / group;
@@ -161,9 +167,7 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       group_size_,
       bits_,
       scale_type(scales.dtype())};
-  // Weights of a small matrix are read faster than threads wake.
-  const int64_t bytes = int64_t(job.N) * job.K * job.bits / 8;
-  const int threads = bytes < (int64_t(1) << 18) ? 1 : threads_;
+  const int threads = product_threads(job, threads_);
   const bool gather = !x.flags().row_contiguous;
   const Isa isa = isa_;
   encoder.dispatch([job, isa, threads, gather, x]() mutable {
@@ -197,8 +201,7 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         xq[i].prepare(b);
       }
     }
-    // Chunks several times more than threads: a thread slowed by other load takes fewer.
-    const int chunk = std::max(16, (job.N + threads * 8 - 1) / (threads * 8));
+    const int chunk = product_chunk(job.N, threads);
     workers().run(threads, job.N, chunk, [&](int n0, int n1) {
       for (int i = 0; i < blocks; ++i) {
         fns[i](jobs[i], n0, n1);

@@ -57,4 +57,11 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
 // The kernel set `isa` asks for, or the portable one where this CPU lacks it.
 Isa usable(Isa isa);
 
+// Shared with the fused products (gated_mlp.cpp).
+ScaleType scale_type(mx::Dtype t); // throws for a dtype the kernels do not read
+RowsFn rows_for(Isa isa, const QJob& job); // the row kernel of the set, else the portable one
+mx::array contiguous_input(const mx::array& a, mx::Stream s);
+int product_threads(const QJob& job, int threads); // 1 for a matrix too small to split
+int product_chunk(int N, int threads); // output rows per chunk of work
+
 } // namespace mnb

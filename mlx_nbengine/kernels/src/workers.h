@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -17,10 +18,13 @@ namespace mnb {
 // columns, attention its softmax rows). A call announces itself, does its share and returns
 // as soon as every chunk is done and no worker is still inside it: a worker the OS has not
 // scheduled yet (a busy machine) never holds a call up, since the caller takes the chunks
-// nobody claimed. Between calls workers spin briefly (decode calls come back to back), then
-// sleep. Calls come one at a time (the CPU stream's thread); a lock keeps them so.
+// nobody claimed. Between calls workers spin for up to kSpin (a decode step's products
+// come a few tens of microseconds apart, and waking a sleeping thread costs about as much),
+// then sleep. Calls come one at a time (the CPU stream's thread); a lock keeps them so.
 class Workers {
  public:
+  static constexpr std::chrono::microseconds kSpin{300};
+
   using Task = std::function<void(int n0, int n1)>;
 
   // task(n0, n1) for every `chunk`-sized part of [0, N), on up to `threads` threads.
@@ -74,13 +78,14 @@ class Workers {
 
   void loop(int index, uint64_t seen) {
     for (;;) {
-      for (int spin = 0; spin < 4000; ++spin) {
-        if (epoch_.load(std::memory_order_acquire) != seen) {
-          break;
-        }
+      const auto give_up = std::chrono::steady_clock::now() + kSpin;
+      while (epoch_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() < give_up) {
+        for (int i = 0; i < 32; ++i) {
 #if defined(__x86_64__)
-        __builtin_ia32_pause();
+          __builtin_ia32_pause();
 #endif
+        }
       }
       bool mine;
       {
