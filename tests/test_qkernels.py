@@ -217,6 +217,23 @@ def test_the_gated_mlp_matches_its_products_run_one_by_one(isa, bits, rows, acti
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * mx.abs(want).max().item()).item()
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_gated_mlp_reads_a_strided_view_of_x_as_its_values(isa):
+    isa_or_skip(isa)
+    gate, up = (
+        quantized(96, 64, bits=8, group_size=32, seed=1),
+        quantized(96, 64, bits=8, group_size=32, seed=2),
+    )
+    down = quantized(64, 96, bits=8, group_size=32, seed=3)
+    base = mx.random.normal((64, 3), key=mx.random.key(7))
+    x = base.T  # rows not contiguous
+    args = dict(group_size=32, bits=8, activation="silu", isa=isa)
+    got = kernels.gated_mlp(x, gate, up, down, **args)
+    assert mx.array_equal(
+        got, kernels.gated_mlp(mx.array(np.array(x)), gate, up, down, **args)
+    ).item()
+
+
 def test_the_gated_mlp_takes_at_most_8_rows():
     gate = up = quantized(64, 64, bits=8, group_size=32)
     with pytest.raises(ValueError, match="1 to 8 rows"):

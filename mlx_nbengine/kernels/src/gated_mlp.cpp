@@ -8,6 +8,7 @@
 #include "mlx/backend/cpu/encoder.h"
 
 #include "attention_math.h"
+#include "strided.h"
 #include "workers.h"
 
 namespace mnb {
@@ -88,7 +89,9 @@ mx::array gated_mlp(
     throw std::invalid_argument("gated_mlp: x must have 1 to 8 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs{contiguous_input(x, s)};
+  // x as it comes (eval_cpu reads a view whose rows are not contiguous through a copy), so
+  // the MLP is one graph node.
+  std::vector<mx::array> inputs{x};
   for (const Quantized* m : {&gate, &up, &down}) {
     inputs.push_back(contiguous_input(m->w, s));
     inputs.push_back(contiguous_input(m->scales, s));
@@ -107,14 +110,17 @@ void GatedMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   encoder.set_output_array(out);
   const int K = inputs[0].shape(-1), H = inputs[1].shape(0), M = int(inputs[0].size() / K);
-  QJob gate = job_of(inputs, 1, inputs[0].data<float>(), nullptr, M, K, group_size_, bits_);
-  QJob up = job_of(inputs, 4, inputs[0].data<float>(), nullptr, M, K, group_size_, bits_);
+  QJob gate = job_of(inputs, 1, nullptr, nullptr, M, K, group_size_, bits_);
+  QJob up = job_of(inputs, 4, nullptr, nullptr, M, K, group_size_, bits_);
   QJob down = job_of(inputs, 7, nullptr, out.data<float>(), M, H, group_size_, bits_);
   const Isa isa = isa_;
   const Activation act = activation_;
   const int threads = threads_;
-  encoder.dispatch([gate, up, down, isa, act, threads]() mutable {
+  const mx::array x = inputs[0];
+  encoder.dispatch([gate, up, down, isa, act, threads, x]() mutable {
     const int M = gate.M, H = gate.N;
+    std::vector<float> dense;
+    gate.x = up.x = dense_rows(x, dense);
     std::vector<float> g(size_t(M) * H), u(size_t(M) * H);
     gate.out = g.data();
     up.out = u.data();

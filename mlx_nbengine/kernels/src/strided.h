@@ -51,4 +51,25 @@ inline const float* rows_of(const mlx::core::array& a, std::vector<float>& scrat
   return scratch.data();
 }
 
+// A float32 `a` as rows x its last axis, row-major: its own data where it is row-contiguous,
+// else a copy in `dense`.
+inline const float* dense_rows(const mlx::core::array& a, std::vector<float>& dense) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  std::vector<int64_t> starts;
+  const float* rows = rows_of(a, dense, starts);
+  if (rows == dense.data()) {
+    return rows;
+  }
+  const int64_t n = a.shape(-1);
+  dense.resize(a.size());
+  for (size_t r = 0; r < starts.size(); ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      dense[r * n + i] = rows[starts[r] + i];
+    }
+  }
+  return dense.data();
+}
+
 } // namespace mnb
