@@ -9,8 +9,11 @@
 //   sum_k (s q_k + b) x_k = s * xscale * sum_k q_k xq_k + b * sum_k x_k
 // with the bias term exact in float. The scales and biases are read as stored (float32,
 // float16 or bfloat16), several groups at once: the int32 sums of 4 groups are reduced
-// together into one vector, so the float work is one multiply-add per 4 groups.
+// together into one vector, so the float work is one multiply-add per 4 groups. More rows of
+// x than the registers hold (2 under AVX2, 4 under AVX-512) go in pieces over a few output
+// rows at a time, the later pieces reading the weights from cache.
 
+#include <algorithm>
 #include <cstring>
 
 #include "qkernels.h"
@@ -42,15 +45,19 @@ namespace {
 // The kernels' bodies, written once and compiled under each target (MNB_TARGET).
 #define MNB_TARGET MNB_T2
 #define MNB_NS avx2_set
+#define MNB_PIECE_ROWS 2
 #include "qkernels_x86_body.h"
 #undef MNB_TARGET
 #undef MNB_NS
+#undef MNB_PIECE_ROWS
 
 #define MNB_TARGET MNB_T5
 #define MNB_NS avx512_set
+#define MNB_PIECE_ROWS 4
 #include "qkernels_x86_body.h"
 #undef MNB_TARGET
 #undef MNB_NS
+#undef MNB_PIECE_ROWS
 
 } // namespace
 

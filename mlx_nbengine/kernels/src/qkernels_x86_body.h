@@ -1,5 +1,6 @@
 // The x86 row kernels' bodies, included by qkernels_x86.cpp once per instruction set with
-// MNB_TARGET (the target attribute) and MNB_NS (the namespace) defined. No include guard.
+// MNB_TARGET (the target attribute), MNB_NS (the namespace) and MNB_PIECE_ROWS (the rows of
+// x one pass takes) defined. No include guard.
 
 namespace MNB_NS {
 
@@ -153,32 +154,34 @@ MNB_TARGET void rows_by4(const QJob& job, int n0, int n1) {
   }
 }
 
-// Rows n0..n1 for 3 to 8 rows of x: one group at a time (four would not fit the registers).
+constexpr int kPieceRows = MNB_PIECE_ROWS;
+
+// The rows [n0, n1) of x's rows from `first` on, in pieces of kPieceRows rows.
+template <int BITS, int M, ScaleType T, int GROUP, int FIRST = 0>
+MNB_TARGET inline void rows_piece(const QJob& job, int n0, int n1) {
+  constexpr int here = M - FIRST < kPieceRows ? M - FIRST : kPieceRows;
+  if constexpr (here > 0) {
+    QJob part = job;
+    const int64_t P = job.padded_groups;
+    part.M = here;
+    part.xq = job.xq + int64_t(FIRST) * job.K;
+    part.xscale = job.xscale + FIRST * P;
+    part.xsum = job.xsum + FIRST * P;
+    part.out = job.out + int64_t(FIRST) * job.N;
+    rows_by4<BITS, here, T, GROUP>(part, n0, n1);
+    rows_piece<BITS, M, T, GROUP, FIRST + here>(job, n0, n1);
+  }
+}
+
+// Rows n0..n1 for M rows of x in pieces of at most kPieceRows (what rows_by4 keeps in
+// registers: 2 under AVX2's 16 vector registers, 4 under AVX-512's 32), piece after piece
+// over a few output rows at a time, so that later pieces read the weights from cache.
 template <int BITS, int M, ScaleType T, int GROUP>
-MNB_TARGET void rows_by1(const QJob& job, int n0, int n1) {
-  const int K = job.K, N = job.N, G = K / GROUP, P = job.padded_groups;
-  const int64_t row_bytes = int64_t(K) * BITS / 8;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wr = job.w + n * row_bytes;
-    const int64_t sb = int64_t(n) * G;
-    __m256 acc[M];
-    float bias[M] = {};
-    for (int m = 0; m < M; ++m) {
-      acc[m] = _mm256_setzero_ps();
-    }
-    for (int g = 0; g < G; ++g) {
-      __m256i d[M];
-      group_dots<BITS, M, GROUP>(wr, job.xq, K, int64_t(g) * GROUP, d);
-      const float s = one<T>(job.scales, sb + g), b = one<T>(job.biases, sb + g);
-      for (int m = 0; m < M; ++m) {
-        const __m256 scale = _mm256_set1_ps(s * job.xscale[int64_t(m) * P + g]);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[m]), scale, acc[m]);
-        bias[m] += b * job.xsum[int64_t(m) * P + g];
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      job.out[int64_t(m) * N + n] = hsum8(acc[m]) + bias[m];
-    }
+MNB_TARGET void rows_in_pieces(const QJob& job, int n0, int n1) {
+  constexpr int kSpan = 16; // output rows per round of pieces: their weights stay in L1
+  for (int a = n0; a < n1; a += kSpan) {
+    const int b = std::min(n1, a + kSpan);
+    rows_piece<BITS, M, T, GROUP>(job, a, b);
   }
 }
 
@@ -186,13 +189,13 @@ template <int BITS, ScaleType T, int GROUP>
 RowsFn pick(int M) {
   switch (M) {
     case 1: return rows_by4<BITS, 1, T, GROUP>;
-    case 2: return rows_by4<BITS, 2, T, GROUP>;
-    case 3: return rows_by1<BITS, 3, T, GROUP>;
-    case 4: return rows_by1<BITS, 4, T, GROUP>;
-    case 5: return rows_by1<BITS, 5, T, GROUP>;
-    case 6: return rows_by1<BITS, 6, T, GROUP>;
-    case 7: return rows_by1<BITS, 7, T, GROUP>;
-    case 8: return rows_by1<BITS, 8, T, GROUP>;
+    case 2: return rows_in_pieces<BITS, 2, T, GROUP>;
+    case 3: return rows_in_pieces<BITS, 3, T, GROUP>;
+    case 4: return rows_in_pieces<BITS, 4, T, GROUP>;
+    case 5: return rows_in_pieces<BITS, 5, T, GROUP>;
+    case 6: return rows_in_pieces<BITS, 6, T, GROUP>;
+    case 7: return rows_in_pieces<BITS, 7, T, GROUP>;
+    case 8: return rows_in_pieces<BITS, 8, T, GROUP>;
     default: return nullptr;
   }
 }
