@@ -304,8 +304,26 @@ def test_restore_block_caches_are_bit_identical_to_a_cold_run(engine_factory, na
             lambda: [np.array(a) for c in e.internals.hot_cache.cache for a in held(c)]
         )
 
+    exact = blas_rows_agree()
     for a, b in zip(arrays(engine), arrays(cold_engine), strict=True):
-        assert a.shape == b.shape and np.array_equal(a, b)
+        assert a.shape == b.shape
+        # Bit for bit where the BLAS gives a row the same bits whatever the rows beside it;
+        # OpenBLAS's Haswell kernels (AVX2 CPUs) do not, and the warm run prefills fewer rows.
+        # Then within float32 rounding carried through the layers and the decoded tokens:
+        # 1e-4 of the largest value (measured: up to 1.5e-5 under OpenBLAS Haswell).
+        if exact:
+            assert np.array_equal(a, b)
+        else:
+            assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max() + 1e-6
+
+
+def blas_rows_agree() -> bool:
+    """Whether a matmul's rows are the same bits in a product of 101 rows as of 133 (the warm
+    and cold prefill steps above)."""
+    x = mx.random.normal((133, 64), key=mx.random.key(11))
+    w = mx.random.normal((64, 96), key=mx.random.key(12))
+    with mx.stream(mx.cpu):
+        return bool(mx.array_equal((x @ w)[32:], x[32:] @ w).item())
 
 
 def test_an_unknown_restore_mode_is_refused(tiny_model_dir):

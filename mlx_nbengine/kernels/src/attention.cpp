@@ -160,11 +160,20 @@ void run(
               int z = p.causal ? pos + 1 - k0 : tk;
               a = std::clamp(a, 0, tk);
               z = std::clamp(z, a, tk);
-              lo[r] = a;
-              hi[r] = z;
               if (mask != nullptr) {
                 mrow[r] = mask->p + b * mask->s0 + (h * G + g) * mask->s1 + (l0 + i) * mask->s2 + k0;
+                // The row's visible span from its first visible key: the softmax's vectors
+                // then group the same keys wherever the span sits in the tile (a restored
+                // window's keys sit elsewhere than a cold run's), so the sums agree bit for bit.
+                while (a < z && mrow[r][a] == 0) {
+                  ++a;
+                }
+                while (z > a && mrow[r][z - 1] == 0) {
+                  --z;
+                }
               }
+              lo[r] = a;
+              hi[r] = z;
             }
           }
           SoftmaxTile tile{
