@@ -20,12 +20,23 @@ median over the four documents of the first token, the whole answer and the deco
 (tokens after the first over the time after the first token). An answer that ends at EOS
 before 128 tokens is counted as it came, and the table gives the tokens generated.
 
-Decode tok/s at 1 and 4 rows: after a ``--prompt-tokens`` prefill, the median of
-``--decode-steps`` greedy steps (model call + argmax), the variants interleaved one step each
-in turn so a change in the machine's load hits them alike; 4 rows decode 4 sequences in one
-batch. Each variant is measured on one thread and on every usable CPU, as the engine runs a
-decode step (our kernels take the count and OpenBLAS one thread where they run the
-products; OpenBLAS takes it elsewhere), and reported at its best.
+Decode tok/s at 1 and 4 rows: after a ``--prompt-tokens`` prefill, greedy steps (model
+call + argmax) of 1 or 4 sequences in one batch, about ``--decode-steps`` measured per
+variant, reported as the median step. The variants take turns in *rounds*: a round runs one
+variant for ``ROUND_STEPS`` (8) consecutive steps, its first step discarded, then the next
+variant, the rounds repeated so that a change in the machine's load hits every variant
+alike. Rounds, not one step each in turn, because the OpenBLAS threads of a float32 or mlx
+step keep spinning for a while after it, on the cores our kernels' workers need, and would
+slow the step of the variant after it, which no process running one model pays. Each step
+is *pipelined* as the engine (``engine/decoding.py``) and mlx-lm's ``generate_step`` run
+decode: step n+1's graph is built on step n's lazy token and handed to ``mx.async_eval``
+before step n's token is read, a step timed as the interval between consecutive tokens read;
+so the Python graph building (a few ms a step for the default model) overlaps the
+evaluation, where the *serial* figure (``step_ms_1_serial``, ``tok_s_1_serial``, column
+``ser 1``: build the graph, then ``mx.eval`` it, one step after the other, also in rounds)
+pays for both. Each variant is measured on one thread and on every usable CPU, as the
+engine runs a decode step (our kernels take the count and OpenBLAS one thread where they run
+the products; OpenBLAS takes it elsewhere; set before each round), and reported at its best.
 
 The *floor* of a variant is the bytes of weights one decode step reads (every parameter;
 the tied head reads the whole embedding) over the read bandwidth measured here (numpy sums
@@ -86,12 +97,24 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+ROUND_STEPS = 8  # consecutive steps of one variant per round, the first a warm-up
+
+
 def decode_steps(
-    variants: dict, ids: list[int], *, rows: int, steps: int, threads: int
-) -> dict[str, float]:
-    """Median seconds of a decode step of `rows` sequences, per variant, interleaved, on
-    `threads` threads as the engine runs a decode step (`_blas.set_step_threads`): our
-    kernels' for a routed variant (OpenBLAS on one), OpenBLAS's for the others."""
+    variants: dict,
+    ids: list[int],
+    *,
+    rows: int,
+    steps: int,
+    threads: int,
+    serial: bool,
+    round_steps: int,
+) -> dict[str, dict[str, float]]:
+    """Median seconds of a decode step of `rows` sequences, per variant: ``pipelined`` (and,
+    with `serial`, ``serial``), in rounds of `round_steps` steps (the first of each
+    discarded; see the module docstring), about `steps` measured in all, on `threads`
+    threads as the engine runs a decode step (`_blas.set_step_threads`, before each round):
+    our kernels' for a routed variant (OpenBLAS on one), OpenBLAS's for the others."""
     state = {}
     for name, (lm, _) in variants.items():
         use(True)  # prefill dequantizes onto the BLAS: MLX's CPU kernel takes minutes here
@@ -99,18 +122,47 @@ def decode_steps(
         logits = lm.model(mx.array([ids] * rows), cache=cache)
         token = mx.argmax(logits[:, -1:, :], axis=-1)
         mx.eval(token)
-        state[name] = (cache, token, [])
-    for _ in range(steps):
+        state[name] = [cache, token]
+    rounds = -(-steps // (round_steps - 1))
+    modes = ("pipelined", "serial") if serial else ("pipelined",)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {mode: [] for mode in modes} for name in variants
+    }
+    for _ in range(rounds):
         for name, (lm, routed) in variants.items():
             use(routed)
             set_step_threads(threads, decode=routed)
-            cache, token, times = state[name]
-            start = time.perf_counter()
-            token = mx.argmax(lm.model(token, cache=cache)[:, -1:, :], axis=-1)
-            mx.eval(token)
-            times.append(time.perf_counter() - start)
-            state[name] = (cache, token, times)
-    return {name: statistics.median(times[1:] or times) for name, (_, _, times) in state.items()}
+            cache, token = state[name]
+
+            def step(token, lm=lm, cache=cache):
+                return mx.argmax(lm.model(token, cache=cache)[:, -1:, :], axis=-1)
+
+            for mode in modes:
+                if mode == "serial":
+                    marks = [time.perf_counter()]
+                    for _ in range(round_steps):
+                        token = step(token)
+                        mx.eval(token)
+                        marks.append(time.perf_counter())
+                else:
+                    pending = step(token)
+                    mx.async_eval(pending)
+                    marks = [time.perf_counter()]
+                    for _ in range(round_steps):
+                        following = step(pending)  # built while `pending` is computed
+                        mx.async_eval(following)
+                        pending.tolist()  # read as the engine reads its tokens
+                        marks.append(time.perf_counter())
+                        pending = following
+                    mx.eval(pending)  # settle the pipeline (untimed) before the next
+                    token = pending
+                # the first step: a warm-up, paying for the previous variant's leftovers
+                times[name][mode] += np.diff(marks)[1:].tolist()
+            state[name] = [cache, token]
+    return {
+        name: {mode: statistics.median(ts) for mode, ts in by_mode.items()}
+        for name, by_mode in times.items()
+    }
 
 
 def use(routed: bool) -> None:
@@ -314,16 +366,27 @@ def run(args, model: str) -> int:
         variants[f"mlx q{bits}"] = (lm, False)
     tokenizer = variants["float32"][0].tokenizer
     ids = (tokenizer.encode(TEXT * (prompt_tokens // 8 + 1)))[:prompt_tokens]
+    round_steps = min(ROUND_STEPS, steps + 1)  # a short run: one round
     # Each variant at its best thread count (on a busy machine one thread often wins).
-    seconds: dict[int, dict[str, float]] = {1: {}, 4: {}}
-    best_threads: dict[int, dict[str, int]] = {1: {}, 4: {}}
+    seconds: dict[str, dict[str, float]] = {"1": {}, "4": {}, "1_serial": {}}
+    best_threads: dict[str, dict[str, int]] = {"1": {}, "4": {}, "1_serial": {}}
     for count in blas_thread_counts() or [1]:
         for rows in (1, 4):
-            steps_s = decode_steps(variants, ids, rows=rows, steps=steps, threads=count)
-            for name, s in steps_s.items():
-                if s < seconds[rows].get(name, float("inf")):
-                    seconds[rows][name] = s
-                    best_threads[rows][name] = count
+            steps_s = decode_steps(
+                variants,
+                ids,
+                rows=rows,
+                steps=steps,
+                threads=count,
+                serial=rows == 1,
+                round_steps=round_steps,
+            )
+            for name, by_mode in steps_s.items():
+                for mode, s in by_mode.items():
+                    key = f"{rows}_serial" if mode == "serial" else str(rows)
+                    if s < seconds[key].get(name, float("inf")):
+                        seconds[key][name] = s
+                        best_threads[key][name] = count
     bandwidth = read_bandwidth(threads, megabytes=64 if args.quick else 512)
     answers = None
     with tempfile.TemporaryDirectory() as gguf_dir:
@@ -343,32 +406,37 @@ def run(args, model: str) -> int:
             )
 
     results = {}
-    base = 1 / seconds[1]["float32"]
+    base = 1 / seconds["1"]["float32"]
     for name, (lm, _) in variants.items():
         nbytes = weight_bytes(lm.model)
         floor_s = nbytes / bandwidth
-        tok1, tok4 = 1 / seconds[1][name], 4 / seconds[4][name]
+        tok1, tok4 = 1 / seconds["1"][name], 4 / seconds["4"][name]
         results[name] = {
             "tok_s_1": tok1,
             "tok_s_4": tok4,
+            "tok_s_1_serial": 1 / seconds["1_serial"][name],
             "vs_float32_1": tok1 / base,
             "weight_mb": nbytes / 1e6,
             "floor_ms": floor_s * 1000,
-            "step_ms_1": seconds[1][name] * 1000,
-            "threads_1": best_threads[1][name],
-            "threads_4": best_threads[4][name],
-            "floor_ratio_1": seconds[1][name] / floor_s,
+            "step_ms_1": seconds["1"][name] * 1000,
+            "step_ms_1_serial": seconds["1_serial"][name] * 1000,
+            "threads_1": best_threads["1"][name],
+            "threads_4": best_threads["4"][name],
+            "threads_1_serial": best_threads["1_serial"][name],
+            "floor_ratio_1": seconds["1"][name] / floor_s,
         }
     lines = [
         f"decode at each variant's best of {blas_thread_counts() or [1]} threads "
         f"(chosen: th 1 / th 4), kernels: {status.reason}; "
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s",
-        f"{'variant':<12} {'tok/s 1':>8} {'tok/s 4':>8} {'x f32':>6} {'MB':>7} "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; steps pipelined (async_eval) as the "
+        "engine runs them, ser 1: built then evaluated one by one",
+        f"{'variant':<12} {'tok/s 1':>8} {'tok/s 4':>8} {'ser 1':>7} {'x f32':>6} {'MB':>7} "
         f"{'step ms':>8} {'floor ms':>9} {'x floor':>8} {'th 1':>5} {'th 4':>5}",
     ]
     for name, r in results.items():
         lines.append(
-            f"{name:<12} {r['tok_s_1']:>8.1f} {r['tok_s_4']:>8.1f} {r['vs_float32_1']:>6.2f} "
+            f"{name:<12} {r['tok_s_1']:>8.1f} {r['tok_s_4']:>8.1f} {r['tok_s_1_serial']:>7.1f} "
+            f"{r['vs_float32_1']:>6.2f} "
             f"{r['weight_mb']:>7.0f} {r['step_ms_1']:>8.1f} {r['floor_ms']:>9.1f} "
             f"{r['floor_ratio_1']:>8.2f} {r['threads_1']:>5} {r['threads_4']:>5}"
         )
@@ -385,6 +453,7 @@ def run(args, model: str) -> int:
         "threads": threads,
         "prompt_tokens": prompt_tokens,
         "decode_steps": steps,
+        "round_steps": round_steps,
         "kernels": {"active": status.active, "isa": status.isa, "reason": status.reason},
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "variants": results,
