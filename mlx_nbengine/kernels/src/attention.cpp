@@ -39,6 +39,9 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 // scores tile stays within 2 MiB whatever the number of keys.
 constexpr int kTileRows = 512;
 constexpr int kTileFloats = 1 << 19;
+// A few-row tile's products are split over the threads from this many multiply-adds on
+// (about 30 microseconds on one core): below it, the split costs more than it saves.
+constexpr int64_t kSplitMacs = 1 << 17;
 
 SoftmaxFn softmax_for(Isa isa) {
   SoftmaxFn fn = nullptr;
@@ -146,8 +149,17 @@ void run(
         for (int k0 = kbeg; k0 < kend; k0 += Tk) {
           const int tk = std::min(Tk, kend - k0);
           const int64_t ks = std::max<int64_t>(k.s2, D), vs = std::max<int64_t>(v.s2, Dv);
+          // A decode step's tile (few rows, one KV group) is split over the threads too:
+          // its scores by keys, its values by columns. Each score and each output column
+          // is summed in the same order whatever the split, so the bits do not depend on it.
+          const int small_threads = int64_t(R) * tk * D < kSplitMacs ? 1 : p.threads;
           if (R <= kSmallRows) {
-            small.scores(qs.data(), R, D, kp + k0 * k.s2, ks, tk, sc.data(), Tk);
+            const float* kt = kp + k0 * k.s2;
+            workers().run(small_threads, tk, (tk + small_threads - 1) / small_threads,
+                          [&](int j0, int j1) {
+                            small.scores(qs.data(), R, D, kt + j0 * ks, ks, j1 - j0,
+                                         sc.data() + j0, Tk);
+                          });
           } else {
             cblas_sgemm(
                 kRowMajor, kNoTrans, kTrans, R, tk, D, 1.0f, qs.data(), D, kp + k0 * k.s2,
@@ -184,7 +196,12 @@ void run(
           const int chunk = (R + threads * 4 - 1) / (threads * 4);
           workers().run(std::min(threads, R), R, chunk, [&](int r0, int r1) { fn(tile, r0, r1); });
           if (R <= kSmallRows) {
-            small.values(sc.data(), R, Tk, vp + k0 * v.s2, vs, tk, o.data(), Dv, Dv);
+            const float* vt = vp + k0 * v.s2;
+            // Columns in multiples of 16: every column then takes the kernel's vector path.
+            const int per = (Dv / small_threads + 15) / 16 * 16;
+            workers().run(small_threads, Dv, std::max(16, per), [&](int d0, int d1) {
+              small.values(sc.data(), R, Tk, vt + d0, vs, tk, o.data() + d0, Dv, d1 - d0);
+            });
           } else {
             cblas_sgemm(
                 kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
