@@ -59,7 +59,7 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 MAX_ROWS = 64  # a decode step (1 to 8 rows), and short prefill steps in blocks of 8
 # Bumped whenever the attention kernels change their results' bits (the fingerprint names it).
-ATTENTION_VERSION = 2  # 2: our own products for tiles of few rows
+ATTENTION_VERSION = 3  # 2: our own products for tiles of few rows; 3: a masked tile's keys from the first any row sees to the last
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,49 @@ void view_of(const mx::array& a, View<T>& v) {
   v.s2 = n2 > 1 ? n3 : 0;
 }
 
+// The first index in [a, z) whose mask byte is set (z if none), and the last (a - 1 if
+// none), eight bytes at a time.
+int first_set(const uint8_t* row, int a, int z) {
+  while (a < z && (a & 7) != 0 && row[a] == 0) {
+    ++a;
+  }
+  if ((a & 7) == 0) {
+    while (a + 8 <= z) {
+      uint64_t word;
+      std::memcpy(&word, row + a, 8);
+      if (word != 0) {
+        break;
+      }
+      a += 8;
+    }
+  }
+  while (a < z && row[a] == 0) {
+    ++a;
+  }
+  return a;
+}
+
+int last_set(const uint8_t* row, int a, int z) {
+  int e = z; // row[e..z) are known clear
+  while (e > a && (e & 7) != 0 && row[e - 1] == 0) {
+    --e;
+  }
+  if ((e & 7) == 0) {
+    while (e - 8 >= a) {
+      uint64_t word;
+      std::memcpy(&word, row + e - 8, 8);
+      if (word != 0) {
+        break;
+      }
+      e -= 8;
+    }
+  }
+  while (e > a && row[e - 1] == 0) {
+    --e;
+  }
+  return e - 1;
+}
+
 struct Shape4 {
   int B, Hq, Hkv, L, S, D, Dv;
 };
@@ -144,8 +187,27 @@ void run(
         std::fill(m.begin(), m.begin() + R, kNinf);
         std::fill(l.begin(), l.begin() + R, 0.0f);
         const int first = S - L + l0; // the absolute position of the tile's first query
-        const int kend = p.causal ? std::min(S, first + lq) : S;
-        const int kbeg = p.window > 0 ? std::max(0, first - p.window + 1) : 0;
+        int kend = p.causal ? std::min(S, first + lq) : S;
+        int kbeg = p.window > 0 ? std::max(0, first - p.window + 1) : 0;
+        if (mask != nullptr) {
+          // The keys of the tile: from the first one any of its rows sees to the last. A
+          // sliding window comes as a mask (mlx-lm's rotating caches), and most keys of a
+          // long step lie outside it.
+          int lo_all = kend, hi_all = kbeg;
+          for (int g = 0; g < (mask->s1 == 0 ? 1 : G); ++g) {
+            for (int i = 0; i < lq; ++i) {
+              const uint8_t* row =
+                  mask->p + b * mask->s0 + (h * G + g) * mask->s1 + (l0 + i) * mask->s2;
+              const int a = first_set(row, kbeg, kend);
+              if (a < kend) {
+                lo_all = std::min(lo_all, a);
+                hi_all = std::max(hi_all, last_set(row, a, kend) + 1);
+              }
+            }
+          }
+          kbeg = lo_all;
+          kend = std::max(lo_all, hi_all);
+        }
         for (int k0 = kbeg; k0 < kend; k0 += Tk) {
           const int tk = std::min(Tk, kend - k0);
           const int64_t ks = std::max<int64_t>(k.s2, D), vs = std::max<int64_t>(v.s2, Dv);
