@@ -64,11 +64,15 @@ def int16_bound(x, q, s, b, *, bits: int, group_size: int) -> mx.array:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 20, 64])  # past 8: blocks of 8 rows
+# Past 8 rows the vectorized sets run the integer GEMM, past 96 the dequantized tiles on the
+# BLAS (src/qgemm.h); the portable set takes blocks of 8 up to 64.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 20, 64, 100, 300])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_matches_dequantize_then_matmul(isa, rows, group_size, bits):
     isa_or_skip(isa)
+    if rows > kernels.MAX_ROWS and not kernels.gemm_available(isa):
+        pytest.skip(f"the {isa} set takes at most {kernels.MAX_ROWS} rows")
     # N odd; K seven groups (the 1- and 2-row kernels take four at a time, then the rest),
     # not a multiple of the widest vector step (4 x 16 floats).
     n, k = 77, 7 * group_size
@@ -138,10 +142,52 @@ def test_leading_dimensions_are_kept():
     assert mx.allclose(got.reshape(6, 33), want, atol=1e-2).item()  # int16 x: about 1e-3
 
 
-def test_more_rows_than_the_kernels_take_is_refused():
+def test_more_rows_than_the_portable_set_takes_is_refused():
     q, s, b = quantized(16, 64, bits=8, group_size=64)
     with pytest.raises(ValueError, match="1 to 64 rows"):
-        kernels.quantized_matmul(mx.zeros((65, 64)), q, s, b, group_size=64, bits=8)
+        kernels.quantized_matmul(
+            mx.zeros((65, 64)), q, s, b, group_size=64, bits=8, isa="portable"
+        )
+
+
+VECTOR_ISAS = [isa for isa in ISAS if isa != "portable"]
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_the_vectorized_sets_take_any_number_of_rows(isa):
+    isa_or_skip(isa)
+    assert kernels.gemm_available(isa)
+    q, s, b = quantized(16, 64, bits=8, group_size=64)
+    x = mx.random.normal((1000, 64), key=mx.random.key(5))
+    got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa)
+    want, magnitudes = reference(x, q, s, b, bits=8, group_size=64)
+    bound = tolerance(magnitudes, 64) + int16_bound(x, q, s, b, bits=8, group_size=64)
+    assert mx.all(mx.abs(got - want) <= bound).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_a_gemm_rows_bits_do_not_depend_on_the_rows_beside_it(isa, bits):
+    # A cold prefill and a restored edit's tail compute the same rows in products of
+    # different sizes: the integer GEMM (9 to 96 rows) gives each row the same bits.
+    isa_or_skip(isa)
+    q, s, b = quantized(83, 5 * 64, bits=bits, group_size=64)
+    x = mx.random.normal((90, 5 * 64), key=mx.random.key(6))
+    whole = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa)
+    tail = kernels.quantized_matmul(x[53:], q, s, b, group_size=64, bits=bits, isa=isa)
+    assert mx.array_equal(whole[53:], tail).item()
+    one = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa, threads=1)
+    assert mx.array_equal(whole, one).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_gemm_gives_the_same_bits_under_avx2_and_avx512(bits):
+    isa_or_skip("avx512")
+    q, s, b = quantized(45, 3 * 32, bits=bits, group_size=32)
+    x = mx.random.normal((41, 3 * 32), key=mx.random.key(7))
+    two = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=bits, isa="avx2")
+    five = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=bits, isa="avx512")
+    assert mx.array_equal(two, five).item()
 
 
 def test_the_patched_library_methods_are_what_we_restate():

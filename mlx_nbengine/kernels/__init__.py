@@ -4,7 +4,9 @@ MLX's CPU kernels for its quantized format are scalar on x86, slower than a floa
 matrix-vector product; decode is bound by the bytes of weights read per token, so 8-bit and
 4-bit weights should decode two to four times faster than float32. These kernels compute
 ``x @ dequantize(w, scales, biases).T`` for 1 to `MAX_ROWS` rows of ``x`` (a decode step)
-straight from the packed weights, as an MLX primitive on the CPU device.
+straight from the packed weights, as an MLX primitive on the CPU device; the vectorized
+sets take more rows too (a prefill step: an integer GEMM, or past 96 rows the weights
+dequantized a tile at a time onto the BLAS).
 
 `attention` is scaled-dot-product attention (``mx.fast.scaled_dot_product_attention``'s
 function, plus sliding windows and soft-capping): its two products on the BLAS, the softmax
@@ -47,6 +49,7 @@ __all__ = [
     "attention",
     "attention_isa",
     "gated_mlp",
+    "gemm_available",
     "quantized_matmul",
     "status",
     "supports",
@@ -57,7 +60,10 @@ MODE_ENV = "MLX_NBENGINE_KERNELS"
 MODES = ("auto", "avx512", "avx2", "portable", "off")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-MAX_ROWS = 64  # a decode step (1 to 8 rows), and short prefill steps in blocks of 8
+# Rows of x the portable set takes (a decode step, a short prefill step in blocks of 8). The
+# vectorized sets take any number (`gemm_available`): past 8 rows an integer GEMM, past
+# 96 the weights dequantized a tile at a time onto the BLAS (src/qgemm.h).
+MAX_ROWS = 64
 # Bumped whenever the attention kernels change their results' bits (the fingerprint names it).
 ATTENTION_VERSION = 3  # 2: our own products for tiles of few rows; 3: a masked tile's keys from the first any row sees to the last
 
@@ -157,6 +163,14 @@ def usable_isa(isa: str) -> str | None:
     return _module.usable_isa(isa)
 
 
+def gemm_available(isa: str | None = None) -> bool:
+    """Whether products of any number of rows run on the kernels with set `isa` (default:
+    the one `status` chose): the vectorized sets; the portable one takes `MAX_ROWS`."""
+    if not status().active:
+        return False
+    return bool(_module.gemm_available(isa or _status.isa))
+
+
 def supports(*, bits: int, group_size: int, mode: str = "affine") -> bool:
     """Whether weights quantized this way can use the kernels (on a CPU where they are active)."""
     return mode == "affine" and bits in BITS and group_size in GROUP_SIZES
@@ -173,7 +187,8 @@ def quantized_matmul(
     isa: str | None = None,
     threads: int | None = None,
 ) -> mx.array:
-    """``x @ dequantize(w, scales, biases).T`` on our kernels, for 1 to `MAX_ROWS` rows of x.
+    """``x @ dequantize(w, scales, biases).T`` on our kernels, for 1 to `MAX_ROWS` rows of x,
+    or any number where `gemm_available` (a prefill step).
 
     Like ``mx.quantized_matmul(..., transpose=True)`` with MLX's affine mode. `isa` forces a
     kernel set (default: the one `status` chose); `threads` defaults to the engine's BLAS

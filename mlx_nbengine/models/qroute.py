@@ -12,12 +12,13 @@ and the ``__call__`` of mlx-lm's SwiGLU MLPs (`_SWIGLU_MLPS`, while their body i
 graph node); Gemma's GELU MLPs reach it through `cpu_math`.
 
 A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
-32, 64 or 128) with at most `kernels.MAX_ROWS` (64) rows of input on the CPU device: a
-decode step, or a short prefill step such as an edit's tail (the kernels take it 8 rows at a
-time; a 20-token tail of Gemma 3 270M ran 2.5x faster that way than dequantized onto the BLAS). A
-longer prefill step dequantizes the weights into float32 and multiplies on the BLAS, about
-ten times faster on the CPU than ``mx.quantized_matmul``; anything else (other modes,
-the GPU) calls the library's own method. Both methods are patched only while their source is
+32, 64 or 128) on the CPU device, with any number of rows where the kernel set has its GEMM
+(`kernels.gemm_available`: the vectorized sets), else at most `kernels.MAX_ROWS` (64): a
+decode step on the row kernels; an edit's tail on the integer GEMM (a product of 32 to 96
+rows ran 2-8x faster than MLX's dequantize + matmul); a long prefill step with the weights
+dequantized by our kernels a tile at a time onto the BLAS. A longer step of the portable set
+dequantizes with MLX and multiplies on the BLAS, about ten times faster on the CPU than
+``mx.quantized_matmul``; anything else (other modes, the GPU) calls the library's own method. Both methods are patched only while their source is
 the expression we restate (`EXPECTED_SOURCE`), so an MLX that changes them keeps its own and
 one line says so; tests/test_qkernels.py fails loudly on such an MLX.
 """
@@ -51,8 +52,10 @@ __all__ = [
 
 # Bumped whenever the kernels change their results' bits (the fingerprint names it): 2 is
 # the int16 activations of the vectorized sets, 3 their uncentred weights (qkernels_x86), 4
-# the gated MLPs of decode steps as one product (`routed_gated_mlp`).
-VERSION = 4
+# the gated MLPs of decode steps as one product (`routed_gated_mlp`), 5 the prefill steps'
+# products on the kernels too (the integer GEMM past 8 rows, dequantized tiles on the BLAS
+# past 96; src/qgemm.h).
+VERSION = 5
 
 _QUANTIZED_MATMUL = """\
 mx.quantized_matmul(
@@ -105,7 +108,7 @@ def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
         return None
     w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     rows = x.size // x.shape[-1] if x.ndim else 0
-    if 1 <= rows <= kernels.MAX_ROWS:
+    if 1 <= rows <= kernels.MAX_ROWS or (rows > kernels.MAX_ROWS and kernels.gemm_available()):
         note_kernel_products()  # the decode steps' threads are ours, not OpenBLAS's
         return kernels.quantized_matmul(
             x, w, scales, biases, group_size=layer.group_size, bits=layer.bits

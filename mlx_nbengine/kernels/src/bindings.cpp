@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "gated_mlp.h"
+#include "qgemm.h"
 #include "qmatvec.h"
 
 namespace nb = nanobind;
@@ -116,6 +117,7 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "isa"_a,
       "The kernel set that runs for `isa` on this CPU (a lesser one where it lacks `isa`).");
   m.def("max_rows", [] { return mnb::kMaxRows; });
+  m.def("gemm_available", [](const std::string& isa) { return mnb::qgemm_available(mnb::usable(parse_isa(isa))); }, "isa"_a);
   m.def(
       "attention",
       [](const mnb::mx::array& q,

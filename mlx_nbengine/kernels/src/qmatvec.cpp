@@ -8,6 +8,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "qgemm.h"
 #include "strided.h"
 #include "workers.h"
 
@@ -124,7 +125,7 @@ mx::array quantized_matvec(
   }
   scale_type(scales.dtype());
   const int M = int(x.size() / K);
-  if (M < 1 || M > kMaxRows) {
+  if (M < 1 || (M > kMaxRows && !qgemm_available(usable(isa)))) {
     throw std::invalid_argument("quantized_matvec: x must have 1 to 64 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
@@ -170,7 +171,8 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   const int threads = product_threads(job, threads_);
   const bool gather = !x.flags().row_contiguous;
   const Isa isa = isa_;
-  encoder.dispatch([job, isa, threads, gather, x]() mutable {
+  const int all_threads = threads_;
+  encoder.dispatch([job, isa, threads, all_threads, gather, x]() mutable {
     std::vector<float> dense;
     if (gather) { // a view whose rows are not contiguous: read it as M x K row-major
       std::vector<int64_t> starts;
@@ -182,6 +184,10 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         }
       }
       job.x = dense.data();
+    }
+    if (job.M > kBlockRows && qgemm_available(isa)) { // a prefill step: the integer GEMM
+      qgemm(job, isa, all_threads);
+      return;
     }
     // Blocks of at most kBlockRows rows, each with its kernel and its int16 x.
     const int blocks = (job.M + kBlockRows - 1) / kBlockRows;

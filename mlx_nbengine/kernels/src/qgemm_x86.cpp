@@ -1,0 +1,180 @@
+// The x86-64 GEMM tiles (qgemm.h): AVX2 (8 rows a vector, 6 output columns a tile) and
+// AVX-512 (16 rows, 12 columns), the latter with vpdpwssd where the CPU has AVX-512 VNNI.
+// Each function carries its own target attribute; the CPU that runs them decides.
+
+#include <algorithm>
+#include <cstring>
+
+#include "qgemm.h"
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+namespace mnb {
+
+namespace {
+
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+// 4 bytes of 4-bit weights as 8 int32 lanes, each byte's low nibble first.
+__attribute__((target("avx2,fma,f16c"))) inline __m256i nibbles8(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_set1_epi64x(
+      int64_t(uint64_t(word & 0x0F0F0F0F) | uint64_t((word >> 4) & 0x0F0F0F0F) << 32)));
+  // lanes 0-3: low nibbles of bytes 0-3, lanes 4-7: high ones; into element order.
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 8 bytes of 4-bit weights as 16 int32 lanes, each byte's low nibble first.
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inline __m512i
+nibbles16(const uint8_t* p) {
+  uint64_t word;
+  std::memcpy(&word, p, 8);
+  const __m512i bytes = _mm512_cvtepu8_epi32(
+      _mm_set_epi64x(int64_t((word >> 4) & 0x0F0F0F0F0F0F0F0FULL), int64_t(word & 0x0F0F0F0F0F0F0F0FULL)));
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), bytes);
+}
+
+#define MNB_TARGET __attribute__((target("avx2,fma,f16c")))
+#define MNB_NS gemm2
+#define MNB_LANES 8
+#define MNB_NR 6
+#define VI __m256i
+#define VF __m256
+#define ZEROI _mm256_setzero_si256
+#define ZEROF _mm256_setzero_ps
+#define LOADI(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+#define SET1I _mm256_set1_epi32
+#define DOT(acc, a, w) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*(w))))
+#define LOADF _mm256_loadu_ps
+#define STOREF _mm256_storeu_ps
+#define SET1F _mm256_set1_ps
+#define CVT _mm256_cvtepi32_ps
+#define FMA _mm256_fmadd_ps
+#define MUL _mm256_mul_ps
+#define ADDF _mm256_add_ps
+#define WIDEN8_STEP 16
+#define WIDEN8(src, dst)                                                                  \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),                                   \
+                      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))))
+#define WIDEN4_STEP 8
+#define WIDEN4(src, dst)                                                                  \
+  do {                                                                                    \
+    const __m256i v =                                                                     \
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));      \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),                                 \
+                        _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(15)),       \
+                                        _mm256_slli_epi32(_mm256_srli_epi32(v, 4), 16))); \
+  } while (0)
+// 8 weights from element k of a row as int32 lanes (for 4-bit: 4 bytes, low nibble first).
+#define DEQ_LOAD(row, k) (job.bits == 8 ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>((row) + (k)))) : nibbles8((row) + (k) / 2))
+#include "qgemm_x86_body.h"
+#undef DEQ_LOAD
+#undef MNB_TARGET
+#undef MNB_NS
+#undef MNB_LANES
+#undef MNB_NR
+#undef VI
+#undef VF
+#undef ZEROI
+#undef ZEROF
+#undef LOADI
+#undef SET1I
+#undef DOT
+#undef LOADF
+#undef STOREF
+#undef SET1F
+#undef CVT
+#undef FMA
+#undef MUL
+#undef ADDF
+#undef WIDEN8_STEP
+#undef WIDEN8
+#undef WIDEN4_STEP
+#undef WIDEN4
+
+// AVX-512, twice: with vpmaddwd + vpaddd, and with VNNI's vpdpwssd (the same exact sums).
+#define MNB_LANES 16
+#define MNB_NR 12
+#define VI __m512i
+#define VF __m512
+#define ZEROI _mm512_setzero_si512
+#define ZEROF _mm512_setzero_ps
+#define LOADI(p) _mm512_loadu_si512(p)
+#define SET1I _mm512_set1_epi32
+#define LOADF _mm512_loadu_ps
+#define STOREF _mm512_storeu_ps
+#define SET1F _mm512_set1_ps
+#define CVT _mm512_cvtepi32_ps
+#define FMA _mm512_fmadd_ps
+#define MUL _mm512_mul_ps
+#define ADDF _mm512_add_ps
+#define WIDEN8_STEP 32
+#define WIDEN8(src, dst)                                                                  \
+  _mm512_storeu_si512(dst, _mm512_cvtepu8_epi16(                                          \
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))))
+#define WIDEN4_STEP 16
+#define WIDEN4(src, dst)                                                                  \
+  do {                                                                                    \
+    const __m512i v =                                                                     \
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));      \
+    _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),  \
+                                             _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16))); \
+  } while (0)
+
+// 16 weights from element k of a row as int32 lanes (for 4-bit: 8 bytes, low nibble first).
+#define DEQ_LOAD(row, k) (job.bits == 8 ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>((row) + (k)))) : nibbles16((row) + (k) / 2))
+
+#define MNB_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
+#define MNB_NS gemm5
+#define DOT(acc, a, w) acc = _mm512_add_epi32(acc, _mm512_madd_epi16(a, _mm512_set1_epi32(*(w))))
+#include "qgemm_x86_body.h"
+#undef MNB_TARGET
+#undef MNB_NS
+#undef DOT
+
+#define MNB_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define MNB_NS gemm5v
+// In place, the weight pair broadcast from memory by the instruction itself: written with
+// the intrinsic, GCC 12 copies every accumulator out and back around each vpdpwssd.
+#define DOT(acc, a, w) \
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(w)))
+#include "qgemm_x86_body.h"
+#undef MNB_TARGET
+#undef MNB_NS
+#undef DOT
+
+} // namespace
+
+GemmSet gemm_avx2() {
+  return cpu_has_avx2() ? gemm2::set() : GemmSet{};
+}
+
+GemmSet gemm_avx512() {
+  if (!cpu_has_avx512()) {
+    return GemmSet{};
+  }
+  return cpu_has_avx512_vnni() ? gemm5v::set() : gemm5::set();
+}
+
+} // namespace mnb
+
+#else // not x86-64: no GEMM sets
+
+namespace mnb {
+GemmSet gemm_avx2() {
+  return GemmSet{};
+}
+GemmSet gemm_avx512() {
+  return GemmSet{};
+}
+} // namespace mnb
+
+#endif

@@ -1,0 +1,104 @@
+// The GEMM tiles' bodies (qgemm.h), included by qgemm_x86.cpp once per set with MNB_TARGET,
+// MNB_NS, MNB_LANES, MNB_NR and the vector names defined. No include guard.
+
+namespace MNB_NS {
+
+constexpr int kLanes = MNB_LANES;
+constexpr int kNr = MNB_NR;
+
+MNB_TARGET void tile(const GemmArgs& a) {
+  VI iacc[kNr];
+  VF facc[kNr];
+  for (int j = 0; j < kNr; ++j) {
+    facc[j] = ZEROF();
+  }
+  for (int g = 0; g < a.groups; ++g) {
+    for (int j = 0; j < kNr; ++j) {
+      iacc[j] = ZEROI();
+    }
+    const int32_t* xg = a.xp + int64_t(g) * a.group_pairs * kLanes;
+    const int32_t* wg = a.wt + int64_t(g) * a.group_pairs;
+    for (int p = 0; p < a.group_pairs; ++p) {
+      const VI xv = LOADI(xg + p * kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < kNr; ++j) {
+        DOT(iacc[j], xv, wg + int64_t(j) * a.wstride + p);
+      }
+    }
+    const VF xs = LOADF(a.xs + g * kLanes);
+#pragma GCC unroll 16
+    for (int j = 0; j < kNr; ++j) {
+      facc[j] = FMA(CVT(iacc[j]), MUL(SET1F(a.st[j * a.groups + g]), xs), facc[j]);
+    }
+  }
+  VF bacc[kNr];
+  for (int j = 0; j < kNr; ++j) {
+    bacc[j] = ZEROF();
+  }
+  for (int g = 0; g < a.groups; ++g) {
+    const VF xm = LOADF(a.xm + g * kLanes);
+#pragma GCC unroll 16
+    for (int j = 0; j < kNr; ++j) {
+      bacc[j] = FMA(SET1F(a.bt[j * a.groups + g]), xm, bacc[j]);
+    }
+  }
+  for (int j = 0; j < kNr; ++j) {
+    STOREF(a.res + j * kLanes, ADDF(facc[j], bacc[j]));
+  }
+}
+
+MNB_TARGET void widen(const QJob& job, int n0, int32_t* wt, float* st, float* bt) {
+  const int K = job.K, G = K / job.group, P = K / 2, S = gemm_wstride(P);
+  const int64_t row_bytes = int64_t(K) * job.bits / 8;
+  for (int j = 0; j < kNr; ++j) {
+    const int n = n0 + j;
+    int32_t* w = wt + int64_t(j) * S;
+    if (n >= job.N) {
+      std::memset(w, 0, sizeof(int32_t) * P);
+      std::fill(st + j * G, st + (j + 1) * G, 0.0f);
+      std::fill(bt + j * G, bt + (j + 1) * G, 0.0f);
+      continue;
+    }
+    const uint8_t* row = job.w + n * row_bytes;
+    if (job.bits == 8) {
+      for (int k = 0; k < K; k += WIDEN8_STEP) {
+        WIDEN8(row + k, w + k / 2);
+      }
+    } else { // byte i holds elements 2i (low nibble) and 2i + 1: pair i
+      for (int i = 0; i < P; i += WIDEN4_STEP) {
+        WIDEN4(row + i, w + i);
+      }
+    }
+    widen_row(job, n, st + j * G, bt + j * G);
+  }
+}
+
+// Rows n0 .. n1 of W dequantized to float32 (row n at dst + (n - n0) * K): s * q + b.
+MNB_TARGET void dequantize(const QJob& job, int n0, int n1, float* dst) {
+  const int K = job.K, G = K / job.group;
+  const int64_t row_bytes = int64_t(K) * job.bits / 8;
+  float s[kMaxGroups], b[kMaxGroups];
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = job.w + n * row_bytes;
+    float* out = dst + int64_t(n - n0) * K;
+    widen_row(job, n, s, b);
+    for (int g = 0; g < G; ++g) {
+      const VF sv = SET1F(s[g]), bv = SET1F(b[g]);
+      for (int k = g * job.group; k < (g + 1) * job.group; k += kLanes) {
+        STOREF(out + k, FMA(CVT(DEQ_LOAD(row, k)), sv, bv));
+      }
+    }
+  }
+}
+
+GemmSet set() {
+  GemmSet s;
+  s.lanes = kLanes;
+  s.nr = kNr;
+  s.tile = tile;
+  s.widen = widen;
+  s.dequantize = dequantize;
+  return s;
+}
+
+} // namespace MNB_NS
