@@ -157,9 +157,10 @@ VECTOR_ISAS = [isa for isa in ISAS if isa != "portable"]
 def test_the_vectorized_sets_take_any_number_of_rows(isa):
     isa_or_skip(isa)
     assert kernels.gemm_available(isa)
-    q, s, b = quantized(16, 64, bits=8, group_size=64)
+    # Big enough that the dequantized tiles are split over two threads.
+    q, s, b = quantized(1031, 64, bits=8, group_size=64)
     x = mx.random.normal((1000, 64), key=mx.random.key(5))
-    got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa)
+    got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa, threads=2)
     want, magnitudes = reference(x, q, s, b, bits=8, group_size=64)
     bound = tolerance(magnitudes, 64) + int16_bound(x, q, s, b, bits=8, group_size=64)
     assert mx.all(mx.abs(got - want) <= bound).item()
@@ -350,6 +351,14 @@ def test_the_switch_turns_the_kernels_off():
     done = _status_in_child({kernels.MODE_ENV: "off"})
     assert done.stdout.split() == ["False", "None"]
     assert done.stderr == ""
+
+
+def test_the_build_key_covers_every_source_file():
+    # An edited source the key does not read would leave a stale module in the cache home.
+    from mlx_nbengine.kernels import build
+
+    on_disk = {p.name for p in build.SOURCE_DIR.iterdir() if p.suffix in {".cpp", ".h", ".txt"}}
+    assert on_disk == set(build.SOURCES)
 
 
 def test_a_failed_build_says_one_line_and_models_run_as_before(tmp_path, tiny_q4):

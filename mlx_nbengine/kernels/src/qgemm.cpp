@@ -108,14 +108,16 @@ namespace {
 void dequantized_product(const QJob& job, const GemmSet& set, int threads) {
   const int M = job.M, K = job.K, N = job.N;
   const int rows = int(std::clamp<int64_t>(kBlasTileBytes / (int64_t(K) * 4), 64, N));
-  thread_local std::vector<float> dense;
+  thread_local std::vector<float> dense; // this (the stream's) thread's; workers get a pointer
   dense.resize(size_t(rows) * K);
+  float* const buffer = dense.data();
   for (int n0 = 0; n0 < N; n0 += rows) {
     const int n1 = std::min(N, n0 + rows);
     workers().run(threads, n1 - n0, std::max(16, (n1 - n0) / (threads * 4)), [&](int a, int b) {
-      set.dequantize(job, n0 + a, n0 + b, dense.data() + int64_t(a) * K);
+      set.dequantize(job, n0 + a, n0 + b, buffer + int64_t(a) * K);
     });
-    cblas_sgemm(101, 111, 112, M, n1 - n0, K, 1.0f, job.x, K, dense.data(), K, 0.0f,
+    workers().rest(); // the BLAS's threads take the cores next
+    cblas_sgemm(101, 111, 112, M, n1 - n0, K, 1.0f, job.x, K, buffer, K, 0.0f,
                 job.out + n0, N);
   }
 }
