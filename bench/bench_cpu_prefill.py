@@ -58,6 +58,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from mlx_nbengine import kernels  # noqa: E402
+from mlx_nbengine.kernels import rowops  # noqa: E402
 from mlx_nbengine.models import attnroute, cpu_math, load  # noqa: E402
 from mlx_nbengine.models.head import split_head  # noqa: E402
 
@@ -194,6 +195,7 @@ def profile_step(lm, ids: list[int], *, cached: int, step: int) -> dict[str, flo
         (nn.Embedding, "as_linear", "head"),
         (nn.QuantizedEmbedding, "as_linear", "head"),
         (cpu_math, "gelu_tanh", "gelu"),
+        (rowops, "gelu_tanh_mul", "gelu"),
         (nn, "gelu_approx", "gelu"),
     ]
     for m in {module, text_module} - {None}:

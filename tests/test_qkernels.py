@@ -145,9 +145,7 @@ def test_leading_dimensions_are_kept():
 def test_more_rows_than_the_portable_set_takes_is_refused():
     q, s, b = quantized(16, 64, bits=8, group_size=64)
     with pytest.raises(ValueError, match="1 to 64 rows"):
-        kernels.quantized_matmul(
-            mx.zeros((65, 64)), q, s, b, group_size=64, bits=8, isa="portable"
-        )
+        kernels.quantized_matmul(mx.zeros((65, 64)), q, s, b, group_size=64, bits=8, isa="portable")
 
 
 VECTOR_ISAS = [isa for isa in ISAS if isa != "portable"]

@@ -156,3 +156,42 @@ def test_gemma_norms_add_one_to_their_weight_once_while_it_stays_the_same():
     norm.weight = normal((64,), 12)  # new weights: the sum follows them
     assert mx.allclose(norm(x), library("rms_norm")(x, 1.0 + norm.weight, 1e-6), atol=1e-5).item()
     assert set(norm.parameters()) == {"weight"}  # nothing held on the module itself
+
+
+# --- gelu_tanh(gate) * up ---------------------------------------------------------------------
+
+
+def gelu_reference(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    x = g.astype(np.float64)
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))) * u
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 37), (1030, 64), (5,)])
+def test_gelu_tanh_mul_matches_gelu_times_up(isa, shape):
+    # The rational tanh is within 3.2e-7 of tanh (test_cpu_math); the rest is float32
+    # rounding of a few operations: 8 eps of the result's magnitude, plus the tanh error.
+    isa_or_skip(isa)
+    g, u = normal(shape, 31) * 4, normal(shape, 32)
+    got = np.array(rowops.gelu_tanh_mul(g, u, isa=isa))
+    want = gelu_reference(np.array(g), np.array(u))
+    x = np.abs(np.array(g, dtype=np.float64))
+    bound = 8 * EPS32 * np.abs(want) + (0.5 * x * 3.2e-7 + 8 * EPS32 * x) * np.abs(np.array(u))
+    assert got.shape == shape and np.all(np.abs(got - want) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gelu_tanh_mul_gives_an_element_the_same_bits_wherever_it_falls(isa):
+    # In a vector or in the tail, in a long array or a short one (a cold prefill and an
+    # edit's tail compute the same activations in arrays of other lengths), and with the
+    # work split over threads or not.
+    isa_or_skip(isa)
+    g, u = normal((9001,), 33) * 3, normal((9001,), 34)
+    whole = rowops.gelu_tanh_mul(g, u, isa=isa, threads=2)
+    part = rowops.gelu_tanh_mul(g[5:], u[5:], isa=isa, threads=1)
+    assert mx.array_equal(whole[5:], part).item()
+
+
+def test_gelu_tanh_mul_refuses_arrays_that_do_not_fit():
+    with pytest.raises(ValueError, match="one shape"):
+        rowops.gelu_tanh_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))

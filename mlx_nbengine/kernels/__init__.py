@@ -64,8 +64,10 @@ GROUP_SIZES = (32, 64, 128)
 # vectorized sets take any number (`gemm_available`): past 8 rows an integer GEMM, past
 # 96 the weights dequantized a tile at a time onto the BLAS (src/qgemm.h).
 MAX_ROWS = 64
-# Bumped whenever the attention kernels change their results' bits (the fingerprint names it).
-ATTENTION_VERSION = 3  # 2: our own products for tiles of few rows; 3: a masked tile's keys from the first any row sees to the last
+# Bumped whenever the attention kernels change their results' bits (the fingerprint names it):
+# 2 our own products for tiles of few rows, 3 a masked tile's keys from the first any of its
+# rows sees to the last.
+ATTENTION_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""RMS norm and RoPE as our own CPU primitives (src/rowops.h), in the kernels' one module.
+"""RMS norm, RoPE and a gated GELU as our own CPU primitives (src/rowops.h), in the kernels'
+one module.
 
 MLX 0.32 runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` on the CPU as graphs of a dozen or
 more small operations each (RoPE recomputes its cos and sin on every call); each of these is
@@ -11,14 +12,26 @@ from __future__ import annotations
 import mlx.core as mx
 
 import mlx_nbengine.kernels as _kernels
+from mlx_nbengine import _blas
 
-__all__ = ["rms_norm", "rope"]
+__all__ = ["gelu_tanh_mul", "rms_norm", "rope"]
 
 
 def _module():
     if not _kernels.status().active:
         raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
     return _kernels._module  # noqa: SLF001 - the package's one built module
+
+
+def gelu_tanh_mul(
+    gate: mx.array, up: mx.array, *, isa: str | None = None, threads: int | None = None
+) -> mx.array:
+    """``gelu_tanh(gate) * up`` (GELU's tanh approximation, tanh by `cpu_math`'s rational
+    fit) for float32 arrays of one shape on the CPU: a GELU-gated MLP's activation, split
+    over `threads` (default: the step's BLAS thread count)."""
+    return _module().gelu_tanh_mul(
+        gate, up, isa or _kernels.status().isa, threads or _blas.current_threads()
+    )
 
 
 def rms_norm(

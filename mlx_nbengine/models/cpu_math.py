@@ -33,12 +33,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_nbengine import kernels
+from mlx_nbengine.kernels import rowops
 from mlx_nbengine.models import patches, qroute
 
 __all__ = ["VARIANT", "gelu_tanh", "speed_up"]
 
 # Goes into the model fingerprint when `speed_up` changed something (bump on any change).
-VARIANT = "cpu-gelu-r44-v1"
+VARIANT = "cpu-gelu-r44-v2"  # v2: a prefill step's activation on our kernel (rowops)
 
 _TANH_LIMIT = 9.0
 _TANH_P = (
@@ -92,7 +94,12 @@ def _gelu_mlp_call(self, x: mx.array) -> mx.array:
     fused = qroute.routed_gated_mlp(self, x, "gelu_tanh")  # a quantized decode step
     if fused is not None:
         return fused
-    return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.dtype == mx.float32 and mx.default_device() == mx.cpu and kernels.status().active:
+        # One pass of our kernel (the same rational tanh) instead of the compiled graph,
+        # which MLX runs scalar on x86: a prefill step's activation about 4x faster.
+        return self.down_proj(rowops.gelu_tanh_mul(gate, up))
+    return self.down_proj(gelu_tanh(gate) * up)
 
 
 _swapped: dict[type, type] = {}  # library MLP class -> its subclass with `gelu_tanh`

@@ -18,9 +18,10 @@ decode step on the row kernels; an edit's tail on the integer GEMM (a product of
 rows ran 2-8x faster than MLX's dequantize + matmul); a long prefill step with the weights
 dequantized by our kernels a tile at a time onto the BLAS. A longer step of the portable set
 dequantizes with MLX and multiplies on the BLAS, about ten times faster on the CPU than
-``mx.quantized_matmul``; anything else (other modes, the GPU) calls the library's own method. Both methods are patched only while their source is
-the expression we restate (`EXPECTED_SOURCE`), so an MLX that changes them keeps its own and
-one line says so; tests/test_qkernels.py fails loudly on such an MLX.
+``mx.quantized_matmul``; anything else (other modes, the GPU) calls the library's own method.
+Both methods are patched only while their source is the expression we restate
+(`EXPECTED_SOURCE`), so an MLX that changes them keeps its own and one line says so;
+tests/test_qkernels.py fails loudly on such an MLX.
 """
 
 from __future__ import annotations

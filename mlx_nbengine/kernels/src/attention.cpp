@@ -223,6 +223,7 @@ void run(
                                          sc.data() + j0, Tk);
                           });
           } else {
+            workers().rest(); // the BLAS's threads take the cores next
             cblas_sgemm(
                 kRowMajor, kNoTrans, kTrans, R, tk, D, 1.0f, qs.data(), D, kp + k0 * k.s2,
                 int(ks), 0.0f, sc.data(), Tk);
@@ -265,6 +266,7 @@ void run(
               small.values(sc.data(), R, Tk, vt + d0, vs, tk, o.data() + d0, Dv, d1 - d0);
             });
           } else {
+            workers().rest(); // the BLAS's threads take the cores next
             cblas_sgemm(
                 kRowMajor, kNoTrans, kNoTrans, R, Dv, tk, 1.0f, sc.data(), Tk, vp + k0 * v.s2,
                 int(vs), 1.0f, o.data(), Dv);

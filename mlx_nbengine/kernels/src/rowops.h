@@ -42,6 +42,27 @@ mx::array rope(
     const std::optional<mx::array>& freqs,
     Isa isa);
 
+// gelu_tanh(gate) * up, elementwise, for float32 arrays of one shape: the activation of a
+// GELU-gated MLP (Gemma's) in a prefill step, one pass instead of MLX's compiled graph
+// (scalar on x86). tanh by the rational fit of attention_math.h.
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads);
+
+class GeluTanhMul : public mx::UnaryPrimitive {
+ public:
+  GeluTanhMul(mx::Stream stream, Isa isa, int threads)
+      : mx::UnaryPrimitive(stream), isa_(isa), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MnbGeluTanhMul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  Isa isa_;
+  int threads_;
+};
+
 class RmsNorm : public mx::UnaryPrimitive {
  public:
   RmsNorm(mx::Stream stream, float eps, bool has_weight, Isa isa)

@@ -12,6 +12,15 @@ using namespace nb::literals;
 
 void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
   m.def(
+      "gelu_tanh_mul",
+      [parse_isa](const mnb::mx::array& gate, const mnb::mx::array& up, const std::string& isa,
+                  int threads) { return mnb::gelu_tanh_mul(gate, up, parse_isa(isa), threads); },
+      "gate"_a,
+      "up"_a,
+      "isa"_a,
+      "threads"_a,
+      "gelu_tanh(gate) * up of float32 arrays on the CPU.");
+  m.def(
       "rms_norm",
       [parse_isa](const mnb::mx::array& x,
                   const std::optional<mnb::mx::array>& w,

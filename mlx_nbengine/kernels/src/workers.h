@@ -27,8 +27,15 @@ class Workers {
 
   using Task = std::function<void(int n0, int n1)>;
 
+  // The workers stop spinning now and sleep until the next call: say so before handing the
+  // cores to another pool of threads (the BLAS's), which a spinning worker would slow.
+  void rest() {
+    nap_.store(true, std::memory_order_relaxed);
+  }
+
   // task(n0, n1) for every `chunk`-sized part of [0, N), on up to `threads` threads.
   void run(int threads, int N, int chunk, const Task& task) {
+    nap_.store(false, std::memory_order_relaxed);
     chunk = std::max(1, chunk);
     if (threads <= 1 || N <= chunk) {
       task(0, N);
@@ -80,6 +87,7 @@ class Workers {
     for (;;) {
       const auto give_up = std::chrono::steady_clock::now() + kSpin;
       while (epoch_.load(std::memory_order_acquire) == seen &&
+             !nap_.load(std::memory_order_relaxed) &&
              std::chrono::steady_clock::now() < give_up) {
         for (int i = 0; i < 32; ++i) {
 #if defined(__x86_64__)
@@ -115,6 +123,7 @@ class Workers {
   std::atomic<int> next_{0};
   std::atomic<int> inside_{0};
   std::atomic<bool> closed_{true};
+  std::atomic<bool> nap_{false};
   const Task* task_ = nullptr;
   int n_ = 0;
   int chunk_ = 16;
