@@ -167,8 +167,10 @@ void qgemm(const QJob& job, Isa isa, int threads) {
             job.group / 2,
             gemm_wstride(P),
             res.data()};
-        set.tile(a);
         const int rows = std::min(L, M - b * L);
+        // A last block of few rows (an edit's tail of 20 is 16 + 4) on half the lanes: the
+        // same operations lane by lane, so the same bits.
+        (rows <= L / 2 && set.tile_half != nullptr ? set.tile_half : set.tile)(a);
         for (int l = 0; l < rows; ++l) {
           float* dst = job.out + int64_t(b * L + l) * N + n0;
           for (int j = 0; j < ncols; ++j) {

@@ -42,6 +42,9 @@ struct GemmArgs {
 struct GemmSet {
   int lanes = 0, nr = 0;
   void (*tile)(const GemmArgs& a) = nullptr;
+  // The same for the first lanes / 2 rows of the block only (a last block of few rows), the
+  // same operations lane by lane; nullptr where the set has none.
+  void (*tile_half)(const GemmArgs& a) = nullptr;
   // The tile of output columns n0 .. n0 + nr: weights widened, scales and biases as float32
   // (columns past N zero).
   void (*widen)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;

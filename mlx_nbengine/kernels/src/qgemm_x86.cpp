@@ -41,6 +41,32 @@ nibbles16(const uint8_t* p) {
       _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), bytes);
 }
 
+
+namespace gemm2 {
+template <int W>
+struct V;
+template <>
+struct V<8> {
+  using I = __m256i;
+  using F = __m256;
+#define T __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+  T I zeroi() { return _mm256_setzero_si256(); }
+  T F zerof() { return _mm256_setzero_ps(); }
+  T I loadi(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  T void dot(I& acc, I a, const int32_t* w) {
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*w)));
+  }
+  T F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  T void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  T F set1f(float v) { return _mm256_set1_ps(v); }
+  T F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  T F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  T F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  T F addf(F a, F b) { return _mm256_add_ps(a, b); }
+#undef T
+};
+} // namespace gemm2
+#define MNB_HALF 0
 #define MNB_TARGET __attribute__((target("avx2,fma,f16c")))
 #define MNB_NS gemm2
 #define MNB_LANES 8
@@ -99,6 +125,71 @@ nibbles16(const uint8_t* p) {
 #undef WIDEN4_STEP
 #undef WIDEN4
 
+
+// The AVX-512 sets' vectors: 16 lanes (zmm) and 8 (ymm, AVX-512VL: 32 registers either way),
+// VNNI's in-place vpdpwssd with the weight pair broadcast by the instruction (written with
+// the intrinsic, GCC 12 copies every accumulator out and back around each vpdpwssd), or
+// vpmaddwd + vpaddd.
+#define MNB_V512(NS, TARGET, VNNI)                                                          \
+  namespace NS {                                                                            \
+  template <int W>                                                                          \
+  struct V;                                                                                 \
+  template <>                                                                               \
+  struct V<16> {                                                                            \
+    using I = __m512i;                                                                      \
+    using F = __m512;                                                                       \
+    TARGET static I zeroi() { return _mm512_setzero_si512(); }                              \
+    TARGET static F zerof() { return _mm512_setzero_ps(); }                                 \
+    TARGET static I loadi(const int32_t* p) { return _mm512_loadu_si512(p); }               \
+    TARGET static void dot(I& acc, I a, const int32_t* w) {                                 \
+      if constexpr (VNNI) {                                                                 \
+        asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));                  \
+      } else {                                                                              \
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(a, _mm512_set1_epi32(*w)));           \
+      }                                                                                     \
+    }                                                                                       \
+    TARGET static F loadf(const float* p) { return _mm512_loadu_ps(p); }                    \
+    TARGET static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }                    \
+    TARGET static F set1f(float v) { return _mm512_set1_ps(v); }                            \
+    TARGET static F cvt(I v) { return _mm512_cvtepi32_ps(v); }                              \
+    TARGET static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }                 \
+    TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }                           \
+    TARGET static F addf(F a, F b) { return _mm512_add_ps(a, b); }                          \
+  };                                                                                        \
+  template <>                                                                               \
+  struct V<8> {                                                                             \
+    using I = __m256i;                                                                      \
+    using F = __m256;                                                                       \
+    TARGET static I zeroi() { return _mm256_setzero_si256(); }                              \
+    TARGET static F zerof() { return _mm256_setzero_ps(); }                                 \
+    TARGET static I loadi(const int32_t* p) {                                               \
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));                       \
+    }                                                                                       \
+    TARGET static void dot(I& acc, I a, const int32_t* w) {                                 \
+      if constexpr (VNNI) {                                                                 \
+        asm("vpdpwssd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));                   \
+      } else {                                                                              \
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*w)));           \
+      }                                                                                     \
+    }                                                                                       \
+    TARGET static F loadf(const float* p) { return _mm256_loadu_ps(p); }                    \
+    TARGET static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }                    \
+    TARGET static F set1f(float v) { return _mm256_set1_ps(v); }                            \
+    TARGET static F cvt(I v) { return _mm256_cvtepi32_ps(v); }                              \
+    TARGET static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }                 \
+    TARGET static F mul(F a, F b) { return _mm256_mul_ps(a, b); }                           \
+    TARGET static F addf(F a, F b) { return _mm256_add_ps(a, b); }                          \
+  };                                                                                        \
+  }
+#define MNB_T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) inline
+#define MNB_T512V __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"), always_inline)) inline
+MNB_V512(gemm5, MNB_T512, false)
+MNB_V512(gemm5v, MNB_T512V, true)
+#undef MNB_V512
+#undef MNB_T512
+#undef MNB_T512V
+#undef MNB_HALF
+#define MNB_HALF 1
 // AVX-512, twice: with vpmaddwd + vpaddd, and with VNNI's vpdpwssd (the same exact sums).
 #define MNB_LANES 16
 #define MNB_NR 12

@@ -6,46 +6,60 @@ namespace MNB_NS {
 constexpr int kLanes = MNB_LANES;
 constexpr int kNr = MNB_NR;
 
-MNB_TARGET void tile(const GemmArgs& a) {
+// One block of rows against a tile of columns; W: the lanes computed (kLanes, or half of them
+// for a last block of few rows), the block's layout kLanes wide either way.
+template <int W, typename VI, typename VF>
+MNB_TARGET __attribute__((always_inline)) inline void tile_body(const GemmArgs& a) {
   VI iacc[kNr];
   VF facc[kNr];
   for (int j = 0; j < kNr; ++j) {
-    facc[j] = ZEROF();
+    facc[j] = V<W>::zerof();
   }
   for (int g = 0; g < a.groups; ++g) {
     for (int j = 0; j < kNr; ++j) {
-      iacc[j] = ZEROI();
+      iacc[j] = V<W>::zeroi();
     }
     const int32_t* xg = a.xp + int64_t(g) * a.group_pairs * kLanes;
     const int32_t* wg = a.wt + int64_t(g) * a.group_pairs;
     for (int p = 0; p < a.group_pairs; ++p) {
-      const VI xv = LOADI(xg + p * kLanes);
+      const VI xv = V<W>::loadi(xg + p * kLanes);
 #pragma GCC unroll 16
       for (int j = 0; j < kNr; ++j) {
-        DOT(iacc[j], xv, wg + int64_t(j) * a.wstride + p);
+        V<W>::dot(iacc[j], xv, wg + int64_t(j) * a.wstride + p);
       }
     }
-    const VF xs = LOADF(a.xs + g * kLanes);
+    const VF xs = V<W>::loadf(a.xs + g * kLanes);
 #pragma GCC unroll 16
     for (int j = 0; j < kNr; ++j) {
-      facc[j] = FMA(CVT(iacc[j]), MUL(SET1F(a.st[j * a.groups + g]), xs), facc[j]);
+      facc[j] = V<W>::fma(V<W>::cvt(iacc[j]), V<W>::mul(V<W>::set1f(a.st[j * a.groups + g]), xs),
+                          facc[j]);
     }
   }
   VF bacc[kNr];
   for (int j = 0; j < kNr; ++j) {
-    bacc[j] = ZEROF();
+    bacc[j] = V<W>::zerof();
   }
   for (int g = 0; g < a.groups; ++g) {
-    const VF xm = LOADF(a.xm + g * kLanes);
+    const VF xm = V<W>::loadf(a.xm + g * kLanes);
 #pragma GCC unroll 16
     for (int j = 0; j < kNr; ++j) {
-      bacc[j] = FMA(SET1F(a.bt[j * a.groups + g]), xm, bacc[j]);
+      bacc[j] = V<W>::fma(V<W>::set1f(a.bt[j * a.groups + g]), xm, bacc[j]);
     }
   }
   for (int j = 0; j < kNr; ++j) {
-    STOREF(a.res + j * kLanes, ADDF(facc[j], bacc[j]));
+    V<W>::storef(a.res + j * kLanes, V<W>::addf(facc[j], bacc[j]));
   }
 }
+
+MNB_TARGET void tile(const GemmArgs& a) {
+  tile_body<kLanes, typename V<kLanes>::I, typename V<kLanes>::F>(a);
+}
+
+#if MNB_HALF
+MNB_TARGET void tile_half(const GemmArgs& a) {
+  tile_body<kLanes / 2, typename V<kLanes / 2>::I, typename V<kLanes / 2>::F>(a);
+}
+#endif
 
 MNB_TARGET void widen(const QJob& job, int n0, int32_t* wt, float* st, float* bt) {
   const int K = job.K, G = K / job.group, P = K / 2, S = gemm_wstride(P);
@@ -96,6 +110,9 @@ GemmSet set() {
   s.lanes = kLanes;
   s.nr = kNr;
   s.tile = tile;
+#if MNB_HALF
+  s.tile_half = tile_half;
+#endif
   s.widen = widen;
   s.dequantize = dequantize;
   return s;
