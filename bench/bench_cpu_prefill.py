@@ -17,8 +17,11 @@ the same count):
   variants and llama.cpp interleaved step by step (a change in the machine's load hits them
   alike); the best of ``--repeats``;
 - *edit tail*: one step of the last ``--tail`` tokens (default 20) after 2,028 cached ones
-  (the cache restored from a snapshot before each try), median of ``--repeats`` + 2,
-  interleaved;
+  (the cache restored from a snapshot before each try), the median over ``--repeats`` + 2
+  rounds of `TAIL_ROUND` steps per variant (each round's first step untimed: it pays for
+  the other variant's spinning OpenBLAS threads), the variants' rounds interleaved; and
+  *as filed*: the same tail as the product ran when issue 23 was filed (float32 weights,
+  ``MLX_NBENGINE_KERNELS=off``), measured the same way in a child process of the run;
 - *profile*: where one ``--profile-step``-token step (default 256, after 1,792 cached; the
   model's body, as the engine runs a prefill step that samples nothing) spends
   its time: every call of the named parts (linear layers and the head, attention, norms,
@@ -36,7 +39,10 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -271,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-step", type=int, default=None, help="default 256")
     ap.add_argument("--profile-cached", type=int, default=None, help="default 1792")
     ap.add_argument("--repeats", type=int, default=None, help="default 2")
+    ap.add_argument(
+        "--tail-only",
+        action="store_true",
+        help="measure the edit tail only (--dtype float32 with MLX_NBENGINE_KERNELS=off: the "
+        "product as issue 23 found it, which a full run measures so in a child process)",
+    )
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: as load gives)")
     args = ap.parse_args(argv)
     fill_sizes(
         args,
@@ -301,9 +314,57 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, args.model or "default")
 
 
+def as_filed_tail(args, model: str) -> float | None:
+    """The edit tail's seconds as the product ran when issue 23 was filed (float32 weights,
+    none of our kernels: MLX's attention, norms, RoPE and activations), measured in a child
+    process of this run (the kernels' switch is read once per process); None if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tail.json"
+        command = [
+            sys.executable, "-m", "bench.bench_cpu_prefill", "--tail-only",
+            "--dtype", "float32", "--json", str(out), "--model", model,
+            "--threads", str(args.threads), "--tail", str(args.tail),
+            "--tail-context", str(args.tail_context), "--step", str(args.step),
+            "--repeats", str(args.repeats),
+        ]  # fmt: skip
+        env = {**os.environ, kernels.MODE_ENV: "off"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            print(f"as-filed tail failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+            return None
+        return json.loads(out.read_text())["results"]["tail"]["mlx_s"]
+
+
+# Timed tail steps of a round, after one untimed: the first step after the other variant's
+# pays for its leftovers (OpenBLAS's threads spin on for a while after a call, on the cores
+# our workers need), which no user running one model meets.
+TAIL_ROUND = 3
+
+
+def tail_round(lm, edit: list[int], saved: list) -> list[float]:
+    """One round of edit-tail steps on a cache restored from `saved` each time; seconds of
+    the timed ones."""
+    prefill_step(lm, edit, restore(saved), last=True)
+    return [prefill_step(lm, edit, restore(saved), last=True) for _ in range(TAIL_ROUND)]
+
+
+def tail_only(args, lm, ids: list[int], model: str) -> int:
+    context = ids[: args.tail_context]
+    edit = ids[args.tail_context : args.tail_context + args.tail]
+    saved = snapshot(prefill(lm, context, step=args.step)[0])
+    times = [t for _ in range(args.repeats + 2) for t in tail_round(lm, edit, saved)]
+    data = {
+        "model": model,
+        "dtype": args.dtype,
+        "results": {"tail": {"mlx_s": statistics.median(times)}},
+    }
+    write_results("cpu_prefill_tail", data, "", json_path=args.json, quick=True)
+    return 0
+
+
 def run(args, model: str) -> int:
     set_blas_threads(args.threads)
-    lm = load(model)
+    lm = load(model, dtype=args.dtype) if args.dtype else load(model)
     status = kernels.status()
     isa = kernels.attention_isa() if status.active else None
     variants = VARIANTS if isa is not None else ("mlx",)
@@ -315,6 +376,9 @@ def run(args, model: str) -> int:
         ids = ids + ids
     ids = ids[:need]
 
+    if args.tail_only:
+        use("mlx")
+        return tail_only(args, lm, ids, model)
     for v in variants:  # warm: the first calls build MLX's compiled functions
         use(v)
         prefill(lm, ids[: 2 * args.step], step=args.step)
@@ -358,9 +422,10 @@ def run(args, model: str) -> int:
     for _ in range(args.repeats + 2):
         for v in variants:
             use(v)
-            tail_times[v].append(prefill_step(lm, edit, restore(saved[v]), last=True))
+            tail_times[v] += tail_round(lm, edit, saved[v])
     tail = {v: statistics.median(t) for v, t in tail_times.items()}
     del saved
+    filed = None if args.quick else as_filed_tail(args, model)
 
     profiles = {}
     for v in variants:
@@ -401,6 +466,14 @@ def run(args, model: str) -> int:
     if "ours" in tail:
         results["tail"]["mlx_over_ours"] = tail["mlx"] / tail["ours"]
         lines.append(f"  mlx / ours {tail['mlx'] / tail['ours']:.2f}x")
+    if filed is not None:
+        results["tail"]["as_filed_s"] = filed
+        lines.append(
+            f"  as filed {filed * 1000:>5.1f} ms (float32, MLX's kernels; a child process)"
+        )
+        if "ours" in tail:
+            results["tail"]["as_filed_over_ours"] = filed / tail["ours"]
+            lines.append(f"  as filed / ours {filed / tail['ours']:.2f}x")
     lines.append("")
     lines.append(
         f"profile of one {args.profile_step}-token step after {args.profile_cached} cached (ms)"
