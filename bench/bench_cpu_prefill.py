@@ -27,7 +27,7 @@ the same count):
   its time: every call of the named parts (linear layers and the head, attention, norms,
   RoPE, GELU, residual adds) recorded in one step, then each replayed alone on its recorded
   inputs (best of 3); *rest* is the step's time less their sum (reshapes, the embedding,
-  scaling).
+  scaling); for ours, for MLX's attention, and before (*as filed*, the child process).
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_cpu_prefill``. Writes
 ``bench/results/cpu_prefill.json`` and ``.txt``; ``--quick``: a tiny model (``--model DIR``,
@@ -314,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, args.model or "default")
 
 
-def as_filed_tail(args, model: str) -> float | None:
-    """The edit tail's seconds as the product ran when issue 23 was filed (float32 weights,
-    none of our kernels: MLX's attention, norms, RoPE and activations), measured in a child
-    process of this run (the kernels' switch is read once per process); None if it failed."""
+def as_filed(args, model: str) -> dict | None:
+    """The edit tail's seconds and the profile as the product ran when issue 23 was filed
+    (float32 weights, none of our kernels: MLX's attention, norms, RoPE and activations),
+    measured in a child process of this run (the kernels' switch is read once per process):
+    ``{"tail_s": ..., "profile": {...}}``; None if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tail.json"
         command = [
@@ -325,14 +326,16 @@ def as_filed_tail(args, model: str) -> float | None:
             "--dtype", "float32", "--json", str(out), "--model", model,
             "--threads", str(args.threads), "--tail", str(args.tail),
             "--tail-context", str(args.tail_context), "--step", str(args.step),
-            "--repeats", str(args.repeats),
+            "--repeats", str(args.repeats), "--profile-step", str(args.profile_step),
+            "--profile-cached", str(args.profile_cached),
         ]  # fmt: skip
         env = {**os.environ, kernels.MODE_ENV: "off"}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not out.exists():
             print(f"as-filed tail failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
             return None
-        return json.loads(out.read_text())["results"]["tail"]["mlx_s"]
+        results = json.loads(out.read_text())["results"]
+        return {"tail_s": results["tail"]["mlx_s"], "profile": results["profile"]["mlx"]}
 
 
 # Timed tail steps of a round, after one untimed: the first step after the other variant's
@@ -353,10 +356,12 @@ def tail_only(args, lm, ids: list[int], model: str) -> int:
     edit = ids[args.tail_context : args.tail_context + args.tail]
     saved = snapshot(prefill(lm, context, step=args.step)[0])
     times = [t for _ in range(args.repeats + 2) for t in tail_round(lm, edit, saved)]
+    del saved
+    profile = profile_step(lm, ids, cached=args.profile_cached, step=args.profile_step)
     data = {
         "model": model,
         "dtype": args.dtype,
-        "results": {"tail": {"mlx_s": statistics.median(times)}},
+        "results": {"tail": {"mlx_s": statistics.median(times)}, "profile": {"mlx": profile}},
     }
     write_results("cpu_prefill_tail", data, "", json_path=args.json, quick=True)
     return 0
@@ -425,12 +430,15 @@ def run(args, model: str) -> int:
             tail_times[v] += tail_round(lm, edit, saved[v])
     tail = {v: statistics.median(t) for v, t in tail_times.items()}
     del saved
-    filed = None if args.quick else as_filed_tail(args, model)
+    before = None if args.quick else as_filed(args, model)
+    filed = before["tail_s"] if before else None
 
     profiles = {}
     for v in variants:
         use(v)
         profiles[v] = profile_step(lm, ids, cached=args.profile_cached, step=args.profile_step)
+    if before is not None:
+        profiles["as filed"] = before["profile"]
     use("ours")
 
     lines = [
@@ -479,11 +487,11 @@ def run(args, model: str) -> int:
         f"profile of one {args.profile_step}-token step after {args.profile_cached} cached (ms)"
     )
     names = [p for p in profiles["mlx"] if p != "total"] + ["total"]
-    lines.append(f"{'part':<14} " + " ".join(f"{v:>9}" for v in variants))
+    columns = list(profiles)  # ours, mlx (MLX's attention), and as filed where measured
+    lines.append(f"{'part':<14} " + " ".join(f"{v:>9}" for v in columns))
     for part in names:
         lines.append(
-            f"{part:<14} "
-            + " ".join(f"{profiles[v].get(part, 0.0) * 1000:>9.1f}" for v in variants)
+            f"{part:<14} " + " ".join(f"{profiles[v].get(part, 0.0) * 1000:>9.1f}" for v in columns)
         )
     if skipped:
         lines.append(f"\nllama.cpp: skipped ({skipped})")
