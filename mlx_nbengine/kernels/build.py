@@ -37,6 +37,7 @@ SOURCES = (
     "attention_portable.cpp",
     "attention_x86.cpp",
     "bindings.cpp",
+    "blas.h",
     "gated_mlp.cpp",
     "gated_mlp.h",
     "qgemm.cpp",

@@ -4,24 +4,9 @@
 #include <cmath>
 #include <vector>
 
+#include "blas.h"
 #include "workers.h"
 
-// The BLAS MLX's own matmuls call (see attention.cpp).
-extern "C" void cblas_sgemm(
-    int order,
-    int trans_a,
-    int trans_b,
-    int m,
-    int n,
-    int k,
-    float alpha,
-    const float* a,
-    int lda,
-    const float* b,
-    int ldb,
-    float beta,
-    float* c,
-    int ldc);
 
 namespace mnb {
 
@@ -60,23 +45,8 @@ struct PackedX {
       const int b = m / lanes, l = m % lanes;
       for (int g = 0; g < G; ++g) {
         const float* x = job.x + int64_t(m) * K + int64_t(g) * group;
-        float largest = 0.0f, s = 0.0f;
-        for (int i = 0; i < group; ++i) {
-          largest = std::max(largest, std::fabs(x[i]));
-          s += x[i];
-        }
         const size_t at = (size_t(b) * G + g) * lanes + l;
-        sum[at] = s;
-        if (largest == 0.0f || !std::isfinite(largest)) {
-          // All zero: the pairs stay 0. Not finite: the scale lets the NaN or inf through.
-          scale[at] = largest == 0.0f ? 0.0f : largest;
-          continue;
-        }
-        scale[at] = largest / 32767.0f;
-        const float to_int = 32767.0f / largest;
-        for (int i = 0; i < group; ++i) {
-          q[i] = int16_t(std::lrint(x[i] * to_int));
-        }
+        round_group(x, group, q.data(), scale[at], sum[at]);
         int32_t* dst = pairs.data() + (size_t(b) * P + int64_t(g) * group / 2) * lanes + l;
         for (int p = 0; p < group / 2; ++p) {
           dst[int64_t(p) * lanes] =
@@ -90,8 +60,10 @@ struct PackedX {
 // Bytes of x's pairs one chunk of row blocks holds: the chunk stays in a core's L2 cache
 // while every tile of output columns passes over it.
 constexpr int64_t kChunkBytes = 256 << 10;
-// From this many rows on, the BLAS's float32 product of W dequantized beats the integer
-// tiles (measured: qgemm.h's note); and the float copy is made this many bytes at a time.
+// Past this many rows the BLAS's float32 product of W dequantized beats the integer tiles
+// (measured on Zen 4, 2 threads: at 128 rows and more the BLAS ran 1.0-1.5x the tiles, at 32
+// to 96 the tiles ran 2-8x MLX's dequantize + matmul); the float copy is made this many
+// bytes at a time.
 constexpr int kBlasRows = 96;
 constexpr int64_t kBlasTileBytes = 8 << 20;
 

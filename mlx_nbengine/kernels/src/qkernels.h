@@ -6,6 +6,8 @@
 
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -77,6 +79,29 @@ inline float half_to_float(uint16_t h) {
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+}
+
+// One group of `n` values of x rounded to int16 as the vectorized sets read it (see
+// QActivations): q[i] = round(x[i] * 32767 / largest) in order, its scale (largest / 32767)
+// and its float sum. All zero: q stays 0 and the scale is 0. Not finite: q stays 0 and the
+// scale is the largest magnitude, which lets the NaN or inf through the products.
+inline void round_group(const float* x, int n, int16_t* q, float& scale, float& sum) {
+  float largest = 0.0f, s = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    largest = std::max(largest, std::fabs(x[i]));
+    s += x[i];
+  }
+  sum = s;
+  if (largest == 0.0f || !std::isfinite(largest)) {
+    scale = largest == 0.0f ? 0.0f : largest;
+    std::fill(q, q + n, int16_t(0));
+    return;
+  }
+  scale = largest / 32767.0f;
+  const float to_int = 32767.0f / largest;
+  for (int i = 0; i < n; ++i) {
+    q[i] = int16_t(std::lrint(x[i] * to_int));
+  }
 }
 
 // Groups a row may have: each row's scales and biases are widened into a stack buffer.

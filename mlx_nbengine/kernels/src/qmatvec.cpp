@@ -62,27 +62,16 @@ void QActivations::prepare(QJob& job) {
   xq.assign(size_t(M) * K, 0);
   xscale.assign(size_t(M) * P, 0.0f);
   xsum.assign(size_t(M) * P, 0.0f);
+  std::vector<int16_t> rounded(static_cast<size_t>(group));
   for (int m = 0; m < M; ++m) {
     for (int g = 0; g < G; ++g) {
       const float* x = job.x + int64_t(m) * K + int64_t(g) * group;
-      float largest = 0.0f, sum = 0.0f;
-      for (int i = 0; i < group; ++i) {
-        largest = std::max(largest, std::fabs(x[i]));
-        sum += x[i];
-      }
-      xsum[size_t(m) * P + g] = sum;
-      if (largest == 0.0f || !std::isfinite(largest)) {
-        // All zero: xq stays 0. Not finite: let the float path's NaN or inf through.
-        xscale[size_t(m) * P + g] = largest == 0.0f ? 0.0f : largest;
-        continue;
-      }
-      xscale[size_t(m) * P + g] = largest / 32767.0f;
-      const float to_int = 32767.0f / largest;
+      round_group(x, group, rounded.data(), xscale[size_t(m) * P + g], xsum[size_t(m) * P + g]);
       int16_t* q = xq.data() + int64_t(m) * K + int64_t(g) * group;
       for (int i = 0; i < group; ++i) {
         // 4-bit rows unpack each 32 values even elements first, then odd ones.
         const int at = job.bits == 4 ? (i & ~31) + ((i & 31) % 2) * 16 + (i & 31) / 2 : i;
-        q[at] = int16_t(std::lrint(x[i] * to_int));
+        q[at] = rounded[i];
       }
     }
   }
