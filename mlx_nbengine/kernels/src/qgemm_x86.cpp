@@ -71,20 +71,6 @@ struct V<8> {
 #define MNB_NS gemm2
 #define MNB_LANES 8
 #define MNB_NR 6
-#define VI __m256i
-#define VF __m256
-#define ZEROI _mm256_setzero_si256
-#define ZEROF _mm256_setzero_ps
-#define LOADI(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-#define SET1I _mm256_set1_epi32
-#define DOT(acc, a, w) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*(w))))
-#define LOADF _mm256_loadu_ps
-#define STOREF _mm256_storeu_ps
-#define SET1F _mm256_set1_ps
-#define CVT _mm256_cvtepi32_ps
-#define FMA _mm256_fmadd_ps
-#define MUL _mm256_mul_ps
-#define ADDF _mm256_add_ps
 #define WIDEN8_STEP 16
 #define WIDEN8(src, dst)                                                                  \
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),                                   \
@@ -106,20 +92,6 @@ struct V<8> {
 #undef MNB_NS
 #undef MNB_LANES
 #undef MNB_NR
-#undef VI
-#undef VF
-#undef ZEROI
-#undef ZEROF
-#undef LOADI
-#undef SET1I
-#undef DOT
-#undef LOADF
-#undef STOREF
-#undef SET1F
-#undef CVT
-#undef FMA
-#undef MUL
-#undef ADDF
 #undef WIDEN8_STEP
 #undef WIDEN8
 #undef WIDEN4_STEP
@@ -193,19 +165,6 @@ MNB_V512(gemm5v, MNB_T512V, true)
 // AVX-512, twice: with vpmaddwd + vpaddd, and with VNNI's vpdpwssd (the same exact sums).
 #define MNB_LANES 16
 #define MNB_NR 12
-#define VI __m512i
-#define VF __m512
-#define ZEROI _mm512_setzero_si512
-#define ZEROF _mm512_setzero_ps
-#define LOADI(p) _mm512_loadu_si512(p)
-#define SET1I _mm512_set1_epi32
-#define LOADF _mm512_loadu_ps
-#define STOREF _mm512_storeu_ps
-#define SET1F _mm512_set1_ps
-#define CVT _mm512_cvtepi32_ps
-#define FMA _mm512_fmadd_ps
-#define MUL _mm512_mul_ps
-#define ADDF _mm512_add_ps
 #define WIDEN8_STEP 32
 #define WIDEN8(src, dst)                                                                  \
   _mm512_storeu_si512(dst, _mm512_cvtepu8_epi16(                                          \
@@ -224,23 +183,16 @@ MNB_V512(gemm5v, MNB_T512V, true)
 
 #define MNB_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
 #define MNB_NS gemm5
-#define DOT(acc, a, w) acc = _mm512_add_epi32(acc, _mm512_madd_epi16(a, _mm512_set1_epi32(*(w))))
 #include "qgemm_x86_body.h"
 #undef MNB_TARGET
 #undef MNB_NS
-#undef DOT
 
 #define MNB_TARGET \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define MNB_NS gemm5v
-// In place, the weight pair broadcast from memory by the instruction itself: written with
-// the intrinsic, GCC 12 copies every accumulator out and back around each vpdpwssd.
-#define DOT(acc, a, w) \
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(w)))
 #include "qgemm_x86_body.h"
 #undef MNB_TARGET
 #undef MNB_NS
-#undef DOT
 
 } // namespace
 

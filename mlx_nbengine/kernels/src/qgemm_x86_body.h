@@ -1,5 +1,6 @@
 // The GEMM tiles' bodies (qgemm.h), included by qgemm_x86.cpp once per set with MNB_TARGET,
-// MNB_NS, MNB_LANES, MNB_NR and the vector names defined. No include guard.
+// MNB_NS, MNB_LANES, MNB_NR, MNB_HALF, WIDEN8/WIDEN4 and DEQ_LOAD defined, and V<lanes> (the
+// set's vector operations) declared in MNB_NS. No include guard.
 
 namespace MNB_NS {
 
@@ -97,9 +98,10 @@ MNB_TARGET void dequantize(const QJob& job, int n0, int n1, float* dst) {
     float* out = dst + int64_t(n - n0) * K;
     widen_row(job, n, s, b);
     for (int g = 0; g < G; ++g) {
-      const VF sv = SET1F(s[g]), bv = SET1F(b[g]);
+      using Vec = V<kLanes>;
+      const typename Vec::F sv = Vec::set1f(s[g]), bv = Vec::set1f(b[g]);
       for (int k = g * job.group; k < (g + 1) * job.group; k += kLanes) {
-        STOREF(out + k, FMA(CVT(DEQ_LOAD(row, k)), sv, bv));
+        Vec::storef(out + k, Vec::fma(Vec::cvt(DEQ_LOAD(row, k)), sv, bv));
       }
     }
   }
