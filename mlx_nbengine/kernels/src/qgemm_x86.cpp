@@ -128,29 +128,17 @@ struct V<8> {
     TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }                           \
     TARGET static F addf(F a, F b) { return _mm512_add_ps(a, b); }                          \
   };                                                                                        \
+  /* 8 lanes: the AVX2 set's vectors (callable here: their target is a subset of this */    \
+  /* one's), with VNNI's vpdpwssd where the set has it. */                                  \
   template <>                                                                               \
-  struct V<8> {                                                                             \
-    using I = __m256i;                                                                      \
-    using F = __m256;                                                                       \
-    TARGET static I zeroi() { return _mm256_setzero_si256(); }                              \
-    TARGET static F zerof() { return _mm256_setzero_ps(); }                                 \
-    TARGET static I loadi(const int32_t* p) {                                               \
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));                       \
-    }                                                                                       \
+  struct V<8> : gemm2::V<8> {                                                               \
     TARGET static void dot(I& acc, I a, const int32_t* w) {                                 \
       if constexpr (VNNI) {                                                                 \
         asm("vpdpwssd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));                   \
       } else {                                                                              \
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*w)));           \
+        gemm2::V<8>::dot(acc, a, w);                                                        \
       }                                                                                     \
     }                                                                                       \
-    TARGET static F loadf(const float* p) { return _mm256_loadu_ps(p); }                    \
-    TARGET static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }                    \
-    TARGET static F set1f(float v) { return _mm256_set1_ps(v); }                            \
-    TARGET static F cvt(I v) { return _mm256_cvtepi32_ps(v); }                              \
-    TARGET static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }                 \
-    TARGET static F mul(F a, F b) { return _mm256_mul_ps(a, b); }                           \
-    TARGET static F addf(F a, F b) { return _mm256_add_ps(a, b); }                          \
   };                                                                                        \
   }
 #define MNB_T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) inline

@@ -1,5 +1,5 @@
-// QuantizedMatVec: x (M x K, M <= 8) times the transpose of an MLX affine-quantized W (N x K),
-// as an MLX primitive on the CPU device.
+// QuantizedMatVec: x (M x K) times the transpose of an MLX affine-quantized W (N x K), as an
+// MLX primitive on the CPU device: 1 to 8 rows on the row kernels, more on qgemm.h's GEMM.
 
 #pragma once
 
@@ -12,14 +12,15 @@ namespace mnb {
 
 namespace mx = mlx::core;
 
-// The row kernels take up to kBlockRows rows of x at a time; a product of more rows (up to
-// kMaxRows: a short prefill step, an edit's tail) runs them block after block on each chunk
-// of output columns, so a chunk's weights are read from memory once and again from cache.
+// The row kernels take up to kBlockRows rows of x at a time. A set with a GEMM (the
+// vectorized ones) takes any more rows on it; the portable set takes up to kMaxRows, block
+// after block on each chunk of output columns (a chunk's weights read from memory once, then
+// from cache).
 constexpr int kBlockRows = 8;
 constexpr int kMaxRows = 64;
 
-// x @ dequantize(w, scales, biases).T for x of any leading shape with at most kMaxRows rows
-// in all; the result has x's dtype. `threads` splits the output columns.
+// x @ dequantize(w, scales, biases).T for x of any leading shape (at most kMaxRows rows in
+// all on the portable set); the result has x's dtype. `threads` splits the output columns.
 mx::array quantized_matvec(
     const mx::array& x,
     const mx::array& w,

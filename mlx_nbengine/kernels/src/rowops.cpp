@@ -273,14 +273,11 @@ mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int
     throw std::invalid_argument("gelu_tanh_mul: gate and up must be float32 of one shape");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  auto dense = [&](const mx::array& a) {
-    return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s);
-  };
   return mx::array(
       gate.shape(),
       mx::float32,
       std::make_shared<GeluTanhMul>(s, usable(isa), std::max(1, threads)),
-      {dense(gate), dense(up)});
+      {contiguous_input(gate, s), contiguous_input(up, s)});
 }
 
 void GeluTanhMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
