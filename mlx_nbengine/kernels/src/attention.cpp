@@ -12,7 +12,6 @@
 #include "blas.h"
 #include "workers.h"
 
-
 namespace mnb {
 
 namespace {
@@ -88,19 +87,15 @@ void view_of(const mx::array& a, View<T>& v) {
 
 // The first index in [a, z) whose mask byte is set (z if none), and the last (a - 1 if
 // none), eight bytes at a time.
+bool clear8(const uint8_t* p) {
+  uint64_t word;
+  std::memcpy(&word, p, 8);
+  return word == 0;
+}
+
 int first_set(const uint8_t* row, int a, int z) {
-  while (a < z && (a & 7) != 0 && row[a] == 0) {
-    ++a;
-  }
-  if ((a & 7) == 0) {
-    while (a + 8 <= z) {
-      uint64_t word;
-      std::memcpy(&word, row + a, 8);
-      if (word != 0) {
-        break;
-      }
-      a += 8;
-    }
+  while (a + 8 <= z && clear8(row + a)) {
+    a += 8;
   }
   while (a < z && row[a] == 0) {
     ++a;
@@ -109,24 +104,13 @@ int first_set(const uint8_t* row, int a, int z) {
 }
 
 int last_set(const uint8_t* row, int a, int z) {
-  int e = z; // row[e..z) are known clear
-  while (e > a && (e & 7) != 0 && row[e - 1] == 0) {
-    --e;
+  while (z - 8 >= a && clear8(row + z - 8)) {
+    z -= 8;
   }
-  if ((e & 7) == 0) {
-    while (e - 8 >= a) {
-      uint64_t word;
-      std::memcpy(&word, row + e - 8, 8);
-      if (word != 0) {
-        break;
-      }
-      e -= 8;
-    }
+  while (z > a && row[z - 1] == 0) {
+    --z;
   }
-  while (e > a && row[e - 1] == 0) {
-    --e;
-  }
-  return e - 1;
+  return z - 1;
 }
 
 struct Shape4 {
@@ -224,12 +208,8 @@ void run(
                 // The row's visible span from its first visible key: the softmax's vectors
                 // then group the same keys wherever the span sits in the tile (a restored
                 // window's keys sit elsewhere than a cold run's), so the sums agree bit for bit.
-                while (a < z && mrow[r][a] == 0) {
-                  ++a;
-                }
-                while (z > a && mrow[r][z - 1] == 0) {
-                  --z;
-                }
+                a = first_set(mrow[r], a, z);
+                z = last_set(mrow[r], a, z) + 1;
               }
               lo[r] = a;
               hi[r] = z;
