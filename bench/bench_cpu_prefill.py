@@ -21,7 +21,8 @@ the same count):
   rounds of `TAIL_ROUND` steps per variant (each round's first step untimed: it pays for
   the other variant's spinning OpenBLAS threads), the variants' rounds interleaved; and
   *as filed*: the same tail as the product ran when issue 23 was filed (float32 weights,
-  ``MLX_NBENGINE_KERNELS=off``), measured the same way in a child process of the run;
+  ``MLX_NBENGINE_KERNELS=off``, OpenBLAS's idle threads spinning for its default
+  ``OPENBLAS_THREAD_TIMEOUT=28``), measured the same way in a child process of the run;
 - *profile*: where one ``--profile-step``-token step (default 256, after 1,792 cached; the
   model's body, as the engine runs a prefill step that samples nothing) spends
   its time: every call of the named parts (linear layers and the head, attention, norms,
@@ -329,7 +330,8 @@ def as_filed(args, model: str) -> dict | None:
             "--repeats", str(args.repeats), "--profile-step", str(args.profile_step),
             "--profile-cached", str(args.profile_cached),
         ]  # fmt: skip
-        env = {**os.environ, kernels.MODE_ENV: "off"}
+        # As filed, OpenBLAS's idle threads spun for its default 2**28 cycles (`_blas`).
+        env = {**os.environ, kernels.MODE_ENV: "off", "OPENBLAS_THREAD_TIMEOUT": "28"}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not out.exists():
             print(f"as-filed tail failed: {done.stderr.strip()[-300:]}", file=sys.stderr)

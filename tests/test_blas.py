@@ -35,7 +35,8 @@ def run_python(code: str, tmp_path: Path, **env: str) -> tuple[str, str]:
         "LD_DEBUG_OUTPUT": str(trace),
         **env,
     }
-    for name in ("LD_PRELOAD", "MLX_NBENGINE_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+    unset = ("LD_PRELOAD", "MLX_NBENGINE_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+    for name in (*unset, "OPENBLAS_THREAD_TIMEOUT"):
         if name not in env:
             full_env.pop(name, None)
     out = subprocess.run(
@@ -331,3 +332,43 @@ def test_on_the_portable_haswell_kernels_the_default_model_answers(tmp_path):
     core, answer = out.stdout.split("\n", 1)
     assert core == "Haswell"
     assert "Paris" in answer
+
+
+IDLE_CPU = """
+import glob, os, time
+import mlx_nbengine.models
+import mlx.core as mx
+a = mx.random.normal((1024, 1024))
+mx.eval(a)
+def ticks():
+    out = {}
+    for path in glob.glob("/proc/self/task/*/stat"):
+        fields = open(path).read().rsplit(")", 1)[1].split()
+        out[path] = int(fields[11]) + int(fields[12])  # utime + stime
+    return out
+for _ in range(3):
+    mx.eval(a @ a)
+before = ticks()
+time.sleep(0.5)
+after = ticks()
+spent = sum(after.get(path, 0) - t for path, t in before.items()) / os.sysconf("SC_CLK_TCK")
+print(os.environ.get("OPENBLAS_THREAD_TIMEOUT"), spent * 1000)
+"""
+
+
+@linux_with_openblas
+def test_openblas_threads_stop_spinning_soon_after_a_call(tmp_path):
+    """OpenBLAS's idle threads spin for 2**28 cycles (about 0.1 s) by default, on the cores
+    our kernels need next; with `THREAD_TIMEOUT` they sleep within microseconds. CPU time of
+    the process's threads in the half second after a two-thread matmul, while it sleeps."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores for a second OpenBLAS thread")
+    env = {"OPENBLAS_NUM_THREADS": "2"}
+    ours = run_python(IDLE_CPU, tmp_path, **env)[0].split()
+    assert ours[0] == str(_blas.THREAD_TIMEOUT)
+    assert float(ours[1]) < 30.0, f"{ours[1]} ms of CPU while idle"
+    # The user's own setting is kept: here OpenBLAS's default, which spins (the check above
+    # would see it).
+    default = run_python(IDLE_CPU, tmp_path, OPENBLAS_THREAD_TIMEOUT="28", **env)[0].split()
+    assert default[0] == "28"
+    assert float(default[1]) > 40.0, f"only {default[1]} ms of CPU spinning"
