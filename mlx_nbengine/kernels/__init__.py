@@ -48,8 +48,10 @@ __all__ = [
     "KernelStatus",
     "attention",
     "attention_isa",
+    "block_tail",
     "gated_mlp",
     "gemm_available",
+    "qkv_step",
     "quantized_matmul",
     "status",
     "supports",
@@ -239,6 +241,111 @@ def gated_mlp(
         *down,
         group_size,
         bits,
+        activation,
+        isa or _status.isa,
+        threads or _blas.current_threads(),
+    )
+
+
+def qkv_step(
+    x: mx.array,
+    q: tuple[mx.array, mx.array, mx.array],
+    k: tuple[mx.array, mx.array, mx.array],
+    v: tuple[mx.array, mx.array, mx.array],
+    *,
+    q_norm: mx.array,
+    k_norm: mx.array,
+    eps: float,
+    x_norm: mx.array | None = None,
+    x_eps: float = 0.0,
+    heads: int,
+    kv_heads: int,
+    rope_dims: int,
+    traditional: bool,
+    base: float,
+    scale: float,
+    offset: int | mx.array,
+    group_size: int,
+    bits: int,
+    isa: str | None = None,
+    threads: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A decode step's attention heads as one primitive (src/qkv_step.h): for x [B, L, K]
+    (float32, at most 8 rows) and the quantized q, k and v projections ((weight, scales,
+    biases), one `group_size` and `bits`), ``(rope(rms_norm(q heads, q_norm)),
+    rope(rms_norm(k heads, k_norm)), v heads)``, each [B, H, L, D], at positions `offset` + t
+    (an int, or an int array of one offset or one per batch row); with `x_norm` ([K]), x
+    is first ``rms_norm(x, x_norm, x_eps)`` (the layer's input norm). The same bits as the
+    norms, products and RoPE one by one (`quantized_matmul`, `rowops`). `isa` and `threads`
+    as in `quantized_matmul`."""
+    if _module is None and not status().active:
+        raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
+    if not isinstance(offset, mx.array):
+        offset = mx.array(int(offset), dtype=mx.int32)
+    return _module.qkv_step(
+        x,
+        *q,
+        *k,
+        *v,
+        q_norm,
+        k_norm,
+        offset,
+        x_norm,
+        float(x_eps),
+        int(heads),
+        int(kv_heads),
+        float(eps),
+        int(rope_dims),
+        bool(traditional),
+        float(base),
+        float(scale),
+        int(group_size),
+        int(bits),
+        isa or _status.isa,
+        threads or _blas.current_threads(),
+    )
+
+
+def block_tail(
+    attn: mx.array,
+    x: mx.array,
+    o: tuple[mx.array, mx.array, mx.array],
+    gate: tuple[mx.array, mx.array, mx.array],
+    up: tuple[mx.array, mx.array, mx.array],
+    down: tuple[mx.array, mx.array, mx.array],
+    *,
+    post_attn_norm: mx.array,
+    pre_ffn_norm: mx.array,
+    post_ffn_norm: mx.array,
+    eps: float,
+    group_size: int,
+    bits: int,
+    activation: str,
+    isa: str | None = None,
+    threads: int | None = None,
+) -> mx.array:
+    """A decode step's layer after attention as one primitive (src/block_tail.h): for the
+    attention output `attn` [B, H, L, D] and the layer's input `x` [B, L, K] (float32, at
+    most 8 rows), ``h = x + rms_norm(o(attn rows), post_attn_norm)`` then
+    ``h + rms_norm(mlp(rms_norm(h, pre_ffn_norm)), post_ffn_norm)``, mlp as in `gated_mlp`;
+    every matrix (weight, scales, biases) with one `group_size` and `bits`, the norms' weights
+    [K] as the norms scale by them. The same bits as those operations one by one. `isa` and
+    `threads` as in `quantized_matmul`."""
+    if _module is None and not status().active:
+        raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
+    return _module.block_tail(
+        attn,
+        x,
+        *o,
+        post_attn_norm,
+        pre_ffn_norm,
+        *gate,
+        *up,
+        *down,
+        post_ffn_norm,
+        float(eps),
+        int(group_size),
+        int(bits),
         activation,
         isa or _status.isa,
         threads or _blas.current_threads(),

@@ -37,7 +37,7 @@ from mlx_nbengine import kernels
 from mlx_nbengine.kernels import rowops
 from mlx_nbengine.models import patches, qroute
 
-__all__ = ["VARIANT", "gelu_tanh", "speed_up"]
+__all__ = ["VARIANT", "gelu_tanh", "runs_gelu_mlp", "speed_up"]
 
 # Goes into the model fingerprint when `speed_up` changed something (bump on any change).
 VARIANT = "cpu-gelu-r44-v2"  # v2: a prefill step's activation on our kernel (rowops)
@@ -100,6 +100,12 @@ def _gelu_mlp_call(self, x: mx.array) -> mx.array:
         # which MLX runs scalar on x86: a prefill step's activation about 4x faster.
         return self.down_proj(rowops.gelu_tanh_mul(gate, up))
     return self.down_proj(gelu_tanh(gate) * up)
+
+
+def runs_gelu_mlp(module: Any) -> bool:
+    """Whether `module` is an MLP that `speed_up` swapped: its decode step runs
+    ``kernels.gated_mlp(..., activation="gelu_tanh")`` where `qroute` routes its layers."""
+    return type(module).__call__ is _gelu_mlp_call
 
 
 _swapped: dict[type, type] = {}  # library MLP class -> its subclass with `gelu_tanh`

@@ -33,7 +33,15 @@ import mlx.core as mx
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import rowops
 
-__all__ = ["VERSION", "install", "installed", "uninstall", "variant"]
+__all__ = [
+    "VERSION",
+    "install",
+    "installed",
+    "offset_fits",
+    "offset_norm_weight",
+    "uninstall",
+    "variant",
+]
 
 # Bumped whenever the kernels change their results' bits (the fingerprint names it).
 VERSION = 1
@@ -47,15 +55,27 @@ _offset_sums: dict[int, tuple[Any, mx.array]] = {}  # id(norm) -> (its weight, 1
 _norm_classes: dict[type, Any] = {}  # class -> its library __call__, while replaced
 
 
-def _offset_norm_call(self: Any, x: mx.array) -> mx.array:
-    weight = self.weight
-    held = _offset_sums.get(id(self))
+def _offset_sum(norm: Any) -> mx.array:
+    weight = norm.weight
+    held = _offset_sums.get(id(norm))
     if held is None or held[0] is not weight:  # a new norm, or new weights loaded into it
         if len(_offset_sums) > 65536:  # norms of models long gone
             _offset_sums.clear()
         held = (weight, 1.0 + weight)
-        _offset_sums[id(self)] = held
-    return mx.fast.rms_norm(x, held[1], self.eps)
+        _offset_sums[id(norm)] = held
+    return held[1]
+
+
+def _offset_norm_call(self: Any, x: mx.array) -> mx.array:
+    return mx.fast.rms_norm(x, _offset_sum(self), self.eps)
+
+
+def offset_norm_weight(norm: Any) -> mx.array | None:
+    """The weight a routed Gemma norm (`_OFFSET_NORMS`) scales by, ``1 + weight``, as its call
+    passes it to the kernel; None for any other module, or while not routed."""
+    if type(norm).__call__ is not _offset_norm_call:
+        return None
+    return _offset_sum(norm)
 
 
 def _offset_norm_classes() -> list[type]:
@@ -95,7 +115,9 @@ def _rms_norm(x: Any, weight: Any, eps: float, *, stream: Any = None) -> mx.arra
     return _original["rms_norm"](x, weight, eps, stream=stream)
 
 
-def _offset_fits(offset: Any, batch: int) -> bool:
+def offset_fits(offset: Any, batch: int) -> bool:
+    """Whether RoPE's `offset` is one the kernel takes (an int, or an integer array of one
+    offset or one per batch row)."""
     if isinstance(offset, int) and not isinstance(offset, bool):
         return True
     return (
@@ -126,7 +148,7 @@ def _rope(
         and dims % 2 == 0
         and (base is None) != (freqs is None)
         and (freqs is None or (isinstance(freqs, mx.array) and freqs.shape == (dims // 2,)))
-        and _offset_fits(offset, a.shape[0])
+        and offset_fits(offset, a.shape[0])
     ):
         return rowops.rope(
             a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs

@@ -44,7 +44,7 @@ from mlx_nbengine.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from mlx_nbengine.models import attnroute, cpu_math, fastops, patches, qroute
+from mlx_nbengine.models import attnroute, cpu_math, fastops, layerroute, patches, qroute
 from mlx_nbengine.models.architectures import model_kind
 from mlx_nbengine.models.default import default_model_dir
 from mlx_nbengine.models.gguf import convert
@@ -340,6 +340,8 @@ def load(
     variants.append(cpu_math.VARIANT if cpu_math.speed_up(model) else None)
     variants.append(attnroute.variant() if _on_cpu() and attnroute.install() else None)
     variants.append(fastops.variant() if _on_cpu() and fastops.install() else None)
+    if _on_cpu():
+        layerroute.install()  # the same bits as the operations it fuses
     variant = "+".join(v for v in variants if v) or None
     return LoadedModel(
         model=model,

@@ -26,6 +26,7 @@ tests/test_qkernels.py fails loudly on such an MLX.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import sys
@@ -44,6 +45,7 @@ __all__ = [
     "install",
     "installed",
     "matches_library",
+    "method_body",
     "quantize_for_cpu",
     "routed_gated_mlp",
     "routed_matmul",
@@ -81,20 +83,29 @@ EXPECTED_SOURCE = {
 _originals: dict[tuple[type, str], Any] = {}
 
 
-def _body(function: Any) -> str:
-    """A method's body without its signature and docstring, dedented, blank lines dropped."""
-    lines = textwrap.dedent(inspect.getsource(function)).splitlines()[1:]
+def method_body(function: Any) -> str:
+    """A method's body without its signature (one line or several) and docstring, dedented,
+    blank lines dropped; comments inside the body kept."""
+    source = textwrap.dedent(inspect.getsource(function))
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    statements = node.body
+    if (
+        len(statements) > 1
+        and isinstance(statements[0], ast.Expr)
+        and isinstance(statements[0].value, ast.Constant)
+        and isinstance(statements[0].value.value, str)
+    ):
+        statements = statements[1:]  # the docstring
+    lines = source.splitlines()[statements[0].lineno - 1 :]
     body = textwrap.dedent("\n".join(lines)).strip()
-    doc = inspect.getdoc(function)
-    if doc is not None and body.startswith(('"""', "'''")):
-        body = body[body.index('"""', 3) + 3 :].strip()
     return "\n".join(line for line in body.splitlines() if line.strip())
 
 
 def matches_library(cls: type, name: str) -> bool:
     """Whether the library's method is still the one `EXPECTED_SOURCE` restates."""
     original = _originals.get((cls, name), getattr(cls, name))
-    return _body(original) == EXPECTED_SOURCE[(cls, name)]
+    return method_body(original) == EXPECTED_SOURCE[(cls, name)]
 
 
 def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
@@ -191,7 +202,7 @@ def _swiglu_classes() -> list[type]:
     for name in _SWIGLU_MLPS:
         try:
             cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
-            body = _body(_originals.get((cls, "__call__"), cls.__call__))
+            body = method_body(_originals.get((cls, "__call__"), cls.__call__))
         except (ImportError, AttributeError, OSError, TypeError):
             continue
         if body == _SWIGLU_BODY:

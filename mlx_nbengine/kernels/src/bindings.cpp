@@ -6,9 +6,11 @@
 #include <nanobind/stl/string.h>
 
 #include "attention.h"
+#include "block_tail.h"
 #include "gated_mlp.h"
 #include "qgemm.h"
 #include "qmatvec.h"
+#include "qkv_step.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -28,6 +30,16 @@ mnb::Isa parse_isa(const std::string& name) {
     return mnb::Isa::portable;
   }
   throw std::invalid_argument("isa must be avx512, avx2 or portable, not " + name);
+}
+
+mnb::Activation parse_activation(const std::string& name) {
+  if (name == "gelu_tanh") {
+    return mnb::Activation::gelu_tanh;
+  }
+  if (name == "silu") {
+    return mnb::Activation::silu;
+  }
+  throw std::invalid_argument("activation must be gelu_tanh or silu, not " + name);
 }
 
 const char* isa_name(mnb::Isa isa) {
@@ -83,17 +95,9 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          const std::string& activation,
          const std::string& isa,
          int threads) {
-        mnb::Activation act;
-        if (activation == "gelu_tanh") {
-          act = mnb::Activation::gelu_tanh;
-        } else if (activation == "silu") {
-          act = mnb::Activation::silu;
-        } else {
-          throw std::invalid_argument("activation must be gelu_tanh or silu, not " + activation);
-        }
         return mnb::gated_mlp(
-            x, {gw, gs, gb}, {uw, us, ub}, {dw, ds, db}, group_size, bits, act, parse_isa(isa),
-            threads);
+            x, {gw, gs, gb}, {uw, us, ub}, {dw, ds, db}, group_size, bits,
+            parse_activation(activation), parse_isa(isa), threads);
       },
       "x"_a,
       "gate_w"_a,
@@ -111,6 +115,84 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "isa"_a,
       "threads"_a,
       "down(act(x gate^T) * (x up^T)) on the quantized kernels (see gated_mlp.h).");
+  m.def(
+      "qkv_step",
+      [](const mnb::mx::array& x,
+         const mnb::mx::array& qw,
+         const mnb::mx::array& qs,
+         const mnb::mx::array& qb,
+         const mnb::mx::array& kw,
+         const mnb::mx::array& ks,
+         const mnb::mx::array& kb,
+         const mnb::mx::array& vw,
+         const mnb::mx::array& vs,
+         const mnb::mx::array& vb,
+         const mnb::mx::array& q_norm,
+         const mnb::mx::array& k_norm,
+         const mnb::mx::array& offset,
+         const std::optional<mnb::mx::array>& x_norm,
+         float x_eps,
+         int heads,
+         int kv_heads,
+         float eps,
+         int rope_dims,
+         bool traditional,
+         float base,
+         float scale,
+         int group_size,
+         int bits,
+         const std::string& isa,
+         int threads) {
+        auto out = mnb::qkv_step(
+            x, {qw, qs, qb}, {kw, ks, kb}, {vw, vs, vb}, q_norm, k_norm, offset, x_norm,
+            mnb::QkvParams{heads, kv_heads, eps, rope_dims, traditional, base, scale, group_size,
+                           bits, parse_isa(isa), threads, x_eps});
+        return nb::make_tuple(out[0], out[1], out[2]);
+      },
+      "x"_a, "q_w"_a, "q_scales"_a, "q_biases"_a, "k_w"_a, "k_scales"_a, "k_biases"_a,
+      "v_w"_a, "v_scales"_a, "v_biases"_a, "q_norm"_a, "k_norm"_a, "offset"_a,
+      "x_norm"_a.none(), "x_eps"_a, "heads"_a,
+      "kv_heads"_a, "eps"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a,
+      "group_size"_a, "bits"_a, "isa"_a, "threads"_a,
+      "(rope(norm(q)), rope(norm(k)), v) of a decode step (x first normed by x_norm where given),"
+      " each [B, H, L, D] (qkv_step.h).");
+  m.def(
+      "block_tail",
+      [](const mnb::mx::array& attn,
+         const mnb::mx::array& x,
+         const mnb::mx::array& ow,
+         const mnb::mx::array& os,
+         const mnb::mx::array& ob,
+         const mnb::mx::array& post_attn_norm,
+         const mnb::mx::array& pre_ffn_norm,
+         const mnb::mx::array& gw,
+         const mnb::mx::array& gs,
+         const mnb::mx::array& gb,
+         const mnb::mx::array& uw,
+         const mnb::mx::array& us,
+         const mnb::mx::array& ub,
+         const mnb::mx::array& dw,
+         const mnb::mx::array& ds,
+         const mnb::mx::array& db,
+         const mnb::mx::array& post_ffn_norm,
+         float eps,
+         int group_size,
+         int bits,
+         const std::string& activation,
+         const std::string& isa,
+         int threads) {
+        return mnb::block_tail(
+            attn, x, {ow, os, ob}, post_attn_norm, pre_ffn_norm, {gw, gs, gb}, {uw, us, ub},
+            {dw, ds, db}, post_ffn_norm,
+            mnb::TailParams{eps, group_size, bits, parse_activation(activation),
+                            parse_isa(isa), threads});
+      },
+      "attn"_a, "x"_a, "o_w"_a, "o_scales"_a, "o_biases"_a, "post_attn_norm"_a,
+      "pre_ffn_norm"_a, "gate_w"_a, "gate_scales"_a, "gate_biases"_a, "up_w"_a, "up_scales"_a,
+      "up_biases"_a, "down_w"_a, "down_scales"_a, "down_biases"_a, "post_ffn_norm"_a, "eps"_a,
+      "group_size"_a, "bits"_a, "activation"_a, "isa"_a, "threads"_a,
+      "x + norm(o(attn)) then + norm(mlp(norm(.))): a decode step's layer after attention "
+      "(block_tail.h).");
   m.def(
       "usable_isa",
       [](const std::string& isa) { return std::string(isa_name(mnb::usable(parse_isa(isa)))); },

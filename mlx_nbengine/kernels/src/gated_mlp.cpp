@@ -31,19 +31,21 @@ inline float activate(Activation a, float g) {
   return g * e / (1.0f + e);
 }
 
-void check(const Quantized& m, int rows, int cols, int group_size, int bits, const char* what) {
+} // namespace
+
+void check_quantized(const Quantized& m, int rows, int cols, int group_size, int bits,
+                     const char* op, const char* what) {
   if (m.w.ndim() != 2 || m.w.dtype() != mx::uint32 || m.w.shape(0) != rows ||
       int64_t(m.w.shape(1)) * 32 / bits != cols ||
       m.scales.shape() != mx::Shape{rows, cols / group_size} ||
       m.biases.shape() != m.scales.shape()) {
-    throw std::invalid_argument(std::string("gated_mlp: the ") + what + " matrix does not fit");
+    throw std::invalid_argument(std::string(op) + ": the " + what + " matrix does not fit");
   }
   scale_type(m.scales.dtype());
 }
 
-// One product's job over a matrix of inputs[first..first+2], for M rows of x into out.
-QJob job_of(const std::vector<mx::array>& inputs, int first, const float* x, float* out, int M,
-            int K, int group, int bits) {
+QJob quantized_job(const std::vector<mx::array>& inputs, int first, const float* x, float* out,
+                   int M, int K, int group, int bits) {
   const auto& w = inputs[first];
   return QJob{
       x,
@@ -59,7 +61,41 @@ QJob job_of(const std::vector<mx::array>& inputs, int first, const float* x, flo
       scale_type(inputs[first + 1].dtype())};
 }
 
-} // namespace
+void gated_mlp_rows(QJob gate, QJob up, QJob down, Activation act, Isa isa, int threads) {
+  const int M = gate.M, H = gate.N;
+  std::vector<float> g(size_t(M) * H), u(size_t(M) * H);
+  gate.out = g.data();
+  up.out = u.data();
+  down.x = g.data(); // the activations, act(gate) * up, replace the gate's values
+  const RowsFn fg = rows_for(isa, gate), fu = rows_for(isa, up), fd = rows_for(isa, down);
+  QActivations xq, hq;
+  if (fg != portable_rows(gate)) {
+    xq.prepare(gate);
+    up.xq = gate.xq;
+    up.xscale = gate.xscale;
+    up.xsum = gate.xsum;
+    up.padded_groups = gate.padded_groups;
+  }
+  const int t1 = product_threads(gate, threads);
+  workers().run(t1, H, product_chunk(H, t1), [&](int n0, int n1) {
+    fg(gate, n0, n1);
+    fu(up, n0, n1);
+    for (int m = 0; m < M; ++m) {
+      float* gm = g.data() + size_t(m) * H;
+      const float* um = u.data() + size_t(m) * H;
+      for (int n = n0; n < n1; ++n) {
+        gm[n] = activate(act, gm[n]) * um[n];
+      }
+    }
+  });
+  if (fd != portable_rows(down)) {
+    hq.prepare(down);
+  }
+  const int t2 = product_threads(down, threads);
+  workers().run(t2, down.N, product_chunk(down.N, t2), [&](int n0, int n1) {
+    fd(down, n0, n1);
+  });
+}
 
 mx::array gated_mlp(
     const mx::array& x,
@@ -81,9 +117,9 @@ mx::array gated_mlp(
   if (K % group_size != 0 || H % group_size != 0) {
     throw std::invalid_argument("gated_mlp: sizes must be whole groups");
   }
-  check(gate, H, K, group_size, bits, "gate");
-  check(up, H, K, group_size, bits, "up");
-  check(down, K, H, group_size, bits, "down");
+  check_quantized(gate, H, K, group_size, bits, "gated_mlp", "gate");
+  check_quantized(up, H, K, group_size, bits, "gated_mlp", "up");
+  check_quantized(down, K, H, group_size, bits, "gated_mlp", "down");
   const int M = int(x.size() / K);
   if (M < 1 || M > kBlockRows) {
     throw std::invalid_argument("gated_mlp: x must have 1 to 8 rows");
@@ -110,49 +146,17 @@ void GatedMlp::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   encoder.set_output_array(out);
   const int K = inputs[0].shape(-1), H = inputs[1].shape(0), M = int(inputs[0].size() / K);
-  QJob gate = job_of(inputs, 1, nullptr, nullptr, M, K, group_size_, bits_);
-  QJob up = job_of(inputs, 4, nullptr, nullptr, M, K, group_size_, bits_);
-  QJob down = job_of(inputs, 7, nullptr, out.data<float>(), M, H, group_size_, bits_);
+  QJob gate = quantized_job(inputs, 1, nullptr, nullptr, M, K, group_size_, bits_);
+  QJob up = quantized_job(inputs, 4, nullptr, nullptr, M, K, group_size_, bits_);
+  QJob down = quantized_job(inputs, 7, nullptr, out.data<float>(), M, H, group_size_, bits_);
   const Isa isa = isa_;
   const Activation act = activation_;
   const int threads = threads_;
   const mx::array x = inputs[0];
   encoder.dispatch([gate, up, down, isa, act, threads, x]() mutable {
-    const int M = gate.M, H = gate.N;
     std::vector<float> dense;
     gate.x = up.x = dense_rows(x, dense);
-    std::vector<float> g(size_t(M) * H), u(size_t(M) * H);
-    gate.out = g.data();
-    up.out = u.data();
-    down.x = g.data(); // the activations, act(gate) * up, replace the gate's values
-    const RowsFn fg = rows_for(isa, gate), fu = rows_for(isa, up), fd = rows_for(isa, down);
-    QActivations xq, hq;
-    if (fg != portable_rows(gate)) {
-      xq.prepare(gate);
-      up.xq = gate.xq;
-      up.xscale = gate.xscale;
-      up.xsum = gate.xsum;
-      up.padded_groups = gate.padded_groups;
-    }
-    const int t1 = product_threads(gate, threads);
-    workers().run(t1, H, product_chunk(H, t1), [&](int n0, int n1) {
-      fg(gate, n0, n1);
-      fu(up, n0, n1);
-      for (int m = 0; m < M; ++m) {
-        float* gm = g.data() + size_t(m) * H;
-        const float* um = u.data() + size_t(m) * H;
-        for (int n = n0; n < n1; ++n) {
-          gm[n] = activate(act, gm[n]) * um[n];
-        }
-      }
-    });
-    if (fd != portable_rows(down)) {
-      hq.prepare(down);
-    }
-    const int t2 = product_threads(down, threads);
-    workers().run(t2, down.N, product_chunk(down.N, t2), [&](int n0, int n1) {
-      fd(down, n0, n1);
-    });
+    gated_mlp_rows(gate, up, down, act, isa, threads);
   });
 }
 

@@ -21,6 +21,16 @@ struct Quantized {
   mx::array w, scales, biases;
 };
 
+// Throws std::invalid_argument ("<op>: the <what> matrix does not fit") unless `m` is a
+// rows x cols matrix quantized with `group_size` and `bits`, scales of a dtype we read.
+void check_quantized(const Quantized& m, int rows, int cols, int group_size, int bits,
+                     const char* op, const char* what);
+
+// A product's job over the matrix inputs[first..first+2] (weights, scales, biases, evaluated),
+// for M rows of x (K features) into out.
+QJob quantized_job(const std::vector<mx::array>& inputs, int first, const float* x, float* out,
+                   int M, int K, int group, int bits);
+
 // down(act(x @ gate.T) * (x @ up.T)) for x of at most kBlockRows rows (float32, any leading
 // shape); every matrix quantized with the same group size and bits.
 mx::array gated_mlp(
@@ -33,6 +43,11 @@ mx::array gated_mlp(
     Activation activation,
     Isa isa,
     int threads);
+
+// The body of the primitive, for the fused decode steps that contain an MLP
+// (decode_block.h): gate.x (= up.x) holds M <= kBlockRows rows, down.out receives M rows;
+// the out fields of gate and up and down.x are set here.
+void gated_mlp_rows(QJob gate, QJob up, QJob down, Activation act, Isa isa, int threads);
 
 class GatedMlp : public mx::UnaryPrimitive {
  public:

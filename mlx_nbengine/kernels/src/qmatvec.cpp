@@ -56,6 +56,16 @@ int product_chunk(int N, int threads) {
   return std::max(16, (N + threads * 8 - 1) / (threads * 8));
 }
 
+void rows_product(QJob job, Isa isa, int threads) {
+  const RowsFn fn = rows_for(isa, job);
+  QActivations xq;
+  if (fn != portable_rows(job)) {
+    xq.prepare(job);
+  }
+  const int t = product_threads(job, threads);
+  workers().run(t, job.N, product_chunk(job.N, t), [&](int n0, int n1) { fn(job, n0, n1); });
+}
+
 void QActivations::prepare(QJob& job) {
   const int M = job.M, K = job.K, group = job.group, G = K / group;
   const int P = (G + 15) / 16 * 16;

@@ -64,5 +64,9 @@ RowsFn rows_for(Isa isa, const QJob& job); // the row kernel of the set, else th
 mx::array contiguous_input(const mx::array& a, mx::Stream s);
 int product_threads(const QJob& job, int threads); // 1 for a matrix too small to split
 int product_chunk(int N, int threads); // output rows per chunk of work
+// job.out = job.x @ W.T for job.M <= kBlockRows rows on the set's row kernel (x rounded to
+// int16 where the set reads it so), the output rows split over `threads`: what
+// QuantizedMatVec runs for a decode step's product, for primitives that fuse one.
+void rows_product(QJob job, Isa isa, int threads);
 
 } // namespace mnb

@@ -266,6 +266,48 @@ RopeTables& tables() {
 
 } // namespace
 
+// --- the row passes, shared with the fused decode step (qkv_step.cpp) ----------------------
+
+void norm_rows_for(Isa isa, const float* x, const int64_t* starts, const float* w, float* out,
+                   int64_t rows, int n, float eps) {
+  NormJob job{x, starts, w, out, rows, n, eps};
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) {
+    return norm_avx512(job);
+  }
+  if (isa == Isa::avx2) {
+    return norm_avx2(job);
+  }
+#endif
+  norm_portable(job);
+}
+
+std::vector<float> rope_inv_freq(float base, int half) {
+  std::vector<float> inv_freq(half);
+  for (int i = 0; i < half; ++i) {
+    inv_freq[i] = float(std::exp(-double(i) * std::log(double(base)) / double(half)));
+  }
+  return inv_freq;
+}
+
+void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* table_row,
+                   const std::vector<float>& inv_freq, const std::vector<int64_t>& positions,
+                   float scale, float* out, int64_t rows, int n, int dims, bool traditional) {
+  std::lock_guard<std::mutex> lock(tables_lock);
+  const RopeTable& table = tables().get(inv_freq, positions, scale);
+  RopeJob job{x, starts, table_row, table.cos.data(), table.sin.data(),
+              out, rows, n, dims, traditional};
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) {
+    return rope_avx512(job);
+  }
+  if (isa == Isa::avx2) {
+    return rope_avx2(job);
+  }
+#endif
+  rope_portable(job);
+}
+
 // --- the operations ------------------------------------------------------------------------
 
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads) {
@@ -372,16 +414,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       }
       w = dense_w.data();
     }
-    NormJob job{xp, starts.data(), w, op, int64_t(starts.size()), n, eps};
-#if defined(__x86_64__)
-    if (isa == Isa::avx512) {
-      return norm_avx512(job);
-    }
-    if (isa == Isa::avx2) {
-      return norm_avx2(job);
-    }
-#endif
-    norm_portable(job);
+    norm_rows_for(isa, xp, starts.data(), w, op, int64_t(starts.size()), n, eps);
   });
 }
 
@@ -457,10 +490,12 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     if (x.size() == 0) {
       return;
     }
-    for (int i = 0; i < half; ++i) {
-      inv_freq[i] = freqs
-          ? 1.0f / element<float>(*freqs, i)
-          : float(std::exp(-double(i) * std::log(double(base)) / double(half)));
+    if (freqs) {
+      for (int i = 0; i < half; ++i) {
+        inv_freq[i] = 1.0f / element<float>(*freqs, i);
+      }
+    } else {
+      inv_freq = rope_inv_freq(base, half);
     }
     const int nd = x.ndim();
     const int B = x.shape(0), T = x.shape(nd - 2);
@@ -483,19 +518,8 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<float> scratch;
     std::vector<int64_t> starts;
     const float* xp = rows_of(x, scratch, starts);
-    std::lock_guard<std::mutex> lock(tables_lock);
-    const RopeTable& table = tables().get(inv_freq, positions, scale);
-    RopeJob job{xp, starts.data(), table_row.data(), table.cos.data(), table.sin.data(),
-                op, rows, int(x.shape(-1)), dims, traditional};
-#if defined(__x86_64__)
-    if (isa == Isa::avx512) {
-      return rope_avx512(job);
-    }
-    if (isa == Isa::avx2) {
-      return rope_avx2(job);
-    }
-#endif
-    rope_portable(job);
+    rope_rows_for(isa, xp, starts.data(), table_row.data(), inv_freq, positions, scale, op,
+                  rows, int(x.shape(-1)), dims, traditional);
   });
 }
 

@@ -13,7 +13,9 @@
 
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -46,6 +48,16 @@ mx::array rope(
 // GELU-gated MLP (Gemma's) in a prefill step, one pass instead of MLX's compiled graph
 // (scalar on x86). tanh by the rational fit of attention_math.h.
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads);
+
+// The row passes of rms_norm and rope, for primitives that fuse them (qkv_step.h): row r of
+// x starts at x + starts[r]; out is row-major. RoPE's position of row r is
+// positions[table_row[r]]; rope_inv_freq is the frequencies rope takes for `base`.
+void norm_rows_for(Isa isa, const float* x, const int64_t* starts, const float* w, float* out,
+                   int64_t rows, int n, float eps);
+std::vector<float> rope_inv_freq(float base, int half);
+void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* table_row,
+                   const std::vector<float>& inv_freq, const std::vector<int64_t>& positions,
+                   float scale, float* out, int64_t rows, int n, int dims, bool traditional);
 
 class GeluTanhMul : public mx::UnaryPrimitive {
  public:

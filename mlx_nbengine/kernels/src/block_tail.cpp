@@ -1,0 +1,162 @@
+#include "block_tail.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#include "rowops.h"
+#include "strided.h"
+
+namespace mnb {
+
+namespace {
+
+// Inputs: attn, x, o (3), post_attn, pre_ffn, gate (3), up (3), down (3), post_ffn.
+constexpr int kO = 2, kPostAttn = 5, kPreFfn = 6, kGate = 7, kUp = 10, kDown = 13, kPostFfn = 16;
+
+// out[m] = base[m] + norm(r[m], w) for M rows of K.
+void add_norm(Isa isa, const float* base, const float* r, const float* w, float* out, int M,
+              int K, float eps) {
+  std::vector<int64_t> starts(M);
+  for (int m = 0; m < M; ++m) {
+    starts[m] = int64_t(m) * K;
+  }
+  std::vector<float> normed(size_t(M) * K);
+  norm_rows_for(isa, r, starts.data(), w, normed.data(), M, K, eps);
+  for (size_t i = 0; i < normed.size(); ++i) {
+    out[i] = base[i] + normed[i];
+  }
+}
+
+void check_norm(const mx::array& w, int K) {
+  if (w.dtype() != mx::float32 || w.ndim() != 1 || w.shape(0) != K) {
+    throw std::invalid_argument("block_tail: the norms' weights must be float32 [features]");
+  }
+}
+
+} // namespace
+
+mx::array block_tail(
+    const mx::array& attn,
+    const mx::array& x,
+    const Quantized& o,
+    const mx::array& post_attn_norm,
+    const mx::array& pre_ffn_norm,
+    const Quantized& gate,
+    const Quantized& up,
+    const Quantized& down,
+    const mx::array& post_ffn_norm,
+    const TailParams& params) {
+  const TailParams& p = params;
+  if (p.bits != 4 && p.bits != 8) {
+    throw std::invalid_argument("block_tail: bits must be 4 or 8");
+  }
+  if (x.ndim() != 3 || x.dtype() != mx::float32 || attn.ndim() != 4 ||
+      attn.dtype() != mx::float32) {
+    throw std::invalid_argument("block_tail: x must be float32 [B, L, K], attn [B, H, L, D]");
+  }
+  const int B = x.shape(0), L = x.shape(1), K = x.shape(2);
+  if (B * L < 1 || B * L > kBlockRows) {
+    throw std::invalid_argument("block_tail: x must have 1 to 8 rows");
+  }
+  if (attn.shape(0) != B || attn.shape(2) != L) {
+    throw std::invalid_argument("block_tail: attn's batch and length must be x's");
+  }
+  const int HD = attn.shape(1) * attn.shape(3);
+  if (K % p.group_size != 0 || HD % p.group_size != 0 || gate.w.ndim() != 2) {
+    throw std::invalid_argument("block_tail: sizes must be whole groups");
+  }
+  const int F = gate.w.shape(0);
+  check_quantized(o, K, HD, p.group_size, p.bits, "block_tail", "output");
+  check_quantized(gate, F, K, p.group_size, p.bits, "block_tail", "gate");
+  check_quantized(up, F, K, p.group_size, p.bits, "block_tail", "up");
+  check_quantized(down, K, F, p.group_size, p.bits, "block_tail", "down");
+  for (const mx::array* w : {&post_attn_norm, &pre_ffn_norm, &post_ffn_norm}) {
+    check_norm(*w, K);
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{attn, x};
+  auto add = [&](const Quantized& m) {
+    inputs.push_back(contiguous_input(m.w, s));
+    inputs.push_back(contiguous_input(m.scales, s));
+    inputs.push_back(contiguous_input(m.biases, s));
+  };
+  add(o);
+  inputs.push_back(post_attn_norm);
+  inputs.push_back(pre_ffn_norm);
+  add(gate);
+  add(up);
+  add(down);
+  inputs.push_back(post_ffn_norm);
+  TailParams held = p;
+  held.isa = usable(p.isa);
+  held.threads = std::max(1, p.threads);
+  return mx::array(x.shape(), mx::float32, std::make_shared<BlockTail>(s, held),
+                   std::move(inputs));
+}
+
+void BlockTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const mx::array attn = inputs[0], x = inputs[1];
+  const mx::array w1 = inputs[kPostAttn], w2 = inputs[kPreFfn], w3 = inputs[kPostFfn];
+  const int B = x.shape(0), L = x.shape(1), K = x.shape(2), M = B * L;
+  const int H = attn.shape(1), D = attn.shape(3), HD = H * D;
+  const TailParams p = p_;
+  QJob o = quantized_job(inputs, kO, nullptr, nullptr, M, HD, p.group_size, p.bits);
+  QJob gate = quantized_job(inputs, kGate, nullptr, nullptr, M, K, p.group_size, p.bits);
+  QJob up = quantized_job(inputs, kUp, nullptr, nullptr, M, K, p.group_size, p.bits);
+  QJob down = quantized_job(inputs, kDown, nullptr, nullptr, M, gate.N, p.group_size, p.bits);
+  float* op = out.data<float>();
+  encoder.dispatch([=]() mutable {
+    // The heads as rows of the output product: row (b, t) is head after head of attn[b, :, t].
+    std::vector<float> scratch;
+    std::vector<int64_t> starts;
+    const float* heads = rows_of(attn, scratch, starts);
+    std::vector<float> a(size_t(M) * HD);
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < H; ++h) {
+        for (int t = 0; t < L; ++t) {
+          std::memcpy(a.data() + (int64_t(b) * L + t) * HD + int64_t(h) * D,
+                      heads + starts[(int64_t(b) * H + h) * L + t], sizeof(float) * D);
+        }
+      }
+    }
+    std::vector<float> r(size_t(M) * K), hbuf(size_t(M) * K), n(size_t(M) * K);
+    o.x = a.data();
+    o.out = r.data();
+    rows_product(o, p.isa, p.threads);
+    std::vector<float> dense, wd1, wd2, wd3;
+    const float* xd = dense_rows(x, dense);
+    add_norm(p.isa, xd, r.data(), dense_rows(w1, wd1), hbuf.data(), M, K, p.eps);
+    std::vector<int64_t> rows(M);
+    for (int m = 0; m < M; ++m) {
+      rows[m] = int64_t(m) * K;
+    }
+    norm_rows_for(p.isa, hbuf.data(), rows.data(), dense_rows(w2, wd2), n.data(), M, K, p.eps);
+    gate.x = up.x = n.data();
+    down.out = r.data();
+    gated_mlp_rows(gate, up, down, p.activation, p.isa, p.threads);
+    add_norm(p.isa, hbuf.data(), r.data(), dense_rows(w3, wd3), op, M, K, p.eps);
+  });
+}
+
+void BlockTail::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("block_tail runs on the CPU only");
+}
+
+bool BlockTail::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const BlockTail&>(other).p_;
+  return p_.eps == o.eps && p_.group_size == o.group_size && p_.bits == o.bits &&
+      p_.activation == o.activation && p_.isa == o.isa && p_.threads == o.threads;
+}
+
+} // namespace mnb
