@@ -207,9 +207,11 @@ def test_chunked_prefill_with_image_masks_matches_mlx_vlms_single_call(model_dir
         kwargs = runner.prefill_kwargs(embedded, start, end)
         parts.append(lm.language_model(ids[:, start:end], cache=cache, **kwargs).logits)
     chunked = mx.concatenate(parts, axis=1)
-    # Measured 2026-12-01 on an AMD EPYC (2 cores): equal (0.0; largest logit 5.4). The
-    # bound is ten float32 ulps of that logit, for a BLAS that splits the steps otherwise.
-    assert float(mx.abs(chunked - whole).max()) < 5e-6
+    # Measured 2026-12-01 on an AMD EPYC (2 cores): equal (0.0; largest logit 5.4); on a Zen
+    # 5 under OPENBLAS_CORETYPE=Haswell, whose sgemm gives a row other bits with other rows
+    # beside it, 1.7e-5 (3e-6 of the largest logit). The bound: 2e-5 of the largest logit.
+    largest = float(mx.abs(whole).max())
+    assert float(mx.abs(chunked - whole).max()) < 2e-5 * largest
     # Without the masks the image would attend causally after the prefix: far off.
     causal = lm.language_model(ids, inputs_embeds=feats.inputs_embeds, cache=lm.make_cache()).logits
     assert float(mx.abs(causal - whole)[0, span.start].max()) > 1e-3
