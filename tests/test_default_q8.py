@@ -59,6 +59,7 @@ def test_8_bit_weights_agree_with_float32(both):
     agreement = same / TOKENS
     print(f"top-1 agreement {agreement:.4f}, largest logit difference {largest:.3f}")
     print(f"largest float32 logit {scale:.1f}")
-    # A margin under the figures the README gives (its 8-bit agreement).
-    assert agreement >= 0.96
+    # A margin under the figures the README gives (its 8-bit agreement: 98.2% with the GGUF's
+    # Q8_0 and Q5_0 blocks kept exactly, 97.4-97.6% before).
+    assert agreement >= 0.97
     assert largest <= 0.1 * scale

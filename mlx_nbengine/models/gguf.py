@@ -55,6 +55,15 @@ Progress = Callable[[int, int], None]
 
 # Bumped whenever the converter's output changes, so stale conversions are redone.
 CONVERTER_VERSION = "3"
+
+
+def converter_tag(dtype: str) -> str:
+    """What a conversion's ``mlx_nbengine_source.json`` records as its converter: the version,
+    and the weights' dtype where it is not the default bfloat16 (a conversion of the same GGUF
+    under another tag is another one, and `remove_older_conversions` takes it away)."""
+    return CONVERTER_VERSION if dtype == "bfloat16" else f"{CONVERTER_VERSION}-{dtype}"
+
+
 _SAMPLE_BYTES = 1 << 20
 
 _MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -529,7 +538,11 @@ def _write_model(
     _tokenizer_files(meta, arch, directory)
     (directory / "mlx_nbengine_source.json").write_text(
         json.dumps(
-            {"gguf": source.name, "size": source.stat().st_size, "converter": CONVERTER_VERSION}
+            {
+                "gguf": source.name,
+                "size": source.stat().st_size,
+                "converter": converter_tag(dtype),
+            }
         )
     )
 

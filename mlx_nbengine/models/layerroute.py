@@ -119,7 +119,7 @@ def _matrix(layer: Any) -> Matrix | None:
         return None
     if "biases" not in layer or "bias" in layer:
         return None
-    return layer["weight"], layer["scales"], layer["biases"]
+    return qroute.product_arrays(layer)
 
 
 def _arrays(block: Any) -> tuple[Any, ...]:

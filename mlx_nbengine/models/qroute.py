@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
@@ -46,6 +47,7 @@ __all__ = [
     "installed",
     "matches_library",
     "method_body",
+    "product_arrays",
     "quantize_for_cpu",
     "routed_gated_mlp",
     "routed_matmul",
@@ -108,6 +110,22 @@ def matches_library(cls: type, name: str) -> bool:
     return method_body(original) == EXPECTED_SOURCE[(cls, name)]
 
 
+# A quantized layer's scales and biases as float16, where that holds them exactly (every
+# group on a block format's grid, `quantize_for_cpu`): what our kernels read in its products
+# (the same values, so the same bits, in fewer bytes a step). Held on the layer itself (it
+# goes with the model; not a parameter, so the library's own paths keep float32).
+_HALF_ATTRIBUTE = "_mlx_nbengine_half_scales"
+
+
+def product_arrays(layer: Any) -> tuple[mx.array, mx.array, mx.array]:
+    """(weight, scales, biases) of a quantized layer as our kernels read them: the float16
+    copies `quantize_for_cpu` made where they are exact, else the layer's own."""
+    half = layer.__dict__.get(_HALF_ATTRIBUTE)
+    if half is not None and half[0] is layer["scales"]:
+        return layer["weight"], half[1], half[2]
+    return layer["weight"], layer["scales"], layer["biases"]
+
+
 def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
     """``x @ W.T`` of a quantized layer on our kernels or dequantized on the BLAS; None where
     the layer's own method should run (see the module docstring)."""
@@ -118,13 +136,13 @@ def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
         or mx.default_device() != mx.cpu
     ):
         return None
-    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     rows = x.size // x.shape[-1] if x.ndim else 0
     if 1 <= rows <= kernels.MAX_ROWS or (rows > kernels.MAX_ROWS and kernels.gemm_available()):
         note_kernel_products()  # the decode steps' threads are ours, not OpenBLAS's
         return kernels.quantized_matmul(
-            x, w, scales, biases, group_size=layer.group_size, bits=layer.bits
+            x, *product_arrays(layer), group_size=layer.group_size, bits=layer.bits
         )
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     dense = mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits)
     return x @ dense.T.astype(x.dtype)
 
@@ -152,7 +170,7 @@ def routed_gated_mlp(mlp: Any, x: mx.array, activation: str) -> mx.array | None:
     note_kernel_products()
     return kernels.gated_mlp(
         x,
-        *[(layer["weight"], layer["scales"], layer["biases"]) for layer in layers],
+        *[product_arrays(layer) for layer in layers],
         group_size=first.group_size,
         bits=first.bits,
         activation=activation,
@@ -262,9 +280,81 @@ def has_quantized_layers(model: Any) -> bool:
     )
 
 
+# Steps of the symmetric integer grids of llama.cpp's round-to-nearest block formats, as
+# the largest magnitude of a block over its grid step: Q8_0 (k in -127..127), Q5_0 (k in
+# -16..15), Q4_0 (k in -8..7).
+GRID_STEPS = (127, 16, 8)
+
+
+def _on_grid(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group of `w` (float32 [N, K]): whether the group is d * k for integers k with
+    |k| <= 127 and d its largest magnitude over one of `GRID_STEPS` (a block of Q8_0, Q5_0
+    or Q4_0 dequantized), and, where it is, d and k + 128 (uint8, [N, K])."""
+    groups = w.reshape(w.shape[0], -1, group_size)
+    largest = np.abs(groups).max(axis=-1, keepdims=True)
+    exact = np.zeros(largest.shape, dtype=bool)
+    step = np.zeros(largest.shape, dtype=np.float32)
+    codes = np.zeros(groups.shape, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for grid in GRID_STEPS:
+            d = largest / np.float32(grid)
+            k = groups / d
+            fits = (
+                ~exact
+                & (largest > 0)
+                & np.all(k == np.round(k), axis=-1, keepdims=True)
+                & np.all(np.abs(k) <= 127, axis=-1, keepdims=True)
+            )
+            step = np.where(fits, d, step)
+            codes = np.where(fits, k, codes)
+            exact |= fits
+    q = (codes + 128).astype(np.uint8).reshape(w.shape)
+    return exact[..., 0], step[..., 0], q
+
+
+_GRID_ROWS = 8192  # rows of a matrix checked at a time (bounds the memory it takes)
+
+
+def _exact_where_on_grid(module: Any, weight: mx.array) -> int:
+    """Give the groups of 8-bit `module` (quantized from float32 `weight`) that lie on a
+    block format's grid (`_on_grid`) the exact codes: scale d, bias -128 d, codes k + 128,
+    so s * q + b is the weight itself where mx.quantize's (max - min) / 255 steps are off
+    the grid by up to half a step. Where every group is on a grid and float16 holds its
+    scales and biases exactly (a GGUF block's d is a float16), the layer keeps float16 copies
+    for our kernels (`product_arrays`). Returns how many groups changed."""
+    rows, group = weight.shape[0], module.group_size
+    codes = np.array(module.weight).view(np.uint8).reshape(rows, -1)
+    scales = np.array(module.scales.astype(mx.float32))
+    biases = np.array(module.biases.astype(mx.float32))
+    changed = 0
+    for start in range(0, rows, _GRID_ROWS):
+        end = min(rows, start + _GRID_ROWS)
+        w = np.array(weight[start:end].astype(mx.float32))
+        exact, d, q = _on_grid(w, group)
+        if not exact.any():
+            continue
+        changed += int(exact.sum())
+        codes[start:end] = np.where(np.repeat(exact, group, axis=1), q, codes[start:end])
+        scales[start:end] = np.where(exact, d, scales[start:end])
+        biases[start:end] = np.where(exact, -128 * d, biases[start:end])
+    if changed:
+        module.weight = mx.array(codes.reshape(-1).view(np.uint32).reshape(rows, -1))
+        module.scales = mx.array(scales).astype(module.scales.dtype)
+        module.biases = mx.array(biases).astype(module.biases.dtype)
+    if changed == scales.size:  # every group on a grid: float16 may hold them exactly
+        half = scales.astype(np.float16), biases.astype(np.float16)
+        pairs = zip(half, (scales, biases), strict=True)
+        if all(np.array_equal(h.astype(np.float32), f) for h, f in pairs):
+            copies = (module.scales, mx.array(half[0]), mx.array(half[1]))
+            object.__setattr__(module, _HALF_ATTRIBUTE, copies)
+    return changed
+
+
 def quantize_for_cpu(model: Any, *, bits: int, group_size: int) -> str:
     """Quantize `model`'s linear and embedding layers in place for our kernels; return the
-    variant name the fingerprint records (e.g. ``q8g64``)."""
+    variant name the fingerprint records (e.g. ``q8g64``). At 8 bits, groups whose float32
+    weights lie on a block format's grid (a GGUF's Q8_0, Q5_0 or Q4_0 tensors, dequantized)
+    keep them exactly (`_exact_where_on_grid`; the variant ends in ``x``)."""
 
     def fits(_: str, module: Any) -> bool:
         weight = getattr(module, "weight", None)
@@ -274,6 +364,16 @@ def quantize_for_cpu(model: Any, *, bits: int, group_size: int) -> str:
             and weight.shape[-1] % group_size == 0
         )
 
+    floats = {name: m.weight for name, m in model.named_modules() if fits(name, m)}
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=fits)
+    if bits == 8:
+        mx.eval(model.parameters())
+        for name, module in model.named_modules():
+            weight = floats.get(name)
+            if weight is not None and isinstance(
+                module, nn.QuantizedLinear | nn.QuantizedEmbedding
+            ):
+                _exact_where_on_grid(module, weight)
+    del floats
     mx.eval(model.parameters())
-    return f"q{bits}g{group_size}"
+    return f"q{bits}g{group_size}" + ("x" if bits == 8 else "")
