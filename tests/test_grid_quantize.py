@@ -107,12 +107,15 @@ def test_exact_layers_give_the_kernels_float16_copies_with_the_same_bits():
         assert module.scales.dtype == mx.float32  # the layer's own (the library's paths)
         assert mx.array_equal(scales.astype(mx.float32), module.scales).item()
         assert mx.array_equal(biases.astype(mx.float32), module.biases).item()
-    x = mx.random.normal((3, 96), key=mx.random.key(10))
-    own = kernels.quantized_matmul(
-        x, model.proj.weight, model.proj.scales, model.proj.biases, group_size=GROUP, bits=8
-    )
-    half = kernels.quantized_matmul(x, *qroute.product_arrays(model.proj), group_size=GROUP, bits=8)
-    assert mx.array_equal(own, half).item()
+    # A decode step's rows, an edit tail's (the integer GEMM) and a prefill step's.
+    for rows in (3, 20, 130) if kernels.gemm_available() else (3,):
+        x = mx.random.normal((rows, 96), key=mx.random.key(10))
+        layer = model.proj
+        own = kernels.quantized_matmul(
+            x, layer.weight, layer.scales, layer.biases, group_size=GROUP, bits=8
+        )
+        half = kernels.quantized_matmul(x, *qroute.product_arrays(layer), group_size=GROUP, bits=8)
+        assert mx.array_equal(own, half).item(), f"{rows} rows"
 
 
 def test_no_float16_copies_where_a_group_is_off_the_grids():
