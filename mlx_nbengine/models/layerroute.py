@@ -122,20 +122,43 @@ def _matrix(layer: Any) -> Matrix | None:
     return qroute.product_arrays(layer)
 
 
+def _layers(block: Any) -> tuple[Any, ...]:
+    """The layer's projections, in `_Plan`'s order: q, k, v, o, gate, up, down."""
+    attn, mlp = block.self_attn, block.mlp
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
+
+
+def _norms(block: Any) -> tuple[Any, ...]:
+    """The layer's norms, in `_Plan`'s order."""
+    attn = block.self_attn
+    return (
+        block.input_layernorm,
+        attn.q_norm,
+        attn.k_norm,
+        block.post_attention_layernorm,
+        block.pre_feedforward_layernorm,
+        block.post_feedforward_layernorm,
+    )
+
+
 def _arrays(block: Any) -> tuple[Any, ...]:
     """The arrays a plan is made of (a plan is remade when any of them changes)."""
-    attn, mlp = block.self_attn, block.mlp
-    layers = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    layers += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    norms = (block.input_layernorm, attn.q_norm, attn.k_norm, block.post_attention_layernorm)
-    norms += (block.pre_feedforward_layernorm, block.post_feedforward_layernorm)
-    return tuple(layer.get("weight") for layer in layers + norms)
+    return tuple(
+        m.get(name) for m in _layers(block) + _norms(block) for name in ("weight", "scales")
+    )
 
 
 def _make_plan(block: Any) -> _Plan | None:
     attn, mlp = block.self_attn, block.mlp
-    layers = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    layers += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    layers = _layers(block)
     matrices = [_matrix(layer) for layer in layers]
     if any(m is None for m in matrices) or not cpu_math.runs_gelu_mlp(mlp):
         return None
@@ -144,9 +167,7 @@ def _make_plan(block: Any) -> _Plan | None:
         return None
     if not kernels.supports(bits=bits, group_size=group):
         return None
-    norm_modules = (block.input_layernorm, attn.q_norm, attn.k_norm)
-    norm_modules += (block.post_attention_layernorm, block.pre_feedforward_layernorm)
-    norm_modules += (block.post_feedforward_layernorm,)
+    norm_modules = _norms(block)
     norms = [fastops.offset_norm_weight(n) for n in norm_modules]
     if any(n is None for n in norms) or len({n.eps for n in norm_modules}) != 1:
         return None
