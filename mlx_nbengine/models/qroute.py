@@ -289,27 +289,28 @@ GRID_STEPS = (127, 16, 8)
 def _on_grid(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group of `w` (float32 [N, K]): whether the group is d * k for integers k with
     |k| <= 127 and d its largest magnitude over one of `GRID_STEPS` (a block of Q8_0, Q5_0
-    or Q4_0 dequantized), and, where it is, d and k + 128 (uint8, [N, K])."""
+    or Q4_0 dequantized), and, where it is, d and k + 128 (uint8, [N, K]). A group is checked
+    whole for a grid only where its first value is on it (most groups of other formats fail
+    there, at a 32nd of the work)."""
     groups = w.reshape(w.shape[0], -1, group_size)
-    largest = np.abs(groups).max(axis=-1, keepdims=True)
+    largest = np.abs(groups).max(axis=-1)
     exact = np.zeros(largest.shape, dtype=bool)
     step = np.zeros(largest.shape, dtype=np.float32)
-    codes = np.zeros(groups.shape, dtype=np.float32)
+    q = np.full(groups.shape, 128, dtype=np.uint8)
     with np.errstate(divide="ignore", invalid="ignore"):
         for grid in GRID_STEPS:
             d = largest / np.float32(grid)
-            k = groups / d
-            fits = (
-                ~exact
-                & (largest > 0)
-                & np.all(k == np.round(k), axis=-1, keepdims=True)
-                & np.all(np.abs(k) <= 127, axis=-1, keepdims=True)
+            first = groups[..., 0] / d
+            rows, cols = np.nonzero(
+                ~exact & (largest > 0) & (first == np.round(first)) & (np.abs(first) <= 127)
             )
-            step = np.where(fits, d, step)
-            codes = np.where(fits, k, codes)
-            exact |= fits
-    q = (codes + 128).astype(np.uint8).reshape(w.shape)
-    return exact[..., 0], step[..., 0], q
+            k = groups[rows, cols] / d[rows, cols, None]
+            fits = np.all(k == np.round(k), axis=-1) & np.all(np.abs(k) <= 127, axis=-1)
+            rows, cols = rows[fits], cols[fits]
+            exact[rows, cols] = True
+            step[rows, cols] = d[rows, cols]
+            q[rows, cols] = (k[fits] + 128).astype(np.uint8)
+    return exact, step, q.reshape(w.shape)
 
 
 _GRID_ROWS = 8192  # rows of a matrix checked at a time (bounds the memory it takes)
@@ -334,9 +335,10 @@ def _exact_where_on_grid(module: Any, weight: mx.array) -> int:
         if not exact.any():
             continue
         changed += int(exact.sum())
-        codes[start:end] = np.where(np.repeat(exact, group, axis=1), q, codes[start:end])
-        scales[start:end] = np.where(exact, d, scales[start:end])
-        biases[start:end] = np.where(exact, -128 * d, biases[start:end])
+        n = end - start
+        codes[start:end].reshape(n, -1, group)[exact] = q.reshape(n, -1, group)[exact]
+        scales[start:end][exact] = d[exact]
+        biases[start:end][exact] = -128 * d[exact]
     if changed:
         module.weight = mx.array(codes.reshape(-1).view(np.uint32).reshape(rows, -1))
         module.scales = mx.array(scales).astype(module.scales.dtype)

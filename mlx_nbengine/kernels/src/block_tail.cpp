@@ -21,12 +21,8 @@ constexpr int kO = 2, kPostAttn = 5, kPreFfn = 6, kGate = 7, kUp = 10, kDown = 1
 // out[m] = base[m] + norm(r[m], w) for M rows of K.
 void add_norm(Isa isa, const float* base, const float* r, const float* w, float* out, int M,
               int K, float eps) {
-  std::vector<int64_t> starts(M);
-  for (int m = 0; m < M; ++m) {
-    starts[m] = int64_t(m) * K;
-  }
   std::vector<float> normed(size_t(M) * K);
-  norm_rows_for(isa, r, starts.data(), w, normed.data(), M, K, eps);
+  norm_dense_rows(isa, r, w, normed.data(), M, K, eps);
   for (size_t i = 0; i < normed.size(); ++i) {
     out[i] = base[i] + normed[i];
   }
@@ -137,11 +133,7 @@ void BlockTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<float> dense, wd1, wd2, wd3;
     const float* xd = dense_rows(x, dense);
     add_norm(p.isa, xd, r.data(), dense_rows(w1, wd1), hbuf.data(), M, K, p.eps);
-    std::vector<int64_t> rows(M);
-    for (int m = 0; m < M; ++m) {
-      rows[m] = int64_t(m) * K;
-    }
-    norm_rows_for(p.isa, hbuf.data(), rows.data(), dense_rows(w2, wd2), n.data(), M, K, p.eps);
+    norm_dense_rows(p.isa, hbuf.data(), dense_rows(w2, wd2), n.data(), M, K, p.eps);
     gate.x = up.x = n.data();
     down.out = r.data();
     gated_mlp_rows(gate, up, down, p.activation, p.isa, p.threads);

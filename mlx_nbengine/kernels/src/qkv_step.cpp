@@ -139,13 +139,8 @@ void QkvStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
     const float* xd = dense_rows(x, dense);
     if (xn) { // the input norm, as the layer's RmsNorm primitive runs it
       std::vector<float> w;
-      const float* wp = dense_rows(*xn, w);
-      std::vector<int64_t> starts(M);
-      for (int m = 0; m < M; ++m) {
-        starts[m] = int64_t(m) * K;
-      }
       normed.resize(size_t(M) * K);
-      norm_rows_for(p.isa, xd, starts.data(), wp, normed.data(), M, K, p.x_eps);
+      norm_dense_rows(p.isa, xd, dense_rows(*xn, w), normed.data(), M, K, p.x_eps);
       xd = normed.data();
     }
     jq.x = jk.x = jv.x = xd;
@@ -190,13 +185,9 @@ void QkvStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       }
     }
     const std::vector<float> inv_freq = rope_inv_freq(p.base, p.rope_dims / 2);
-    std::vector<float> wq(D), wk(D);
-    for (int i = 0; i < D; ++i) {
-      wq[i] = qn.data<float>()[int64_t(i) * qn.strides()[0]];
-      wk[i] = kn.data<float>()[int64_t(i) * kn.strides()[0]];
-    }
-    heads(jq.out, wq.data(), qo, B, L, p.heads, D, positions, each, inv_freq, p);
-    heads(jk.out, wk.data(), ko, B, L, p.kv_heads, D, positions, each, inv_freq, p);
+    std::vector<float> wq, wk;
+    heads(jq.out, dense_rows(qn, wq), qo, B, L, p.heads, D, positions, each, inv_freq, p);
+    heads(jk.out, dense_rows(kn, wk), ko, B, L, p.kv_heads, D, positions, each, inv_freq, p);
     for (int b = 0; b < B; ++b) {
       for (int h = 0; h < p.kv_heads; ++h) {
         for (int t = 0; t < L; ++t) {

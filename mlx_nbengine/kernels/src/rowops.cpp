@@ -282,6 +282,15 @@ void norm_rows_for(Isa isa, const float* x, const int64_t* starts, const float* 
   norm_portable(job);
 }
 
+void norm_dense_rows(Isa isa, const float* x, const float* w, float* out, int64_t rows, int n,
+                     float eps) {
+  std::vector<int64_t> starts(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    starts[r] = r * n;
+  }
+  norm_rows_for(isa, x, starts.data(), w, out, rows, n, eps);
+}
+
 std::vector<float> rope_inv_freq(float base, int half) {
   std::vector<float> inv_freq(half);
   for (int i = 0; i < half; ++i) {

@@ -54,6 +54,9 @@ mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int
 // positions[table_row[r]]; rope_inv_freq is the frequencies rope takes for `base`.
 void norm_rows_for(Isa isa, const float* x, const int64_t* starts, const float* w, float* out,
                    int64_t rows, int n, float eps);
+// norm_rows_for over M contiguous rows of n (x and out row-major).
+void norm_dense_rows(Isa isa, const float* x, const float* w, float* out, int64_t rows, int n,
+                     float eps);
 std::vector<float> rope_inv_freq(float base, int half);
 void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* table_row,
                    const std::vector<float>& inv_freq, const std::vector<int64_t>& positions,
