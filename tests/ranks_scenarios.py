@@ -9,7 +9,9 @@ sharded engine needs a fresh process (a kernel restart, in a notebook).
   restored from disk on both ranks; four requests batched; a cancel; the status.
 - ``kill``: the worker killed mid-request (SIGKILL) or stopped (SIGSTOP, `hang`): the
   error, how long it took, the engine closed; then a single-process engine loads in the
-  same process and a second sharded one is refused in one line.
+  same process and a second sharded one is refused in one line. For `hang`, the store
+  thread's `give_back_memory` runs while the step's collective waits (MLX's
+  `clear_cache` held the GIL there, which froze the watchdog).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from mlx_nbengine.engine import Engine
+from mlx_nbengine.engine.memory import give_back_memory
 
 PROMPT = list(range(5, 45))
 EDITED = PROMPT[:30] + [99] + PROMPT[31:]
@@ -96,6 +100,8 @@ def kill(model: str, cache_dir: str, how: str, hosts: list[str] | None = None) -
             if n == 10:
                 os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
                 started = time.monotonic()
+                if how == "hang":  # as the store's thread does when it goes idle
+                    threading.Timer(0.5, give_back_memory).start()
         out["error"] = None
     except Exception as exc:  # noqa: BLE001 - the error is what the scenario reports
         out["error"] = [type(exc).__name__, str(exc)]

@@ -26,7 +26,6 @@ import mlx.core as mx
 from mlx_nbengine.cache import layer_kinds
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.checkpoints import Checkpoints
-from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.request import EngineClosedError
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.scheduler import Scheduler
@@ -244,7 +243,7 @@ class GenerationThread:
             try:
                 wait = scheduler.wait_s()
                 if wait is None:
-                    give_back_memory()
+                    scheduler.runner.idle()
                 if self._receive(timeout=wait) and wait is None and not self._stopping:
                     time.sleep(ADMIT_GRACE_S)  # woke from idle: let a burst arrive
                     self._receive(timeout=0)

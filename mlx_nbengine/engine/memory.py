@@ -10,6 +10,12 @@ buffers (cache slices, attention scores) land in the arenas, where fragmentation
 them resident even after `malloc_trim`. `keep_large_buffers_mapped` pins the threshold
 (process-wide, once) so every large buffer is its own mapping and leaves RSS when freed.
 Any thread may call either function.
+
+Once this process formed an MLX distributed group (a sharded model's rank 0), MLX's pool
+is emptied only between steps (`between_steps`: the generation thread, idle). Measured:
+`mx.clear_cache()` waits for a ring collective in flight, holding the GIL, so called from
+the store's thread while a stopped rank stalled a step it froze every Python thread, the
+rank group's watchdog included, and the hang it exists to catch was never caught.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _MALLOPT = _glibc("mallopt")
 _M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
 _MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial value
 _pinned = False
+_collectives = False  # this process formed an MLX distributed group (for its whole life)
 
 
 def keep_large_buffers_mapped() -> None:
@@ -45,8 +52,18 @@ def keep_large_buffers_mapped() -> None:
         _pinned = True
 
 
-def give_back_memory() -> None:
-    """Empty MLX's buffer pool, then trim the C heap (Linux/glibc)."""
-    mx.clear_cache()
+def collectives_formed() -> None:
+    """This process formed an MLX distributed group: from now on MLX's pool is emptied
+    only between steps (see the module docstring)."""
+    global _collectives
+    _collectives = True
+
+
+def give_back_memory(*, between_steps: bool = False) -> None:
+    """Empty MLX's buffer pool, then trim the C heap (Linux/glibc). `between_steps`:
+    no step of this process is in flight (the generation thread, idle); without it the
+    pool is left alone once collectives may be in flight (`collectives_formed`)."""
+    if between_steps or not _collectives:
+        mx.clear_cache()
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

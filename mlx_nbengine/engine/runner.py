@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_nbengine._blas import PARALLEL_MIN_TOKENS, blas_step, blas_threads_for
 from mlx_nbengine.cache import extract_block_records
 from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
+from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.sampling import HostDraw, draw_rows
 from mlx_nbengine.engine.sequence import Sequence
 from mlx_nbengine.engine.vision import VisionRunner
@@ -171,6 +172,10 @@ class Runner:
             for s, row in zip(seqs, logits.split(len(seqs)), strict=True)
         ]
         return mx.concatenate([t.reshape(-1).astype(mx.uint32) for t in lazy])
+
+    def idle(self) -> None:
+        """Nothing is in flight (the generation thread goes idle): give memory back."""
+        give_back_memory(between_steps=True)
 
     # --- load -------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from mlx_nbengine.engine import memory
 from mlx_nbengine.engine.ranks import launch
 from mlx_nbengine.engine.ranks.channel import ChannelClosed, Link, accept
 from mlx_nbengine.errors import EngineError
@@ -155,6 +156,8 @@ class RankGroup:
             raise RingUsedError("this process already formed its MLX distributed group")
         self.hostfile = hostfile
         import mlx.core as mx  # lazy: MLX's distributed module is used by sharded engines only
+
+        memory.collectives_formed()  # before the ring: its init may hang the GIL's holder
 
         return _init_with_hostfile(mx, hostfile)
 

@@ -22,6 +22,7 @@ Every step plan is sent before rank 0 runs the same call; a collective then join
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
@@ -154,6 +155,13 @@ class RankRunner(Runner):
         self.group.send("decode", tokens=[int(t) for t in inputs])
         tokens = guarded(self.group, super().launch, batch, inputs)
         return _Checked(tokens, self.group) if isinstance(tokens, mx.array) else tokens
+
+    def idle(self) -> None:
+        # A failed group has no workers left to tell, and a collective of its last step
+        # may never return: MLX's pool is left alone (`clear_cache` would wait for it).
+        with contextlib.suppress(RankLostError):
+            self.group.send("idle")
+            super().idle()
 
     def probe_records(self) -> dict[str, Any]:
         self.group.send("probe")

@@ -23,6 +23,7 @@ from mlx_nbengine.engine.cacheio import SAVE, CacheIO, rebuild_cache
 from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.hot import HotCache
 from mlx_nbengine.engine.ledger import CacheLedger
+from mlx_nbengine.engine.memory import collectives_formed, give_back_memory
 from mlx_nbengine.engine.ranks.channel import Link
 from mlx_nbengine.engine.ranks.shard import shard_fn
 from mlx_nbengine.engine.runner import Runner, prefill_blas
@@ -82,6 +83,7 @@ class Replay:
             with os.fdopen(fd, "w") as f:
                 f.write(os.environ["MLX_NBENGINE_RING_HOSTS"])
             os.environ["MLX_HOSTFILE"] = path
+            collectives_formed()
             self.group = mx.distributed.init(backend="ring", strict=True)
         finally:
             os.unlink(path)
@@ -115,6 +117,9 @@ class Replay:
 
     def on_loaded(self, ask: int) -> None:
         self.answer(ask, {"rank": self.rank, "pid": os.getpid()})
+
+    def on_idle(self) -> None:
+        give_back_memory(between_steps=True)  # rank 0 is idle: no step is in flight
 
     def on_probe(self) -> None:
         records = self.runner.probe_records()
