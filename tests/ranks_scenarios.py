@@ -16,6 +16,7 @@ sharded engine needs a fresh process (a kernel restart, in a notebook).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -163,6 +164,8 @@ def magics(model: str, cache_dir: str) -> dict:
 
 def main() -> None:
     scenario, model, cache_dir, *rest = sys.argv[1:]
+    if "SCENARIO_STACKS_AFTER_S" in os.environ:  # a hang names where every thread waits
+        faulthandler.dump_traceback_later(float(os.environ["SCENARIO_STACKS_AFTER_S"]))
     if scenario == "magics":
         print(json.dumps(magics(model, cache_dir)), flush=True)
         return

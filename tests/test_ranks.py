@@ -36,14 +36,20 @@ def scenario(*args: str, timeout: float, env: dict | None = None) -> dict:
         start_new_session=True,
         # Our CPU kernels off: a scenario must not wait for their first build (their own
         # tests cover them); the single-process runs it compares with run without them too.
-        env={**os.environ, "MLX_NBENGINE_KERNELS": "off", **(env or {})},
+        # Where it runs long, it prints every thread's stack first (`faulthandler`).
+        env={
+            **os.environ,
+            "MLX_NBENGINE_KERNELS": "off",
+            "SCENARIO_STACKS_AFTER_S": str(timeout - 10),
+            **(env or {}),
+        },
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"scenario {args[0]} ran past {timeout} s: {err[-2000:]}")
+        pytest.fail(f"scenario {args[0]} ran past {timeout} s: {err[-8000:]}")
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"scenario failed ({proc.returncode}): {err[-3000:]}"
     return json.loads(lines[-1])
