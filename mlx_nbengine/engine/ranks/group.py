@@ -157,7 +157,7 @@ class RankGroup:
         self.hostfile = hostfile
         import mlx.core as mx  # lazy: MLX's distributed module is used by sharded engines only
 
-        memory.collectives_formed()  # before the ring: its init may hang the GIL's holder
+        memory.collectives_formed()  # from now on MLX's pool is emptied between steps only
 
         return _init_with_hostfile(mx, hostfile)
 
