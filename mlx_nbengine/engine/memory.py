@@ -11,8 +11,9 @@ them resident even after `malloc_trim`. `keep_large_buffers_mapped` pins the thr
 (process-wide, once) so every large buffer is its own mapping and leaves RSS when freed.
 Any thread may call either function.
 
-Once this process formed an MLX distributed group (a sharded model's rank 0), MLX's pool
-is emptied only between steps (`between_steps`: the generation thread, idle). Measured:
+Once this process formed an MLX distributed group (any rank of a sharded model), MLX's pool
+is emptied only between steps (`between_steps`: the generation thread gone idle, or a
+worker told so by rank 0). Measured:
 `mx.clear_cache()` waits for a ring collective in flight, holding the GIL, so called from
 the store's thread while a stopped rank stalled a step it froze every Python thread, the
 rank group's watchdog included, and the hang it exists to catch was never caught.

@@ -333,7 +333,7 @@ def load(
             mx.eval(model.parameters())
 
     requantize = path_or_name == "default" and dtype is None and _on_cpu()
-    if path_or_name == "default" and dtype is None and not _on_cpu():
+    if path_or_name == "default" and dtype is None and not requantize:
         dtype = "bfloat16"  # stored as float32 for the CPU's exact requantization (default.py)
     dtype = dtype or _default_dtype()
     if dtype is not None:
