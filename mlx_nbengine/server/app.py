@@ -5,7 +5,7 @@ Terms:
 
 - *call*: one API request that reached the engine (a `Request` handle). Its events come to
   the server's event loop through a *pump*: a daemon thread that iterates
-  `Request.stream()` and hands each event to the loop (`_Pump`).
+  `Request.stream()` and hands each event to the loop (`transport.Pump`).
 - *in flight*: calls submitted and not yet answered; past `max_pending` a request gets 429.
 
 Rules the app keeps:
@@ -26,16 +26,16 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mlx_nbengine.engine import (
@@ -47,6 +47,7 @@ from mlx_nbengine.engine import (
     TextDelta,
 )
 from mlx_nbengine.errors import EngineError
+from mlx_nbengine.server import messages, responses
 from mlx_nbengine.server.journal import Entry, Journal
 from mlx_nbengine.server.openai_shapes import (
     APIError,
@@ -64,12 +65,12 @@ from mlx_nbengine.server.openai_shapes import (
     new_id,
     usage,
 )
+from mlx_nbengine.server.transport import IDLE, EventStream, Pump, disconnected, keepalive, sse
 
 __all__ = ["build_app"]
 
 log = logging.getLogger("mlx_nbengine.server")
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -77,36 +78,31 @@ def _error(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-class _Pump:
-    """Moves one `Request`'s events from its stream (a blocking queue) to the event loop."""
+@dataclass
+class Admitted:
+    """A call the engine took (`_App.admit`): its journal entry, the checked `Call`, the
+    request's body, and the pump of its events. `release()` (once, however the answer
+    ends) cancels the call if it still runs and frees its place among those in flight."""
 
-    def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.handle = handle
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=self._run, daemon=True, name=f"mnb-api-{handle.id}").start()
+    app: _App
+    entry: Entry
+    call: Call
+    body: dict
+    pump: Pump
+    released: bool = False
 
-    def _run(self) -> None:
-        try:
-            for event in self.handle.stream():
-                self._put(event)
-        except BaseException as exc:  # the request's error: raised again on the loop
-            self._put(exc)
+    @property
+    def handle(self) -> Any:
+        return self.pump.handle
 
-    def _put(self, item: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server stopped
-            pass
-
-    async def events(self) -> AsyncIterator[Any]:
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, Finished):
-                return
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.handle.cancel()  # a no-op once done; frees the slot of a client gone
+        if self.entry.finish is None:
+            self.app.journal.cancel(self.entry)
+        self.app.in_flight -= 1
 
 
 class _App:
@@ -142,12 +138,12 @@ class _App:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise APIError(
-                "a wrong or missing API key; send 'Authorization: Bearer KEY' with the key "
-                "%llm_serve was started with",
+                "a wrong or missing API key; send 'Authorization: Bearer KEY' (or "
+                "'x-api-key: KEY') with the key %llm_serve was started with",
                 status=401,
                 code="invalid_api_key",
             )
@@ -259,20 +255,20 @@ class _App:
     async def completions(self, request: HTTPRequest) -> Any:
         return await self.answer(request, "completions")
 
-    async def answer(self, request: HTTPRequest, endpoint: str) -> Any:
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        entry = self.journal.open(path)
+    async def admit(
+        self, request: HTTPRequest, entry: Entry, check: Callable[[dict], Call]
+    ) -> Admitted:
+        """Check a POST's headers and body, turn the body into a `Call` with `check`,
+        and submit it: what every endpoint that answers with the model does first.
+        Raises `APIError` (the caller writes it in its API's shape, and the journal has it
+        already); on success the call counts as in flight until `Admitted.release`."""
         try:
             self.check_host(request)
             self.check_key(request)
             self.check_json(request)
             body = await self.read_body(request)
-            check_model(body, [self.model_name])
-            if endpoint == "chat":
-                vision = getattr(self.engine.model, "kind", "text") == "vision"
-                call = check_chat(body, self.limits, vision=vision)
-            else:
-                call = check_completion(body, self.limits)
+            check_model(body)
+            call = check(body)
             if self.in_flight >= self.max_pending:
                 raise APIError(
                     f"{self.in_flight} requests are in flight, this server's limit; retry later",
@@ -281,7 +277,7 @@ class _App:
                     code="rate_limit_exceeded",
                 )
             if self.log_prompts:
-                log.info("request %d %s prompt: %r", entry.number, endpoint, call.prompt)
+                log.info("request %d %s prompt: %r", entry.number, entry.endpoint, call.prompt)
             self.in_flight += 1
             try:
                 handle = await run_in_threadpool(self.submit, call)
@@ -290,32 +286,40 @@ class _App:
                 raise
         except APIError as err:
             self.journal.fail(entry, err.status, err.message)
-            return _error(err)
+            raise
         entry.prompt_tokens = len(handle.prompt_tokens)
         entry.tokens = list(handle.prompt_tokens)
         self.journal.changed(entry)
-        pump = _Pump(handle, asyncio.get_running_loop())
-        if call.stream:
+        pump = Pump(handle, asyncio.get_running_loop())
+        return Admitted(self, entry, call, body, pump)
 
-            def cleanup() -> None:  # however the response ended, even before it began
-                handle.cancel()  # a no-op once done; frees the slot of a client gone
-                if entry.finish is None:
-                    self.journal.cancel(entry)
-                self.in_flight -= 1
+    async def answer(self, request: HTTPRequest, endpoint: str) -> Any:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        entry = self.journal.open(path)
+        if endpoint == "chat":
+            vision = getattr(self.engine.model, "kind", "text") == "vision"
 
-            return _Stream(
-                self.stream(pump, call, entry, endpoint),
-                cleanup,
-                media_type="text/event-stream",
-                headers=STREAM_HEADERS,
-            )
+            def check(body: dict) -> Call:
+                return check_chat(body, self.limits, vision=vision)
+
+        else:
+
+            def check(body: dict) -> Call:
+                return check_completion(body, self.limits)
+
         try:
-            return await self.whole(request, pump, entry, endpoint)
+            admitted = await self.admit(request, entry, check)
+        except APIError as err:
+            return _error(err)
+        pump, call = admitted.pump, admitted.call
+        if call.stream:
+            return EventStream(self.stream(pump, call, entry, endpoint), admitted.release)
+        try:
+            return await self.whole(request, admitted, endpoint)
         finally:
-            handle.cancel()  # a no-op once done; frees the slot of a client gone
-            self.in_flight -= 1
+            admitted.release()
 
-    async def _collect(self, pump: _Pump, entry: Entry) -> Any:
+    async def _collect(self, pump: Pump, entry: Entry) -> Any:
         async for event in pump.events():
             if isinstance(event, BlockReport):
                 entry.blocks.append(event)
@@ -324,10 +328,13 @@ class _App:
                 return event.completion
         raise RuntimeError("the request's stream ended without its completion")
 
-    async def whole(self, request: HTTPRequest, pump: _Pump, entry: Entry, endpoint: str) -> Any:
-        """The answer as one JSON response; a client that leaves cancels the call."""
+    async def completion(self, request: HTTPRequest, admitted: Admitted) -> Any:
+        """Wait for the call's `Completion` (its journal entry filled in); None when the
+        client went away first (the call is cancelled). The request's error, if it failed,
+        is raised."""
+        pump, entry = admitted.pump, admitted.entry
         collect = asyncio.ensure_future(self._collect(pump, entry))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -336,13 +343,21 @@ class _App:
             pump.handle.cancel()
             collect.cancel()
             self.journal.cancel(entry)
-            return JSONResponse(error_body("the client disconnected"), status_code=499)
-        try:
-            completion = collect.result()
-        except Exception as exc:
-            return self._failed(entry, exc)
+            return None
+        completion = collect.result()
         self.journal.finish(entry, completion)
         self._log_answer(entry, completion.text)
+        return completion
+
+    async def whole(self, request: HTTPRequest, admitted: Admitted, endpoint: str) -> Any:
+        """The answer as one JSON response; a client that leaves cancels the call."""
+        entry = admitted.entry
+        try:
+            completion = await self.completion(request, admitted)
+        except Exception as exc:
+            return self._failed(entry, exc)
+        if completion is None:
+            return JSONResponse(error_body("the client disconnected"), status_code=499)
         use = usage(entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens)
         finish = _finish_reason(completion.finish_reason)
         created, text = int(entry.started), completion.text
@@ -353,33 +368,40 @@ class _App:
         return JSONResponse(body)
 
     def _failed(self, entry: Entry, exc: BaseException) -> JSONResponse:
+        message = self.failed(entry, exc)
+        return JSONResponse(error_body(message, type="server_error"), status_code=500)
+
+    def failed(self, entry: Entry, exc: BaseException) -> str:
+        """Journal a call that failed in the engine; its one-line message."""
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.journal.fail(entry, 500, message)
-        return JSONResponse(error_body(message, type="server_error"), status_code=500)
+        return message
 
     def _log_answer(self, entry: Entry, text: str) -> None:
         if self.log_prompts:
             log.info("request %d answer: %r", entry.number, text)
 
     async def stream(
-        self, pump: _Pump, call: Call, entry: Entry, endpoint: str
+        self, pump: Pump, call: Call, entry: Entry, endpoint: str
     ) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last. A client
-        that goes away cancels this iterator; `_Stream`'s cleanup then cancels the call."""
+        that goes away cancels this iterator; `EventStream`'s cleanup then cancels the call."""
         chat = endpoint == "chat"
         id_ = new_id("chatcmpl" if chat else "cmpl")
         created = int(entry.started)
         model = self.model_name
         if chat:
-            yield _sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
+            yield sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
         try:
-            async for event in pump.events():
-                if isinstance(event, TextDelta) and event.text:
+            async for event in keepalive(pump):
+                if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
+                    yield b": keep-alive\n\n"
+                elif isinstance(event, TextDelta) and event.text:
                     if chat:
                         chunk = chat_chunk(id_, created, model, {"content": event.text})
                     else:
                         chunk = completion_chunk(id_, created, model, event.text)
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 elif isinstance(event, BlockReport):
                     entry.blocks.append(event)
                     self.journal.changed(entry)
@@ -389,35 +411,18 @@ class _App:
                     self._log_answer(entry, completion.text)
                     finish = _finish_reason(completion.finish_reason)
                     if chat:
-                        yield _sse(chat_chunk(id_, created, model, {}, finish))
+                        yield sse(chat_chunk(id_, created, model, {}, finish))
                     else:
-                        yield _sse(completion_chunk(id_, created, model, "", finish))
+                        yield sse(completion_chunk(id_, created, model, "", finish))
                     if call.include_usage:
                         use = usage(
                             entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
                         )
                         maker = chat_chunk if chat else completion_chunk
-                        yield _sse(maker(id_, created, model, None, None, use))
+                        yield sse(maker(id_, created, model, None, None, use))
         except Exception as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self.journal.fail(entry, 500, message)
-            yield _sse(error_body(message, type="server_error"))
+            yield sse(error_body(self.failed(entry, exc), type="server_error"))
         yield b"data: [DONE]\n\n"
-
-
-class _Stream(StreamingResponse):
-    """A streaming response that runs `cleanup()` once it ends, however it ends (sent
-    whole, the client gone mid-stream, or cancelled before the first byte)."""
-
-    def __init__(self, content: Any, cleanup: Any, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cleanup()
 
 
 def _is_chat(prompt: Any) -> bool:
@@ -434,18 +439,6 @@ def plain_chat(messages: list[dict]) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         lines.append(f"{m.get('role', 'user')}: {content}")
     return "\n".join([*lines, "assistant:"])
-
-
-async def _disconnected(request: HTTPRequest) -> None:
-    """Return when the client disconnects (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _finish_reason(reason: str) -> str:
@@ -500,6 +493,8 @@ def build_app(
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
             Route("/v1/completions", handlers.completions, methods=["POST"]),
+            *responses.routes(handlers),
+            *messages.routes(handlers),
         ],
         exception_handlers={HTTPException: http_error, Exception: unforeseen},
     )

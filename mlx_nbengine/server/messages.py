@@ -1,0 +1,14 @@
+"""Anthropic's Messages API (``POST /v1/messages``), what Claude Code speaks (being built)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.routing import Route
+
+__all__ = ["routes"]
+
+
+def routes(app: Any) -> list[Route]:
+    """The routes of this API over the server's handlers `app` (`app._App`)."""
+    return []
