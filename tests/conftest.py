@@ -25,8 +25,9 @@ ensure_fast_blas()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # Under CI=true the browser and ES-module tests may not skip: a missing Chromium, node
-    # or Playwright stops the run here, with one line (outside CI they skip; see needs.py).
+    # Under CI=true the browser, ES-module and CPU-kernel tests may not skip: a missing
+    # Chromium, node or Playwright, or kernels that are not active (no compiler, a failed
+    # build), stop the run here, with one line (outside CI they skip; see needs.py).
     from needs import IN_CI, missing_in_ci
 
     if IN_CI and (absent := missing_in_ci()):

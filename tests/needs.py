@@ -1,9 +1,11 @@
-"""What some tests need from the system beyond the Python packages: a system Chromium, node.
+"""What some tests need from the system beyond the Python packages: a system Chromium, node,
+and our CPU kernels built (a C++ compiler).
 
 Outside CI a test (or module) whose need is missing skips with the reason. Under
 ``CI=true`` a missing need fails instead: `tests/conftest.py` checks every need at the
 start of the session and stops the run with one line, so CI cannot pass with the browser
-tests skipped. `.ci/run` installs both (Debian packages ``chromium`` and ``nodejs``).
+tests or the kernel tests skipped. `.ci/run` installs Chromium and node (Debian packages
+``chromium`` and ``nodejs``); the kernels build at first use (`mlx_nbengine.kernels.build`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ def module(name: str, reason: str) -> ModuleType:
         missing(reason)
 
 
+def kernels_missing() -> str | None:
+    """Why our CPU kernels are not active in this process (None: they are). Sets them up
+    (`kernels.status()`: the build at first use, about a minute) where nothing has yet."""
+    from mlx_nbengine import kernels  # lazy: MLX, after conftest bound the BLAS
+
+    status = kernels.status()
+    return None if status.active else f"the CPU kernels are not active ({status.reason})"
+
+
 def missing_in_ci() -> list[str]:
     """Every need that is missing, as its reason (the session check under CI=true)."""
     found = [
@@ -71,4 +82,5 @@ def missing_in_ci() -> list[str]:
         (node_path() is not None, NODE_MISSING),
         (playwright_found(), PLAYWRIGHT_MISSING),
     ]
-    return [reason for ok, reason in found if not ok]
+    absent = [reason for ok, reason in found if not ok]
+    return absent + [reason] if (reason := kernels_missing()) else absent

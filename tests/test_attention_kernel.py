@@ -16,12 +16,13 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernelsets import ISAS, needs_kernels  # tests/ is on sys.path
+from kernelsets import attention_isa_or_skip as isa_or_skip
 
 from mlx_nbengine import Engine, kernels
 from mlx_nbengine.models import attnroute, fastops, load
 from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES, VISION_FAMILIES
 
-ISAS = ("avx512", "avx2", "portable")
 # Measured 2026-12-01 on an AMD EPYC (Zen 4), every case below on every set: the largest
 # difference was 8.3e-7; the bound is about 10x that.
 TOLERANCE = 1e-5
@@ -32,15 +33,7 @@ CAP_TOLERANCE = 1e-4
 # 9.2e-8 (under 1 float32 ulp); the bound is 4x that.
 EXP_TOLERANCE = 4e-7
 
-pytestmark = pytest.mark.skipif(
-    not kernels.status().active, reason=f"kernels not active: {kernels.status().reason}"
-)
-
-
-def isa_or_skip(isa: str) -> str:
-    if kernels.attention_isa(isa) != isa:
-        pytest.skip(f"this CPU has no {isa}")
-    return isa
+pytestmark = needs_kernels
 
 
 def qkv(b, hq, hkv, length, keys, d=64, seed=0):
