@@ -8,6 +8,8 @@ what to do next. Internal bugs stay ordinary exceptions.
 - `CacheError`: the prefix cache could not do what was asked (store, budget, scratch file).
 - `InvalidRequestError` (`PromptTooLongError`, `ImageError`), `EngineClosedError`: raised
   in the caller by `Engine.submit` (and `Engine.load`'s options) for problems the caller can fix.
+- `GrammarError`: a request's grammar (`Engine.submit(grammar=...)`) failed mid-way; that
+  request ends with it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class PromptTooLongError(InvalidRequestError):
 class ImageError(InvalidRequestError):
     """An image given to a request cannot be used: a missing file, a file that is not an
     image, an array of the wrong shape, too many pixels, or a model that reads text only."""
+
+
+class GrammarError(EngineError):
+    """A request's grammar matcher failed while it generated (a limit of the grammar engine,
+    a token it refused); the request ends with this error, the others go on."""
 
 
 class EngineClosedError(EngineError, RuntimeError):

@@ -36,8 +36,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any, TypeVar
 
+from mlx_nbengine import _blas
 from mlx_nbengine.engine.blockstore import open_prefix_cache
 from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.constraint import Constraint, GrammarTokenizer, compile_constraint
 from mlx_nbengine.engine.generation import GenerationThread
 from mlx_nbengine.engine.internals import EngineInternals
 from mlx_nbengine.engine.ledger import CacheLedger
@@ -118,6 +120,7 @@ class Engine(StoreFace):
         self._io = CacheIO()
         self._ledger = CacheLedger()
         self._saving_warned = False
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # at the first grammar
         self.sharded = sharded  # a `ranks.ShardedModel`, or None: one process
         if sharded is not None:
             loader = sharded.load
@@ -202,8 +205,11 @@ class Engine(StoreFace):
         in a store of its own; a lost worker fails the running requests with a
         `RankLostError` naming its host and rank and closes the engine.
         Raises a `ModelError` if the model cannot be loaded (`NotShardableError`: a family
-        mlx-lm cannot shard).
+        mlx-lm cannot shard). On a CPU whose MLX was imported before mlx_nbengine (its
+        matmuls on the reference BLAS, about 40x slower) one line on stderr says so and how
+        to fix it, once per process.
         """
+        _blas.say_reference_blas()
 
         def loader() -> Any:
             return load_model(model, dtype=dtype, progress=progress, revision=revision)
@@ -253,6 +259,7 @@ class Engine(StoreFace):
         images: Any = None,
         template_kwargs: dict[str, Any] | None = None,
         live_blocks: bool = False,
+        grammar: str | None = None,
     ) -> Request:
         """Queue a prompt and return its `Request` handle at once.
 
@@ -273,12 +280,21 @@ class Engine(StoreFace):
 
         `live_blocks` prefills one block per step, so that each block's event comes as it is
         computed (for a person watching them arrive); longer steps are faster.
+
+        `grammar` holds every generated token to an llguidance grammar (a Lark grammar, or
+        e.g. ``llguidance.LLMatcher.grammar_from_json_schema(schema)``): each token is
+        chosen (greedy or sampled) among those the grammar takes next, and the request
+        stops once the grammar is complete (``stop_reason == "grammar"``) or at EOS where
+        it may end (see `constraint`). A grammar llguidance cannot build raises
+        `InvalidRequestError`; one that fails mid-way ends the request with a
+        `GrammarError`. A sharded engine (`ranks`/`hosts`) refuses grammars.
         """
         if self._closed:
             raise EngineClosedError(self._closed_line())
         problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if problem:
             raise InvalidRequestError(problem)
+        constraint = None if grammar is None else self._constraint(grammar)
         stops = stop_strings(stop)
         lm = self.model
         tokens, vision = prompt_tokens(
@@ -293,11 +309,25 @@ class Engine(StoreFace):
             stops=stops,
             live_blocks=live_blocks,
         )
+        seq.constraint = constraint
         with self._lock:
             if self._closed:
                 raise EngineClosedError(self._closed_line())
             self._gen.submit(seq)
         return request
+
+    def _constraint(self, grammar: Any) -> Constraint:
+        """The `Constraint` of a request's `grammar` (checked here, on the caller's thread)."""
+        if self.sharded is not None:
+            raise InvalidRequestError(
+                "grammar is not supported on a sharded engine (ranks or hosts); load the "
+                "model in one process for constrained decoding"
+            )
+        lm = self.model
+        with self._lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(lm)
+        return compile_constraint(grammar, self._grammar_tokenizer, frozenset(lm.eos_token_ids))
 
     def _sequence(
         self,

@@ -79,7 +79,8 @@ class Completion:
     """A finished request: generated `text` and `tokens`, the `prompt_tokens` ids.
 
     `stop_reason` says what stopped a ``finish_reason == "stop"`` request: ``"eos"``
-    (an end-of-text token) or the stop string that matched; None for other endings.
+    (an end-of-text token), ``"grammar"`` (the request's grammar was complete) or the stop
+    string that matched; None for other endings.
     """
 
     text: str

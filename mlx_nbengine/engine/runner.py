@@ -151,8 +151,8 @@ class Runner:
 
         with blas_step(len(members)):
             logits = batch.forward(forward, inputs)
-            if self.host_sampling and not all(m.greedy for m in members):
-                tokens = HostDraw(logits, members)
+            if _host_drawn(members, self.host_sampling):
+                tokens = HostDraw(logits, members, host=self.host_sampling)
                 mx.async_eval(logits)
             else:
                 tokens = self.sample(members, logits)
@@ -163,10 +163,10 @@ class Runner:
         """Each row's next token: the argmax of greedy rows, a draw for sampled ones."""
         if self.logit_watcher is not None:
             self.logit_watcher(logits)
-        if all(s.greedy for s in seqs):
+        if all(s.greedy and s.constraint is None for s in seqs):
             return mx.argmax(logits, axis=-1)
-        if self.host_sampling:  # reads the step's logits now (see `sampling`)
-            return mx.array(draw_rows(seqs, logits), dtype=mx.uint32)
+        if _host_drawn(seqs, self.host_sampling):  # reads the step's logits now (`sampling`)
+            return mx.array(draw_rows(seqs, logits, host=self.host_sampling), dtype=mx.uint32)
         lazy = [
             mx.argmax(row, axis=-1) if s.greedy else s.sampler.graph(row - row.max())
             for s, row in zip(seqs, logits.split(len(seqs)), strict=True)
@@ -188,6 +188,14 @@ class Runner:
         model(token, cache=cache)
         mx.eval([c.state for c in cache])
         return extract_block_records(cache, block=0, block_size=1)
+
+
+def _host_drawn(seqs: list[Sequence], host_sampling: bool) -> bool:
+    """The step's rows are chosen in numpy: sampled rows on the CPU, or a constrained row
+    (its grammar's mask, see `constraint`) on any device."""
+    if any(s.constraint is not None for s in seqs):
+        return True
+    return host_sampling and not all(s.greedy for s in seqs)
 
 
 def _logits(out: Any) -> mx.array:

@@ -15,6 +15,8 @@ Two paths draw from the same distribution:
   sampled rows is then a `HostDraw`: its logits compute while the generation
   thread streams the previous step, and its rows are drawn when it is read, so the next
   step's graph can only be built after that (steps are not pipelined).
+  A row constrained by a grammar (`constraint`) takes this path on every device: its
+  mask is computed in numpy, then its argmax or draw.
 - `RequestSampler.graph` takes the row as an MLX array and returns a lazy token id, so
   steps stay pipelined on GPUs, where MLX's sort is fast.
 
@@ -122,30 +124,45 @@ def _inverse_cdf(weights: np.ndarray, u: float) -> int:
     return b * _BLOCK + i
 
 
-def draw_rows(seqs: list, logits: mx.array) -> list[int]:
-    """Each row's next token, in numpy: the argmax for greedy `seqs`, else a host draw."""
+def draw_rows(seqs: list, logits: mx.array, *, host: bool = True) -> list[int]:
+    """Each row's next token, in numpy: the argmax for greedy `seqs`, else a host draw.
+
+    A constrained row (`constraint.Constraint`) gets its grammar's mask first. With
+    ``host=False`` (the graph path's devices) an unconstrained sampled row is drawn by
+    `RequestSampler.graph`, as it would be in a step without constrained rows.
+    """
     rows = np.array(logits.astype(mx.float32))
-    return [
-        int(row.argmax()) if s.greedy else s.sampler.host(row)
-        for s, row in zip(seqs, rows, strict=True)
-    ]
+    tokens = []
+    for i, (s, row) in enumerate(zip(seqs, rows, strict=True)):
+        constraint = s.constraint
+        if constraint is not None:
+            row = constraint.mask(row)
+        if s.greedy:
+            tokens.append(int(row.argmax()))
+        elif host or constraint is not None:
+            tokens.append(s.sampler.host(row))
+        else:
+            one = logits[i : i + 1]
+            tokens.append(int(s.sampler.graph(one - one.max()).item()))
+    return tokens
 
 
 class HostDraw:
     """The tokens of a decode step whose logits are still computing: row ``i`` belongs to
-    ``seqs[i]`` and is drawn once, on the first `tolist`."""
+    ``seqs[i]`` and is drawn once, on the first `tolist` (``host``: see `draw_rows`)."""
 
-    def __init__(self, logits: mx.array, seqs: list) -> None:
+    def __init__(self, logits: mx.array, seqs: list, *, host: bool = True) -> None:
         self.logits = logits
         self.seqs = seqs
+        self.host = host
         self._tokens: list[int] | None = None
 
     def __getitem__(self, rows: mx.array) -> HostDraw:
         """The rows still wanted (members left the batch before it was read)."""
         keep = rows.tolist()
-        return HostDraw(self.logits[rows], [self.seqs[i] for i in keep])
+        return HostDraw(self.logits[rows], [self.seqs[i] for i in keep], host=self.host)
 
     def tolist(self) -> list[int]:
         if self._tokens is None:
-            self._tokens = draw_rows(self.seqs, self.logits)
+            self._tokens = draw_rows(self.seqs, self.logits, host=self.host)
         return self._tokens

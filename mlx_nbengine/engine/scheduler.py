@@ -280,6 +280,9 @@ class Scheduler:
                 # Queued before the caller sees the result, so a caller that then waits
                 # for the saves finds it stored.
                 self.checkpoints.partial(*hot, images=seq.images)
+        if seq.error is not None:  # its grammar failed (`Sequence.accept`)
+            self._fail([seq], seq.error)
+            return
         seq.finish(reason)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> None:

@@ -34,6 +34,7 @@ from mlx_nbengine.engine.events import Progress, TextDelta, disk_reason
 from mlx_nbengine.engine.request import Request
 from mlx_nbengine.engine.results import BlockReport, BlockSource, Completion, Report
 from mlx_nbengine.engine.text import TextStream
+from mlx_nbengine.errors import GrammarError
 
 
 class Phase(Enum):
@@ -88,6 +89,10 @@ class Sequence:
     # Prefill one block per step, so each block is reported as it is computed (a person
     # watches the strip); else steps as long as the scheduler allows.
     live_blocks: bool = False
+    # The grammar its tokens are held to (`constraint.Constraint`), else None; `error` is
+    # what ended it when that failed mid-way (the scheduler fails the request with it).
+    constraint: Any = None
+    error: BaseException | None = None
     _seconds: dict[int, float] = field(default_factory=dict)
     _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
     _prompt_match: Any = None  # `prompt_match`, once asked for
@@ -183,11 +188,18 @@ class Sequence:
         self.request._put(block)
 
     def accept(self, token: int, *, context_length: int | None) -> str | None:
-        """Take one sampled token; return the finish reason if the sequence is done."""
+        """Take one sampled token; return the finish reason if the sequence is done
+        (``"error"``: its grammar failed, `error` says how; the scheduler fails it)."""
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
         self.last_token_at = now
+        constraint = self.constraint
+        if constraint is not None:
+            problem = constraint.consume(token)
+            if problem is not None:
+                self.error = GrammarError(f"the request's grammar failed: {problem}")
+                return "error"
         if token in self.eos:
             self.stop_reason = "eos"
             return "stop"
@@ -197,6 +209,9 @@ class Sequence:
             self.request._put(TextDelta(delta))
         if self.text.stopped:
             self.stop_reason = self.text.stop_matched
+            return "stop"
+        if constraint is not None and constraint.complete:
+            self.stop_reason = "grammar"
             return "stop"
         if len(self.generated) >= self.max_tokens:
             return "length"
