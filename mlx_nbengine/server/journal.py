@@ -40,6 +40,8 @@ class Entry:
     error: str | None = None
     blocks: list[Any] = field(default_factory=list)  # BlockReport, in arrival order
     report: Any = None  # the engine's Report once finished
+    # The client's conversation key (the Responses API's prompt_cache_key), if it sent one.
+    conversation_key: str | None = None
     # The prompt's token ids, in memory only (the view's block words); never in as_dict.
     tokens: list[int] = field(default_factory=list, repr=False)
 
@@ -62,6 +64,7 @@ class Entry:
             "tokens_per_s": self.tokens_per_s,
             "finish": self.finish,
             "error": self.error,
+            "conversation_key": self.conversation_key,
         }
 
 
