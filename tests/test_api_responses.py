@@ -11,6 +11,7 @@ tokens). A random model writes no calls of its own: the tool loop forces them wi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -51,9 +52,16 @@ WEATHER = {
     "description": "The weather in a city",
     "parameters": {
         "type": "object",
-        "properties": {"city": {"type": "string"}},
+        # an enum: a random model's free string would never end
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
         "required": ["city"],
     },
+}
+SHELL = {  # a freeform tool whose input a regex bounds
+    "type": "custom",
+    "name": "shell",
+    "description": "Run a command",
+    "format": {"type": "grammar", "syntax": "regex", "definition": "(ls|pwd) [a-z]{1,8}"},
 }
 APPLY_PATCH = {
     "type": "custom",
@@ -439,3 +447,199 @@ def test_a_prompt_over_the_context_streamed_fails_with_its_code(server, client, 
     assert failed.error.code == "context_length_exceeded"
     ok = client.responses.create(model="x", input="hi", max_output_tokens=1, temperature=0)
     assert ok.usage.output_tokens == 1
+
+
+def test_long_prompts_stream_keep_alive_comments_the_sdk_skips(client, engine, server):
+    handler = server.app.state.handlers.responses_api
+    handler.keepalive_s = 0.001  # any silence at all: the prompt's reading is one
+    try:
+        raw = post(
+            server,
+            {"input": LONG * 8, "max_output_tokens": 2, "temperature": 0, "stream": True},
+        )
+        stream = client.responses.create(
+            model="x", input=LONG * 8 + "again", max_output_tokens=2, temperature=0, stream=True
+        )
+        types = [e.type for e in stream]
+    finally:
+        handler.keepalive_s = 5.0
+    assert ": keep-alive\n\n" in raw.text
+    assert raw.text.index("response.created") < raw.text.index(": keep-alive")
+    assert types[0] == "response.created" and types[-1] == "response.incomplete"
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+
+def test_a_tool_loop_call_its_output_and_the_next_answer(client, engine, server):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    one = client.responses.create(
+        model=engine.model_name,
+        input=[question],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+    )
+    assert one.status == "completed"
+    (call,) = [item for item in one.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    assert call.status == "completed" and call.id.startswith("fc_")
+    # the client runs the tool and sends the whole conversation back
+    history = [question, *[item.model_dump(exclude_none=True) for item in one.output]]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    two = client.responses.create(
+        model=engine.model_name,
+        input=[*history, result],
+        tools=[WEATHER],
+        max_output_tokens=5,
+        temperature=0,
+    )
+    assert two.output[-1].type == "message" and two.output_text
+    messages = [
+        {"role": "user", "content": question["content"]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call.arguments},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": call.call_id,
+            "name": "get_weather",
+            "content": "Sunny, 21 C",
+        },
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {k: WEATHER[k] for k in ("name", "description", "parameters")},
+        }
+    ]
+    want = reference(engine, messages, max_tokens=5, template_kwargs={"tools": tools})
+    assert two.usage.input_tokens == len(want.prompt_tokens)
+    assert two.output_text == want.text.lstrip()
+    # the same loop with previous_response_id: only the output goes back
+    three = client.responses.create(
+        model=engine.model_name,
+        previous_response_id=one.id,
+        input=[result],
+        tools=[WEATHER],
+        max_output_tokens=5,
+        temperature=0,
+    )
+    assert three.output_text == two.output_text
+    assert three.usage.input_tokens == two.usage.input_tokens
+
+
+def test_a_custom_tool_call_streams_as_its_raw_input(client, engine):
+    tools = [WEATHER, APPLY_PATCH, SHELL]
+    with client.responses.stream(
+        model=engine.model_name,
+        input="Fix the bug.",
+        tools=tools,
+        tool_choice={"type": "custom", "name": "shell"},
+        temperature=0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert "response.custom_tool_call_input.delta" in types
+    assert types[-2:] == ["response.output_item.done", "response.completed"]
+    (call,) = [item for item in final.output if item.type == "custom_tool_call"]
+    assert call.name == "shell" and re.fullmatch("(ls|pwd) [a-z]{1,8}", call.input)
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done[0].input == call.input
+    # sent back, it is a call of the function the model was shown, with its output
+    back = client.responses.create(
+        model=engine.model_name,
+        input=[
+            {"role": "user", "content": "Fix the bug."},
+            call.model_dump(exclude_none=True),
+            {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"},
+        ],
+        tools=tools,
+        max_output_tokens=3,
+        temperature=0,
+    )
+    assert back.usage.output_tokens == 3
+
+
+def test_tool_choice_none_shows_no_tools(client, engine):
+    shown = client.responses.create(
+        model="x", input="hi", tools=[WEATHER], max_output_tokens=1, temperature=0
+    )
+    hidden = client.responses.create(
+        model="x",
+        input="hi",
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=1,
+        temperature=0,
+    )
+    assert hidden.usage.input_tokens < shown.usage.input_tokens
+    assert hidden.tool_choice == "none"
+
+
+# -- reasoning -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A tiny llama whose template opens a reasoning block (<think>, a token of its own)."""
+    from mlx_nbengine.testing import make_tiny_model, make_tiny_tokenizer
+
+    directory = make_tiny_model("llama", tmp_path_factory.mktemp("responses-thinking"))
+    template = TOOL_TEMPLATE.replace(
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+    )
+    make_tiny_tokenizer(
+        directory, chat_template=template, extra_special_tokens=("<think>", "</think>")
+    )
+    with Engine.load(directory, block_size=BLOCK) as e:
+        srv = ApiServer(e, port=0, limits=Limits(context=CONTEXT)).start()
+        yield e, openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        srv.stop()
+
+
+def test_reasoning_comes_as_a_reasoning_item_and_goes_back_as_reasoning(thinking):
+    engine, client = thinking
+    with client.responses.stream(
+        model="x", input="Think first.", max_output_tokens=8, temperature=0
+    ) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert "response.reasoning_text.delta" in types
+    assert "response.output_text.delta" not in types  # a random model never closes it
+    final = events[-1].response
+    (item,) = final.output
+    assert item.type == "reasoning" and item.id.startswith("rs_")
+    text = item.content[0].text
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == deltas and text.strip()
+    assert 0 < final.usage.output_tokens_details.reasoning_tokens <= 8
+    # the item sent back is the assistant's reasoning, rendered by the template
+    back = client.responses.create(
+        model="x",
+        input=[
+            {"role": "user", "content": "Think first."},
+            item.model_dump(exclude_none=True),
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "Next."},
+        ],
+        max_output_tokens=1,
+        temperature=0,
+    )
+    messages = [
+        {"role": "user", "content": "Think first."},
+        {"role": "assistant", "content": "Done.", "reasoning_content": text},
+        {"role": "user", "content": "Next."},
+    ]
+    assert back.usage.input_tokens == len(engine.model.apply_chat_template(messages))

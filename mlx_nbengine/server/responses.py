@@ -45,7 +45,7 @@ from mlx_nbengine.server.responses_shapes import (
     response_object,
     response_usage,
 )
-from mlx_nbengine.server.transport import IDLE, EventStream, keepalive, sse
+from mlx_nbengine.server.transport import IDLE, KEEPALIVE_S, EventStream, keepalive, sse
 
 __all__ = ["KEEP_RESPONSES", "ResponseStore", "routes"]
 
@@ -75,7 +75,7 @@ class ResponseStore:
 def routes(app: Any) -> list[Route]:
     """The routes of this API over the server's handlers `app` (`app._App`)."""
     handler = _Responses(app, ResponseStore())
-    app.response_store = handler.store
+    app.responses_api = handler  # for tests and the agent view: its store, its keep-alive
     return [Route("/v1/responses", handler.create, methods=["POST"])]
 
 
@@ -281,6 +281,7 @@ class _Responses:
     def __init__(self, app: Any, store: ResponseStore) -> None:
         self.app = app
         self.store = store
+        self.keepalive_s = KEEPALIVE_S  # silence before a keep-alive comment
 
     # -- the request ----------------------------------------------------------------------------
 
@@ -311,10 +312,15 @@ class _Responses:
             "images": req.images,
             "tools": req.tools,
         }
+        template: dict[str, Any] = {}
+        if req.effort is not None:
+            template["reasoning_effort"] = req.effort
+            if req.effort == "none":
+                template["enable_thinking"] = False
         optional = {
             "tool_choice": req.tool_choice,
             "parallel_tool_calls": req.parallel_tool_calls,
-            "reasoning_effort": req.effort,
+            "template_kwargs": template,
         }
         fields = _call_fields()
         kwargs.update({k: v for k, v in optional.items() if k in fields})
@@ -323,6 +329,8 @@ class _Responses:
     def _splitter(self, req: ResponsesRequest, admitted: Any) -> Any:
         """The answer's splitter: the model's tool format and thinking markers, the prompt
         (an answer that begins inside a reasoning block the prompt opened)."""
+        if hasattr(self.app, "splitter"):
+            return self.app.splitter(admitted.call, admitted.handle)
         tools = req.tools if req.tool_choice != "none" else None
         prompt = list(admitted.handle.prompt_tokens)
         return agentio.OutputSplitter(self.app.engine.model, tools, prompt=prompt)
@@ -415,7 +423,7 @@ class _Responses:
         yield events.sse({"type": "response.in_progress", "response": head})
         try:
             out = _Output(self._splitter(req, admitted), req)
-            async for event in keepalive(pump):
+            async for event in keepalive(pump, self.keepalive_s):
                 if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield KEEPALIVE
                 elif isinstance(event, TextDelta) and event.text:

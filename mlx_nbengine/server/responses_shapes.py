@@ -11,8 +11,9 @@ Terms:
   search, file search...) are skipped; anything else malformed is a 400 naming it.
 - *custom tool*: a freeform tool (Codex's ``apply_patch``) whose call carries one raw
   string ``input``. Chat templates know functions only, so it is shown to the model as a
-  function with one string parameter ``input`` (its grammar, if any, in the description)
-  and the model's call of it comes back as a ``custom_tool_call`` item.
+  function with one string parameter ``input`` (a Lark grammar, if it has one, in the
+  description; a regex format as the parameter's ``pattern``, which a forced call's grammar
+  holds) and the model's call of it comes back as a ``custom_tool_call`` item.
 - *conversion*: consecutive assistant-side items (reasoning, message, calls) become one
   chat-format assistant message (``reasoning_content``, ``content``, ``tool_calls``); a
   call's output becomes a ``tool`` message. The leading run of system messages (the
@@ -182,12 +183,14 @@ def _tools(body: dict) -> tuple[list[dict], frozenset[str]]:
                 raise _bad(f"{where}.parameters", f"{where}.parameters must be a JSON schema")
         else:
             custom.add(name)
-            description = _custom_description(description, tool.get("format"))
-            parameters = {
-                "type": "object",
-                "properties": {"input": {"type": "string", "description": CUSTOM_PARAMETERS_DOC}},
-                "required": ["input"],
-            }
+            fmt = tool.get("format")
+            description = _custom_description(description, fmt)
+            text: dict[str, Any] = {"type": "string", "description": CUSTOM_PARAMETERS_DOC}
+            if isinstance(fmt, dict) and fmt.get("syntax") == "regex":
+                pattern = fmt.get("definition")
+                if isinstance(pattern, str) and pattern:
+                    text["pattern"] = f"^(?:{pattern})$"  # a forced call's grammar holds it
+            parameters = {"type": "object", "properties": {"input": text}, "required": ["input"]}
         function: dict[str, Any] = {"name": name}
         if description:
             function["description"] = description
@@ -199,7 +202,7 @@ def _tools(body: dict) -> tuple[list[dict], frozenset[str]]:
 def _custom_description(description: str | None, fmt: Any) -> str:
     """A custom tool's description, with the grammar its input follows (if it has one)."""
     text = description or ""
-    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and fmt.get("syntax") != "regex":
         definition = fmt.get("definition")
         syntax = fmt.get("syntax") or "lark"
         if isinstance(definition, str) and definition:
