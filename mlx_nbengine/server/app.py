@@ -1,6 +1,13 @@
 """The ASGI app (Starlette): OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and
 ``/v1/models`` on one `Engine`, through its public `submit` API only.
 
+Chat answers are split with `agentio.OutputSplitter` (`_App.splitter`, which every API that
+answers with the model uses): the model's reasoning (``reasoning_content``), its text
+(``content``) and its tool calls (``tool_calls``, ``finish_reason: "tool_calls"``). Tools
+reach a chat template that reads them; a forced call (``tool_choice`` "required" or a named
+function) is decoded under `toolgrammar`'s grammar, so even a small model makes a call its
+parser reads.
+
 Terms:
 
 - *call*: one API request that reached the engine (a `Request` handle). Its events come to
@@ -48,6 +55,7 @@ from mlx_nbengine.engine import (
 )
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.server import messages, responses
+from mlx_nbengine.server.agentio import OutputSplitter, Reasoning, Text, ToolCall, template_messages
 from mlx_nbengine.server.journal import Entry, Journal
 from mlx_nbengine.server.openai_shapes import (
     APIError,
@@ -63,6 +71,7 @@ from mlx_nbengine.server.openai_shapes import (
     error_body,
     models_response,
     new_id,
+    tool_call_delta,
     usage,
 )
 from mlx_nbengine.server.transport import IDLE, EventStream, Pump, disconnected, keepalive, sse
@@ -199,23 +208,58 @@ class _App:
         return body
 
     def template_kwargs(self, call: Call) -> dict[str, Any] | None:
-        """``tools`` for a chat template that reads them (others never see them)."""
-        if not call.tools:
+        """What the chat template is given beside the messages: the call's own values
+        (``reasoning_effort``, ``chat_template_kwargs``), ``tools`` for a template that reads
+        them (others never see them; none with ``tool_choice: "none"``), and
+        ``enable_thinking: False`` for a forced call (its grammar starts at the first
+        token, so a template that can should not open a reasoning block)."""
+        out = dict(call.template_kwargs)
+        tools = call.offered_tools
+        if tools:
+            lm = self.engine.model
+            template = getattr(getattr(lm, "text_tokenizer", None), "chat_template", None)
+            if isinstance(template, dict):  # named templates: the default one renders chats
+                template = template.get("default") or template.get("tool_use") or ""
+            if isinstance(template, str) and "tools" in template:
+                out["tools"] = tools
+        if call.forced:
+            out.setdefault("enable_thinking", False)
+        return out or None
+
+    def tool_grammar(self, call: Call) -> str | None:
+        """The grammar a forced call is decoded under (`toolgrammar.tool_call_grammar` for
+        the model's tokenizer); None where the call is not forced."""
+        if not call.forced:
             return None
-        lm = self.engine.model
-        template = getattr(getattr(lm, "text_tokenizer", None), "chat_template", None)
-        if isinstance(template, dict):  # named templates: the default one renders chats
-            template = template.get("default") or template.get("tool_use") or ""
-        if isinstance(template, str) and "tools" in template:
-            return {"tools": call.tools}
-        return None
+        from mlx_nbengine.server import toolgrammar  # noqa: PLC0415 - only forced calls need it
+
+        return toolgrammar.tool_call_grammar(
+            self.engine.model.tokenizer,
+            call.tools,
+            call.tool_choice,
+            parallel=call.parallel_tool_calls,
+        )
+
+    def splitter(self, call: Call, handle: Any) -> OutputSplitter:
+        """The split of a chat call's answer (`handle`: its `Request`): reasoning, text and
+        calls of the tools the model was offered, with the model's own markers and parser."""
+        return OutputSplitter(
+            getattr(self.engine, "model", None),
+            call.offered_tools,
+            prompt=getattr(handle, "prompt_tokens", None),
+        )
 
     def submit(self, call: Call) -> Any:
-        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own."""
+        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own.
+        Chat messages go in as templates read them (`agentio.template_messages`)."""
         prompt = call.prompt
-        if _is_chat(prompt) and not getattr(self.engine.model, "has_chat_template", True):
-            prompt = plain_chat(prompt)  # a base model: no template to render the messages
+        if _is_chat(prompt):
+            prompt = template_messages(prompt)
+            if not getattr(self.engine.model, "has_chat_template", True):
+                prompt = plain_chat(prompt)  # a base model: no template to render them
         try:
+            grammar = self.tool_grammar(call)
+            extra = {"grammar": grammar} if grammar is not None else {}
             return self.engine.submit(
                 prompt,
                 max_tokens=call.max_tokens,
@@ -225,6 +269,7 @@ class _App:
                 stop=call.stop or None,
                 images=call.images or None,
                 template_kwargs=self.template_kwargs(call),
+                **extra,
             )
         except PromptTooLongError as exc:
             raise APIError(str(exc), param="messages", code="context_length_exceeded") from None
@@ -313,7 +358,11 @@ class _App:
             return _error(err)
         pump, call = admitted.pump, admitted.call
         if call.stream:
-            return EventStream(self.stream(pump, call, entry, endpoint), admitted.release)
+            if endpoint == "chat":
+                body = self.chat_stream(admitted)
+            else:
+                body = self.stream(pump, call, entry, endpoint)
+            return EventStream(body, admitted.release)
         try:
             return await self.whole(request, admitted, endpoint)
         finally:
@@ -362,7 +411,21 @@ class _App:
         finish = _finish_reason(completion.finish_reason)
         created, text = int(entry.started), completion.text
         if endpoint == "chat":
-            body = chat_response(new_id("chatcmpl"), created, self.model_name, text, finish, use)
+            splitter = self.splitter(admitted.call, admitted.handle)
+            pieces = [*splitter.feed(text), *splitter.close()]
+            calls = [p for p in pieces if isinstance(p, ToolCall)]
+            answer = "".join(p.text for p in pieces if isinstance(p, Text))
+            reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+            body = chat_response(
+                new_id("chatcmpl"),
+                created,
+                self.model_name,
+                None if calls and not answer.strip() else answer,
+                _finish_reason(completion.finish_reason, called=bool(calls)),
+                use,
+                reasoning=reasoning or None,
+                tool_calls=calls,
+            )
         else:
             body = completion_response(new_id("cmpl"), created, self.model_name, text, finish, use)
         return JSONResponse(body)
@@ -380,6 +443,59 @@ class _App:
     def _log_answer(self, entry: Entry, text: str) -> None:
         if self.log_prompts:
             log.info("request %d answer: %r", entry.number, text)
+
+    async def chat_stream(self, admitted: Admitted) -> AsyncIterator[bytes]:
+        """A chat answer as server-sent events in OpenAI's chunk format, ``data: [DONE]``
+        last: ``delta.reasoning_content``, ``delta.content`` and each tool call whole as
+        ``delta.tool_calls`` (with its ``index``), in the order the model wrote them. A
+        client that goes away cancels this iterator; `EventStream`'s cleanup then cancels
+        the call."""
+        pump, call, entry = admitted.pump, admitted.call, admitted.entry
+        id_, created, model = new_id("chatcmpl"), int(entry.started), self.model_name
+        splitter = self.splitter(call, admitted.handle)
+        calls = 0
+
+        def chunks(pieces: list) -> list[bytes]:
+            nonlocal calls
+            out = []
+            for piece in pieces:
+                if isinstance(piece, ToolCall):
+                    delta = tool_call_delta(piece, calls)
+                    calls += 1
+                elif isinstance(piece, Reasoning):
+                    delta = {"reasoning_content": piece.text}
+                else:
+                    delta = {"content": piece.text}
+                out.append(sse(chat_chunk(id_, created, model, delta)))
+            return out
+
+        yield sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
+        try:
+            async for event in keepalive(pump):
+                if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
+                    yield b": keep-alive\n\n"
+                elif isinstance(event, TextDelta) and event.text:
+                    for chunk in chunks(splitter.feed(event.text)):
+                        yield chunk
+                elif isinstance(event, BlockReport):
+                    entry.blocks.append(event)
+                    self.journal.changed(entry)
+                elif isinstance(event, Finished):
+                    completion = event.completion
+                    self.journal.finish(entry, completion)
+                    self._log_answer(entry, completion.text)
+                    for chunk in chunks(splitter.close()):
+                        yield chunk
+                    finish = _finish_reason(completion.finish_reason, called=calls > 0)
+                    yield sse(chat_chunk(id_, created, model, {}, finish))
+                    if call.include_usage:
+                        use = usage(
+                            entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
+                        )
+                        yield sse(chat_chunk(id_, created, model, None, None, use))
+        except Exception as exc:
+            yield sse(error_body(self.failed(entry, exc), type="server_error"))
+        yield b"data: [DONE]\n\n"
 
     async def stream(
         self, pump: Pump, call: Call, entry: Entry, endpoint: str
@@ -441,9 +557,12 @@ def plain_chat(messages: list[dict]) -> str:
     return "\n".join([*lines, "assistant:"])
 
 
-def _finish_reason(reason: str) -> str:
-    """OpenAI's finish_reason: "stop" or "length" (a cancelled call: "stop")."""
-    return "length" if reason == "length" else "stop"
+def _finish_reason(reason: str, *, called: bool = False) -> str:
+    """OpenAI's finish_reason: "length", "tool_calls" (the answer made calls) or "stop"
+    (a cancelled call too)."""
+    if reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def build_app(

@@ -7,7 +7,15 @@ Terms:
   send many: ``user``, ``frequency_penalty``...); a known field of the wrong type or out of
   range is an `APIError` naming it (``param``), status 400.
 - *call*: what a checked body asks of the engine (`Call`): the prompt (chat messages, text
-  or token ids), the images, the sampling values, ``stream`` and ``include_usage``.
+  or token ids), the images, the sampling values, ``stream`` and ``include_usage``; for
+  chat, the tools, ``tool_choice``, ``parallel_tool_calls`` and what else the chat template
+  reads (``reasoning_effort``, ``chat_template_kwargs``).
+- *tool messages*: an assistant message may carry ``tool_calls`` (each ``{"id", "type":
+  "function", "function": {"name", "arguments": JSON text}}``); a ``tool`` message answers
+  one (``tool_call_id``, ``content``). The answer carries the model's calls the same way
+  (``message.tool_calls``, ``finish_reason: "tool_calls"``) and its reasoning apart from its
+  text (``reasoning_content``); a stream sends them as ``delta.tool_calls`` (with
+  ``index``) and ``delta.reasoning_content``.
 - *error shape*: ``{"error": {"message", "type", "param", "code"}}``, as OpenAI sends it.
 
 Nothing here knows the engine or the HTTP stack; `app` joins them.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +44,8 @@ __all__ = [
     "error_body",
     "models_response",
     "new_id",
+    "tool_call_delta",
+    "tool_call_shape",
     "usage",
 ]
 
@@ -101,6 +112,23 @@ class Call:
     include_usage: bool = False
     images: list[bytes] = field(default_factory=list)
     tools: list[dict] | None = None
+    # None or "auto": the model may call; "none": it may not (the template is not shown the
+    # tools); "required" or {"type": "function", "function": {"name": N}}: a call is forced.
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more for the template
+
+    @property
+    def forced(self) -> bool:
+        """A tool call is required (``tool_choice`` "required" or a named function)."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        )
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model is shown and may call (none with ``tool_choice: "none"``)."""
+        return None if self.tool_choice == "none" else self.tools
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -130,10 +158,10 @@ def _integer(body: dict, name: str) -> int | None:
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _bool(body: dict, name: str, *, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise _bad(name, f"'{name}' must be true or false, got {value!r}")
     return value
@@ -220,12 +248,130 @@ def check_chat(body: dict, limits: Limits, *, vision: bool) -> Call:
         raise _bad(
             "messages", f"{len(images)} images; this server takes at most {limits.max_images}"
         )
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise _bad("tools", f"'tools' must be a list of tool objects, got {type(tools).__name__}")
-    return Call(prompt=out, images=images, tools=tools or None, **_common(body, limits))
+    tools = check_tools(body.get("tools"))
+    choice = check_tool_choice(body.get("tool_choice"), tools)
+    _tool_answers(out)
+    return Call(
+        prompt=out,
+        images=images,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", default=True),
+        template_kwargs=_template_kwargs(body),
+        **_common(body, limits),
+    )
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """What else the chat template reads: ``chat_template_kwargs`` (an object, given to the
+    template as it is, e.g. ``{"enable_thinking": false}``) and ``reasoning_effort``
+    (given as it is to templates that read it; ``"none"`` also turns thinking off)."""
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise _bad(
+            "chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {extra!r}"
+        )
+    out: dict[str, Any] = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise _bad(
+                "reasoning_effort",
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+            )
+        out["reasoning_effort"] = effort
+        if effort == "none":
+            out["enable_thinking"] = False
+    reserved = {"messages", "tools", "tokenize", "add_generation_prompt"}
+    for key, value in (extra or {}).items():
+        if key in reserved:
+            raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {key!r}")
+        out[key] = value
+    return out
+
+
+def check_tools(tools: Any, param: str = "tools") -> list[dict] | None:
+    """Chat-format function tools, checked (``[{"type": "function", "function": {"name",
+    "description", "parameters"}}]``); None for none."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad(param, f"'{param}' must be a list of tool objects, got {type(tools).__name__}")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"{param}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise _bad(where, f"{where} must be {{'type': 'function', 'function': {{...}}}}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _bad(f"{where}.function", f"{where}.function must be an object with a 'name'")
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise _bad(
+                f"{where}.function.name", f"{where}.function.name must be a non-empty string"
+            )
+        if name in names:
+            raise _bad(f"{where}.function.name", f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _bad(
+                f"{where}.function.parameters",
+                f"{where}.function.parameters must be a JSON schema object",
+            )
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _bad(
+                f"{where}.function.description", f"{where}.function.description must be a string"
+            )
+    return tools or None
+
+
+def check_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict | None:
+    """``tool_choice``: None, "auto", "none", "required" or ``{"type": "function",
+    "function": {"name": N}}`` naming one of `tools`."""
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    if choice == "required":
+        if not tools:
+            raise _bad("tool_choice", "'tool_choice' is 'required' but no 'tools' are given")
+        return choice
+    name = None
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise _bad(
+            "tool_choice",
+            "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', "
+            f"'function': {{'name': ...}}}}, got {choice!r}",
+        )
+    known = [t["function"]["name"] for t in tools or []]
+    if name not in known:
+        raise _bad(
+            "tool_choice",
+            f"'tool_choice' names {name!r}, which is not one of the tools "
+            f"({', '.join(known) or 'none given'})",
+        )
+    return {"type": "function", "function": {"name": name}}
+
+
+def _tool_answers(messages: list[dict]) -> None:
+    """Each tool message answers a call of an earlier assistant message, where that message
+    gave the call an id (clients that send ids see a mismatch as the 400 it is)."""
+    ids: set[str] = set()
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls") or ():
+            if call.get("id"):
+                ids.add(call["id"])
+        if m["role"] == "tool" and ids and m.get("tool_call_id") not in ids:
+            param = f"messages[{i}].tool_call_id"
+            raise _bad(
+                param, f"{param} {m.get('tool_call_id')!r} answers no earlier assistant tool call"
+            )
 
 
 def _message(message: Any, index: int, images: list[bytes], *, vision: bool) -> dict:
@@ -241,6 +387,23 @@ def _message(message: Any, index: int, images: list[bytes], *, vision: bool) -> 
     out = {k: v for k, v in message.items() if k != "content"}
     if role == "developer":  # OpenAI's newer name for the system message
         out["role"] = "system"
+    if "tool_calls" in message:
+        if role != "assistant":
+            raise _bad(f"{param}.tool_calls", f"only assistant messages carry tool_calls ({param})")
+        calls = message["tool_calls"]
+        if calls is None:
+            out.pop("tool_calls")
+        else:
+            out["tool_calls"] = _tool_calls(calls, f"{param}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise _bad(f"{param}.tool_call_id", f"{param}.tool_call_id must be a non-empty string")
+        if content is None or isinstance(content, list) and not content:
+            raise _bad(f"{param}.content", f"{param}.content is missing (the tool's result)")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise _bad(f"{param}.reasoning_content", f"{param}.reasoning_content must be a string")
     if content is None:
         if role != "assistant":
             raise _bad(f"{param}.content", f"{param}.content is missing")
@@ -268,6 +431,39 @@ def _message(message: Any, index: int, images: list[bytes], *, vision: bool) -> 
         out["content"] = parts
     else:
         out["content"] = "".join(p["text"] for p in parts)
+    return out
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, checked; ``arguments`` given as an object is
+    taken as its JSON text (some clients send it so)."""
+    if not isinstance(calls, list):
+        raise _bad(param, f"{param} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{param}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise _bad(where, f"{where} must be {{'type': 'function', 'function': {{...}}}}")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise _bad(f"{where}.function", f"{where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.function.name", f"{where}.function.name must be a string")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = "{}"
+        elif isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        elif not isinstance(arguments, str):
+            raise _bad(
+                f"{where}.function.arguments", f"{where}.function.arguments must be JSON text"
+            )
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _bad(f"{where}.id", f"{where}.id must be a string")
+        shaped = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        out.append({"id": call_id, **shaped} if call_id else shaped)
     return out
 
 
@@ -336,19 +532,43 @@ def _head(id_: str, object_: str, created: int, model: str) -> dict[str, Any]:
     return {"id": id_, "object": object_, "created": created, "model": model}
 
 
+def tool_call_shape(call: Any, index: int | None = None) -> dict[str, Any]:
+    """One of the answer's tool calls (an `agentio.ToolCall`) in OpenAI's shape; with
+    `index`, as a stream's ``delta.tool_calls`` item."""
+    shaped = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return shaped if index is None else {"index": index, **shaped}
+
+
+def tool_call_delta(call: Any, index: int) -> dict[str, Any]:
+    """A stream's delta carrying one whole tool call."""
+    return {"tool_calls": [tool_call_shape(call, index)]}
+
+
 def chat_response(
-    id_: str, created: int, model: str, text: str, finish: str, use: dict
+    id_: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish: str,
+    use: dict,
+    *,
+    reasoning: str | None = None,
+    tool_calls: list[Any] | None = None,
 ) -> dict[str, Any]:
+    """A whole chat answer: ``message.content`` (None where the answer is only calls),
+    ``reasoning_content`` where the model reasoned, ``tool_calls`` where it called."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [tool_call_shape(c) for c in tool_calls]
     return {
         **_head(id_, "chat.completion", created, model),
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
         "usage": use,
     }
 
