@@ -57,6 +57,14 @@ GEMMA4_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# GLM 4.7's <arg_key> calls (mlx-lm's glm47 parser, which reads any text as some call).
+GLM_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{%- endfor %}"
+    "{#- calls: <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call> #}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Mistral's [TOOL_CALLS] (no end marker: the call runs to the end of the answer).
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -107,6 +115,7 @@ def tokenizers(tmp_path_factory):
         ("xml", XML_TEMPLATE, ("<tool_call>", "</tool_call>")),
         ("gemma4", GEMMA4_TEMPLATE, ("<|tool_call>", "<tool_call|>")),
         ("mistral", MISTRAL_TEMPLATE, ("[TOOL_CALLS]", "[ARGS]")),
+        ("glm", GLM_TEMPLATE, ("<tool_call>", "</tool_call>")),
         ("plain", None, ()),
     ):
         directory = tmp_path_factory.mktemp(f"tok-{name}")
@@ -164,6 +173,7 @@ def test_the_tiny_templates_pick_mlx_lms_parsers(tokenizers):
         "xml": "qwen3_coder",
         "gemma4": "gemma4",
         "mistral": "mistral",
+        "glm": "glm47",
     }
     assert tokenizers["json"].has_thinking and not tokenizers["xml"].has_thinking
     assert not tokenizers["plain"].has_tool_calling
@@ -282,6 +292,16 @@ def test_gemma4_calls_and_the_json_form(tokenizers):
         ("call", "get_weather", {"city": "Oslo", "days": 1}),
         ("text", " and "),
         ("call", "add", {"a": 2}),
+    ]
+
+
+def test_glm_calls_and_the_json_form_read_first(tokenizers):
+    tok = tokenizers["glm"]
+    native = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Kyiv</arg_value></tool_call>"
+    forced = '<tool_call>\n{"name":"add","arguments":{"a":1}}\n</tool_call>'
+    assert every_way(tok, TOOLS, native + forced) == [
+        ("call", "get_weather", {"city": "Kyiv"}),
+        ("call", "add", {"a": 1}),
     ]
 
 

@@ -32,7 +32,8 @@ its tokenizer wrapper picks it from the chat template) and its thinking markers:
   model has no tool format, or the block does not parse with the model's own parser,
   mlx-lm's ``json_tools`` parser reads it: ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>``, the form `toolgrammar` writes forced calls in for such models (so the
-  ``<tool_call>`` markers are read beside a model's own). A block that parses with neither
+  ``<tool_call>`` markers are read beside a model's own; a block that begins with ``{`` is
+  tried as that form first). A block that parses with neither
   stays text, markers included (nothing is lost).
 - Without `tools` there are no tool states: tool-call markup is text.
 
@@ -301,7 +302,12 @@ class OutputSplitter:
     def _parse(self, block: _Block, body: str) -> list[ToolCall] | None:
         if not self._tools or not body.strip():
             return None
-        for parser in block.parsers:
+        parsers = block.parsers
+        fallback = _fallback_module().parse_tool_call
+        if fallback in parsers and body.lstrip().startswith("{"):
+            # The JSON form first: some parsers (e.g. GLM's) read any text as a call.
+            parsers = (fallback, *(p for p in parsers if p is not fallback))
+        for parser in parsers:
             try:
                 parsed = parser(body, self._tools)
                 calls = _calls(parsed)
