@@ -256,6 +256,27 @@ def test_a_conversations_items_become_chat_messages():
     assert req.tool_choice == {"type": "function", "function": {"name": "apply_patch"}}
 
 
+def test_codex_bookkeeping_items_and_empty_reasoning_are_left_out():
+    req = check_responses(
+        {
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "a"}],
+                },
+                {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "x"},
+                {"type": "ghost_snapshot", "ghost_commit": {"id": "abc"}},
+                {"type": "tool_search_call", "call_id": "t1", "arguments": {}},
+                {"type": "message", "role": "user", "content": "b", "phase": None},
+            ]
+        },
+        Limits(context=CONTEXT),
+        vision=False,
+    )
+    assert req.messages == [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+
+
 def test_the_stream_is_what_the_sdk_parses_and_gives_the_same_text(client, engine, server):
     prompt = "Name three rivers."
     want = reference(engine, chat(prompt), max_tokens=10)
@@ -643,3 +664,29 @@ def test_reasoning_comes_as_a_reasoning_item_and_goes_back_as_reasoning(thinking
         {"role": "user", "content": "Next."},
     ]
     assert back.usage.input_tokens == len(engine.model.apply_chat_template(messages))
+
+
+def test_a_namespaces_tools_are_shown_by_name_and_called_with_the_namespace(client, engine):
+    agents = {
+        "type": "namespace",
+        "name": "agents",
+        "description": "Sub-agents",
+        "tools": [WEATHER],
+    }
+    req = check_responses(
+        {"input": "hi", "tools": [agents, {"type": "web_search"}]},
+        Limits(context=CONTEXT),
+        vision=False,
+    )
+    assert [t["function"]["name"] for t in req.tools] == ["get_weather"]
+    assert req.namespaces == {"get_weather": "agents"}
+    got = client.responses.create(
+        model="x",
+        input="Weather?",
+        tools=[agents],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+    )
+    (call,) = got.output
+    assert call.type == "function_call" and call.namespace == "agents"
+    assert call.name == "get_weather"

@@ -249,6 +249,8 @@ class _Output:
                 "name": call.name,
                 "arguments": "",
             }
+            if call.name in self.req.namespaces:  # a tool of a namespace (Codex's agents)
+                item["namespace"] = self.req.namespaces[call.name]
             kinds = ("response.function_call_arguments", "arguments")
         prefix, field = kinds
         where = {"item_id": item["id"], "output_index": index}

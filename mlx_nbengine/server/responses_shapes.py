@@ -48,7 +48,9 @@ __all__ = [
 CONTEXT_EXCEEDED = "context_length_exceeded"
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-# Items of OpenAI's hosted tools, which this server neither runs nor shows the model.
+# Items of OpenAI's hosted tools and of clients' own bookkeeping (Codex's), which this server
+# neither runs nor shows the model: skipped. An item type outside these and the rendered
+# ones is a 400.
 SKIPPED_ITEMS = frozenset(
     {
         "web_search_call",
@@ -59,11 +61,23 @@ SKIPPED_ITEMS = frozenset(
         "code_interpreter_call",
         "local_shell_call",
         "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
         "mcp_call",
         "mcp_list_tools",
         "mcp_approval_request",
         "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+        "additional_tools",
+        "program",
+        "program_output",
         "compaction",
+        "compaction_trigger",
+        "context_compaction",
+        "ghost_snapshot",
         "item_reference",
     }
 )
@@ -89,6 +103,7 @@ class ResponsesRequest:
     images: list[bytes]
     tools: list[dict] | None  # chat-format function tools (custom ones included)
     custom_tools: frozenset[str]  # names of the freeform tools among them
+    namespaces: dict[str, str]  # a namespaced tool's name -> its namespace
     tool_choice: Any  # chat-format: "auto", "none", "required" or {"type": "function", ...}
     parallel_tool_calls: bool
     max_output_tokens: int
@@ -153,17 +168,35 @@ def _effort(body: dict) -> str | None:
 # -- tools -------------------------------------------------------------------------------------
 
 
-def _tools(body: dict) -> tuple[list[dict], frozenset[str]]:
-    """The request's function and custom tools in chat form; other tool types skipped."""
+def _flat_tools(tools: list) -> list[tuple[str, Any, str | None]]:
+    """(where, tool, namespace) for each tool, a namespace's own tools in its place."""
+    out: list[tuple[str, Any, str | None]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if isinstance(tool, dict) and tool.get("type") == "namespace":
+            name, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(name, str) or not isinstance(inner, list):
+                raise _bad(where, f"{where}: a namespace needs a 'name' and a list of 'tools'")
+            out += [(f"{where}.tools[{j}]", t, name) for j, t in enumerate(inner)]
+        else:
+            out.append((where, tool, None))
+    return out
+
+
+def _tools(body: dict) -> tuple[list[dict], frozenset[str], dict[str, str]]:
+    """The request's function and custom tools in chat form (a namespace's tools among
+    them, by their own names), the custom tools' names and each namespaced tool's
+    namespace; other tool types are skipped, and a name given twice is shown once."""
     tools = body.get("tools")
     if tools is None:
-        return [], frozenset()
+        return [], frozenset(), {}
     if not isinstance(tools, list):
         raise _bad("tools", f"'tools' must be a list of tools, got {type(tools).__name__}")
     out: list[dict] = []
     custom: set[str] = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
+    namespaces: dict[str, str] = {}
+    names: set[str] = set()
+    for where, tool, namespace in _flat_tools(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
             raise _bad(where, f"{where} must be an object with a 'type'")
         kind = tool["type"]
@@ -182,7 +215,6 @@ def _tools(body: dict) -> tuple[list[dict], frozenset[str]]:
             if not isinstance(parameters, dict):
                 raise _bad(f"{where}.parameters", f"{where}.parameters must be a JSON schema")
         else:
-            custom.add(name)
             fmt = tool.get("format")
             description = _custom_description(description, fmt)
             text: dict[str, Any] = {"type": "string", "description": CUSTOM_PARAMETERS_DOC}
@@ -191,12 +223,19 @@ def _tools(body: dict) -> tuple[list[dict], frozenset[str]]:
                 if isinstance(pattern, str) and pattern:
                     text["pattern"] = f"^(?:{pattern})$"  # a forced call's grammar holds it
             parameters = {"type": "object", "properties": {"input": text}, "required": ["input"]}
+        if name in names:
+            continue
+        names.add(name)
+        if kind == "custom":
+            custom.add(name)
+        if namespace is not None:
+            namespaces[name] = namespace
         function: dict[str, Any] = {"name": name}
         if description:
             function["description"] = description
         function["parameters"] = parameters
         out.append({"type": "function", "function": function})
-    return out, frozenset(custom)
+    return out, frozenset(custom), namespaces
 
 
 def _custom_description(description: str | None, fmt: Any) -> str:
@@ -481,7 +520,15 @@ def check_responses(
     for i, item in enumerate(items):
         where = f"input[{i - base}]" if i >= base else "previous_response_id"
         conversation.add(item, where)
-    messages = conversation.messages
+    messages = [  # an assistant turn of nothing (e.g. a reasoning item with only
+        # encrypted_content) is left out
+        m
+        for m in conversation.messages
+        if m["role"] != "assistant"
+        or m["content"]
+        or m.get("tool_calls")
+        or m.get("reasoning_content")
+    ]
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     messages = _join_leading_system(messages)
@@ -489,7 +536,7 @@ def check_responses(
         raise _bad("input", "'input' holds no message the model can read")
     if len(images) > limits.max_images:
         raise _bad("input", f"{len(images)} images; this server takes at most {limits.max_images}")
-    tools, custom = _tools(body)
+    tools, custom, namespaces = _tools(body)
     choice = _tool_choice(body, tools, custom)
     if choice == "required" and not tools:
         raise _bad("tool_choice", "'tool_choice' is 'required' but 'tools' holds no function")
@@ -516,6 +563,7 @@ def check_responses(
         images=images,
         tools=tools or None,
         custom_tools=custom,
+        namespaces=namespaces,
         tool_choice=choice,
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         max_output_tokens=_max_output_tokens(body, limits),
