@@ -54,6 +54,33 @@ ADD = {
     },
 }
 NO_PARAMETERS = {"type": "function", "function": {"name": "ping"}}
+PLAN = {
+    "type": "function",
+    "function": {
+        "name": "plan",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "stops": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "at": {"type": "string", "maxLength": 5},
+                            "wait": {"type": "number", "minimum": 0, "maximum": 2},
+                        },
+                        "required": ["at"],
+                    },
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+                "fast": {"type": "boolean"},
+                "note": {"type": "null"},
+            },
+            "required": ["stops"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD, NO_PARAMETERS]
 SCHEMAS = {
     t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS
@@ -76,7 +103,7 @@ def variants(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_formats")
     source = tiny_model_dir("llama")
     made = {}
-    for name in ("none", "json_tools", "qwen3_coder", "mistral", "special"):
+    for name in ("none", "json_tools", "qwen3_coder", "mistral", "gemma4", "special"):
         directory = root / name
         shutil.copytree(source, directory)
         if name == "special":
@@ -128,7 +155,9 @@ def check(call, names=None):
     jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
 
 
-@pytest.mark.parametrize("variant", ["none", "json_tools", "qwen3_coder", "mistral", "special"])
+@pytest.mark.parametrize(
+    "variant", ["none", "json_tools", "qwen3_coder", "mistral", "gemma4", "special"]
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_required_call_parses_and_matches_its_schema(engines, variant, temperature):
     engine = engines(variant)
@@ -146,7 +175,7 @@ def test_a_required_call_parses_and_matches_its_schema(engines, variant, tempera
         check(call)
 
 
-@pytest.mark.parametrize("variant", ["none", "qwen3_coder", "mistral"])
+@pytest.mark.parametrize("variant", ["none", "qwen3_coder", "mistral", "gemma4"])
 @pytest.mark.parametrize("name", ["add", "get_weather", "ping"])
 def test_a_named_function_is_the_one_called(engines, variant, name):
     engine = engines(variant)
@@ -161,6 +190,20 @@ def test_a_named_function_is_the_one_called(engines, variant, name):
         check(call, names=[name])
 
 
+@pytest.mark.parametrize("variant", ["none", "qwen3_coder", "mistral", "gemma4"])
+def test_nested_arguments_parse_in_every_form(engines, variant):
+    engine = engines(variant)
+    tokenizer = engine.model.tokenizer
+    fmt = tool_call_format(tokenizer, [PLAN])
+    assert fmt.native == (variant != "none")
+    grammar = tool_call_grammar(tokenizer, [PLAN], "required")
+    for seed in (1, 2, 3, 4):
+        done = engine.submit(PROMPT, max_tokens=400, grammar=grammar, temperature=1.0, seed=seed)
+        [call] = parse_calls(done.result(timeout=120).text, fmt, [PLAN])
+        assert call["name"] == "plan"
+        jsonschema.validate(call["arguments"], PLAN["function"]["parameters"])
+
+
 def test_greedy_forced_calls_repeat(engines):
     engine = engines("qwen3_coder")
     grammar = tool_call_grammar(engine.model.tokenizer, TOOLS, "required")
@@ -170,7 +213,7 @@ def test_greedy_forced_calls_repeat(engines):
     assert runs[0].tokens == runs[1].tokens
 
 
-@pytest.mark.parametrize("variant", ["none", "mistral"])
+@pytest.mark.parametrize("variant", ["none", "mistral", "gemma4"])
 def test_parallel_calls_each_parse(engines, variant):
     engine = engines(variant)
     tokenizer = engine.model.tokenizer

@@ -18,7 +18,10 @@ calls:
   ``<`` in it), other values as JSON; only where every parameter has a plain ``type`` (or is
   an enum of strings) and the parameters are an object's properties;
 - ``mistral``: ``[TOOL_CALLS]NAME[ARGS]{...}``, where every name is word characters and
-  dashes (what its parser reads).
+  dashes (what its parser reads);
+- ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3,...}<tool_call|>``,
+  where every value's schema is a plain type (objects with word-character keys, arrays,
+  strings without a pattern or format, numbers, booleans, null) or an enum of strings.
 
 A marker that is one special token of the tokenizer is written as that token (llguidance's
 ``<[id]>``), else as its text.
@@ -30,11 +33,11 @@ tools, which form a grammar writes and which parser reads it; `tool_call_grammar
 it, so a caller splitting the output asks `tool_call_format` with the same arguments.
 
 JSON is written compact (no free whitespace: a small model cannot ramble in it), and an
-arguments object whose schema does not say otherwise gets no properties beyond those it
-names (``additionalProperties: false`` at its top level). With ``parallel=True`` one or
-more calls are allowed, else exactly one. The grammar starts at the first generated token:
-a template that opens a reasoning block in the prompt should be rendered without it (e.g.
-``enable_thinking=False``) for forced calls.
+object whose schema names its properties and does not say otherwise gets no others
+(``additionalProperties: false``, at every depth, as OpenAI's strict mode asks). With
+``parallel=True`` one or more calls are allowed, else exactly one. The grammar starts at
+the first generated token: a template that opens a reasoning block in the prompt should be
+rendered without it (e.g. ``enable_thinking=False``) for forced calls.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ __all__ = [
 FALLBACK_PARSER = "json_tools"
 """mlx-lm's parser module (``mlx_lm.tool_parsers.json_tools``) that reads the JSON form."""
 
-NATIVE_PARSERS = ("json_tools", "qwen3_coder", "mistral")
+NATIVE_PARSERS = ("json_tools", "qwen3_coder", "mistral", "gemma4")
 """mlx-lm tool parsers whose format `tool_call_grammar` writes."""
 
 # Compact JSON: llguidance's JSON options, given inside each schema.
@@ -69,6 +72,8 @@ _COMPACT = {"whitespace_flexible": False}
 # A function name every form writes and reads back (OpenAI's names, dots and colons too).
 _NAME = re.compile(r"[\w.:-]{1,128}")
 _MISTRAL_NAME = re.compile(r"[\w-]+")
+# An object key Gemma 4's parser quotes back (it reads bare keys of word characters).
+_GEMMA4_KEY = re.compile(r"\w+")
 
 # A parameter name the XML form's parser reads back whole.
 _XML_KEY = re.compile(r"[^\s<>=]+")
@@ -119,6 +124,11 @@ def tool_call_format(tokenizer: Any, tools: list[dict] | None = None) -> ToolFor
         return _FALLBACK
     if name == "mistral" and not all(_MISTRAL_NAME.fullmatch(f["name"]) for f in functions):
         return _FALLBACK  # its parser reads names of word characters and dashes only
+    if name == "gemma4" and not all(
+        _MISTRAL_NAME.fullmatch(f["name"]) and _Gemma4(None).holds(f["parameters"])
+        for f in functions
+    ):
+        return _FALLBACK
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
     return ToolFormat(name, start, end, native=True)
 
@@ -150,6 +160,12 @@ def tool_call_grammar(
         rules.append("call: " + " | ".join(calls))
         repeat = " call*" if parallel else ""
         return "\n".join([f"start: {start} call{repeat}", *rules])
+    if form.parser == "gemma4":
+        gemma4 = _Gemma4(marker('<|"|>'))
+        calls = [gemma4.call(f, f"g{i}", rules) for i, f in enumerate(chosen)]
+        rules.append("body: " + " | ".join(calls))
+        rules.append(f"call: {start} body {end}")
+        return "\n".join([f"start: call{' call*' if parallel else ''}", *rules])
     if form.parser == "qwen3_coder":
         bodies = [_xml_call(f, i, rules) for i, f in enumerate(chosen)]
     else:
@@ -209,11 +225,30 @@ def _chosen(functions: list[dict], tool_choice: Any) -> list[dict]:
 
 
 def _arguments_schema(parameters: dict) -> dict:
-    """The function's parameters' schema, compact, closed at its top level unless it says."""
-    schema = dict(parameters)
+    """The function's parameters' schema (a copy), every object that names its properties
+    closed unless it says otherwise; the top level closed even with no properties."""
+    schema = _closed(parameters)
     if schema.get("type") == "object" and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples"):
+            out[key] = value  # values, not schemas
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        else:
+            out[key] = _closed(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 # --- the forms ------------------------------------------------------------------------------
@@ -294,7 +329,7 @@ def _xml_value(schema: dict, rule: str, rules: list[str]) -> str:
         # Not "null" in any case: the parser reads that as None.
         rules.append(f"{rule.upper()}: {text} & ~/[nN][uU][lL][lL]/")
         return rule.upper()
-    rules.append(f"{rule}: %json " + json.dumps({**schema, "x-guidance": _COMPACT}))
+    rules.append(f"{rule}: %json " + json.dumps({**_closed(schema), "x-guidance": _COMPACT}))
     return rule
 
 
@@ -305,6 +340,106 @@ def _string_enum(schema: dict) -> list[str] | None:
     if not isinstance(values, list) or not values:
         return None
     if all(isinstance(v, str) and "<" not in v and v.lower() != "null" for v in values):
+        return values
+    return None
+
+
+class _Gemma4:
+    """Gemma 4's call syntax: ``call:NAME{key:VALUE,...}``, keys bare, strings between
+    `quote` markers (``<|"|>``), other scalars as JSON; mlx-lm's gemma4 parser turns it
+    back into JSON."""
+
+    def __init__(self, quote: str | None) -> None:
+        self.quote = quote
+
+    def holds(self, schema: Any) -> bool:
+        """`schema` can be written in this syntax (see the module docstring)."""
+        if not isinstance(schema, dict):
+            return False
+        if _gemma4_strings(schema) is not None:
+            return True
+        kind = schema.get("type", "object" if "properties" in schema else None)
+        if kind == "object":
+            properties = schema.get("properties") or {}
+            return isinstance(properties, dict) and all(
+                _GEMMA4_KEY.fullmatch(k) and self.holds(p) for k, p in properties.items()
+            )
+        if kind == "array":
+            return "items" not in schema or self.holds(schema["items"])
+        if kind == "string":
+            return not any(k in schema for k in ("pattern", "format", "enum", "const"))
+        return kind in ("integer", "number", "boolean", "null") and not (
+            "enum" in schema or "const" in schema
+        )
+
+    def call(self, function: dict, rule: str, rules: list[str]) -> str:
+        parameters = dict(function["parameters"])
+        parameters.setdefault("type", "object")
+        value = self.value(parameters, rule, rules)
+        return f"{_lark_string('call:' + function['name'])} {value}"
+
+    def value(self, schema: dict, rule: str, rules: list[str]) -> str:
+        """A Lark expression for a value of `schema` (`rule`: a prefix for its rules)."""
+        strings = _gemma4_strings(schema)
+        if strings is not None:
+            return "(" + " | ".join(self._quoted(_lark_string(v)) for v in strings) + ")"
+        kind = schema.get("type", "object" if "properties" in schema else None)
+        if kind == "object":
+            return self._object(schema, rule, rules)
+        if kind == "array":
+            return self._array(schema, rule, rules)
+        if kind == "string":
+            low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+            count = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
+            rules.append(f"{rule.upper()}: /[^<\\x00]{count}/")
+            return self._quoted(rule.upper())
+        rules.append(f"{rule}: %json " + json.dumps({**schema, "x-guidance": _COMPACT}))
+        return rule
+
+    def _quoted(self, item: str) -> str:
+        return f"{self.quote} {item} {self.quote}"
+
+    def _object(self, schema: dict, rule: str, rules: list[str]) -> str:
+        """``{`` the properties in order, the required ones always, commas between ``}``:
+        rule ``{rule}_{i}{a}`` is the rest from property i, a: one was written already."""
+        properties = list((schema.get("properties") or {}).items())
+        required = set(schema.get("required") or ())
+        n = len(properties)
+        values = [self.value(sub, f"{rule}_{i}v", rules) for i, (_, sub) in enumerate(properties)]
+        rules += [f'{rule}_{n}n: ""', f'{rule}_{n}a: ""']
+        for i in reversed(range(n)):
+            key = properties[i][0]
+            for written in ("n", "a"):
+                head = ('"," ' if written == "a" else "") + _lark_string(key + ":")
+                present = f"{head} {values[i]} {rule}_{i + 1}a"
+                absent = f"{rule}_{i + 1}{written}"
+                body = present if key in required else f"{present} | {absent}"
+                rules.append(f"{rule}_{i}{written}: {body}")
+        return f'"{{" {rule}_0n "}}"'
+
+    def _array(self, schema: dict, rule: str, rules: list[str]) -> str:
+        item = self.value(schema.get("items") or {"type": "string"}, f"{rule}_i", rules)
+        low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if high is not None and int(high) == 0:
+            return '"[" "]"'
+        # The first item, then the others: `low` required, then optional up to `high`.
+        more = [f'"," {item}'] * max(0, low - 1)
+        tail = f'("," {item})*'
+        if high is not None:
+            tail = ""
+            for _ in range(int(high) - max(low, 1)):
+                tail = f'("," {item} {tail})?'
+        items = " ".join([item, *more, tail]).strip()
+        return f'"[" {items} "]"' if low else f'"[" ({items})? "]"'
+
+
+def _gemma4_strings(schema: dict) -> list[str] | None:
+    values = schema.get("enum")
+    if "const" in schema:
+        values = [schema["const"]]
+    if not isinstance(values, list) or not values:
+        return None
+    if all(isinstance(v, str) and "<" not in v and "\x00" not in v for v in values):
         return values
     return None
 
