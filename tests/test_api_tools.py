@@ -206,10 +206,12 @@ def test_a_named_function_is_the_one_called(client, engine):
         messages=QUESTION,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "add"}},
-        max_tokens=80,
+        max_tokens=120,
         temperature=0,
     )
-    assert got.choices[0].finish_reason == "tool_calls"
+    # Parallel calls are allowed (the default): one or more, each of that function (a
+    # random model may go on calling up to max_tokens, leaving the last call cut short).
+    assert got.choices[0].finish_reason in ("tool_calls", "length")
     calls = got.choices[0].message.tool_calls
     assert calls and all(check_call(c)[0] == "add" for c in calls)
     assert len({c.id for c in calls}) == len(calls)
