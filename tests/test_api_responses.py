@@ -690,3 +690,36 @@ def test_a_namespaces_tools_are_shown_by_name_and_called_with_the_namespace(clie
     (call,) = got.output
     assert call.type == "function_call" and call.namespace == "agents"
     assert call.name == "get_weather"
+
+
+def test_input_images_reach_a_vision_model(tmp_path):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mlx_nbengine.testing import make_tiny_vlm
+
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    with Engine.load(make_tiny_vlm(tmp_path / "vlm"), block_size=BLOCK) as e:
+        srv = ApiServer(e, port=0).start()
+        try:
+            vlm = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+            text = {"type": "input_text", "text": "What is this?"}
+            image = {"type": "input_image", "image_url": url, "detail": "auto"}
+            kw = {"model": "x", "max_output_tokens": 2, "temperature": 0}
+            seen = vlm.responses.create(input=[{"role": "user", "content": [text, image]}], **kw)
+            plain = vlm.responses.create(input=[{"role": "user", "content": [text]}], **kw)
+            assert seen.usage.input_tokens > plain.usage.input_tokens  # the image's tokens
+            with pytest.raises(openai.BadRequestError) as caught:
+                vlm.responses.create(
+                    input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}],
+                    **kw,
+                )
+            assert "data URLs" in caught.value.body["message"]
+        finally:
+            srv.stop()

@@ -23,7 +23,6 @@ freeform tool such as Codex's ``apply_patch``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections import OrderedDict
@@ -77,10 +76,6 @@ def routes(app: Any) -> list[Route]:
     handler = _Responses(app, ResponseStore())
     app.responses_api = handler  # for tests and the agent view: its store, its keep-alive
     return [Route("/v1/responses", handler.create, methods=["POST"])]
-
-
-def _call_fields() -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(Call))
 
 
 def _message_item(id_: str) -> dict:
@@ -304,38 +299,27 @@ class _Responses:
             )
         return items
 
-    def _call(self, req: ResponsesRequest) -> Call:
-        kwargs: dict[str, Any] = {
-            "prompt": agentio.template_messages(req.messages),
-            "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "stream": req.stream,
-            "images": req.images,
-            "tools": req.tools,
-        }
+    @staticmethod
+    def _call(req: ResponsesRequest) -> Call:
+        """The call to admit: the chat form, ``reasoning.effort`` for templates that read
+        it (``"none"`` also turns thinking off, as chat completions do)."""
         template: dict[str, Any] = {}
         if req.effort is not None:
             template["reasoning_effort"] = req.effort
             if req.effort == "none":
                 template["enable_thinking"] = False
-        optional = {
-            "tool_choice": req.tool_choice,
-            "parallel_tool_calls": req.parallel_tool_calls,
-            "template_kwargs": template,
-        }
-        fields = _call_fields()
-        kwargs.update({k: v for k, v in optional.items() if k in fields})
-        return Call(**kwargs)
-
-    def _splitter(self, req: ResponsesRequest, admitted: Any) -> Any:
-        """The answer's splitter: the model's tool format and thinking markers, the prompt
-        (an answer that begins inside a reasoning block the prompt opened)."""
-        if hasattr(self.app, "splitter"):
-            return self.app.splitter(admitted.call, admitted.handle)
-        tools = req.tools if req.tool_choice != "none" else None
-        prompt = list(admitted.handle.prompt_tokens)
-        return agentio.OutputSplitter(self.app.engine.model, tools, prompt=prompt)
+        return Call(
+            prompt=req.messages,
+            max_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stream=req.stream,
+            images=req.images,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            template_kwargs=template,
+        )
 
     async def create(self, request: HTTPRequest) -> Any:
         app = self.app
@@ -399,7 +383,8 @@ class _Responses:
             return JSONResponse(error_body(message, type="server_error"), status_code=500)
         if completion is None:
             return JSONResponse(error_body("the client disconnected"), status_code=499)
-        out = _Output(self._splitter(req, admitted), req)
+        app._log_answer(entry, completion.text)
+        out = _Output(self.app.splitter(admitted.call, admitted.handle), req)
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         out.feed(completion.text)
         out.close(status)
@@ -424,7 +409,7 @@ class _Responses:
         yield events.sse({"type": "response.created", "response": head})
         yield events.sse({"type": "response.in_progress", "response": head})
         try:
-            out = _Output(self._splitter(req, admitted), req)
+            out = _Output(self.app.splitter(admitted.call, admitted.handle), req)
             async for event in keepalive(pump, self.keepalive_s):
                 if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield KEEPALIVE
@@ -437,6 +422,7 @@ class _Responses:
                 elif isinstance(event, Finished):
                     completion = event.completion
                     app.journal.finish(entry, completion)
+                    app._log_answer(entry, completion.text)
                     length = completion.finish_reason == "length"
                     for payload in out.close("incomplete" if length else "completed"):
                         yield events.sse(payload)
