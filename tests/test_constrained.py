@@ -211,3 +211,23 @@ def test_a_matcher_that_fails_mid_way_fails_its_request_only(engine_factory, mon
         broken.result(timeout=120)
     assert other.result(timeout=120).tokens == alone
     assert engine.stats()["active"] == 0
+
+
+def test_a_vision_models_text_requests_take_grammars_too(engine_factory):
+    engine = engine_factory("qwen2_vl")
+    done = engine.submit(PROMPT, max_tokens=200, grammar=GRAMMAR).result(timeout=120)
+    valid(done)
+    assert done.stop_reason == "grammar"
+
+
+def test_a_sharded_engine_refuses_grammars_in_one_line(engine_factory):
+    # The refusal is decided before anything reaches the ranks: checked here on a one-process
+    # engine marked as sharded for the call.
+    engine = engine_factory("llama")
+    engine.sharded = object()
+    try:
+        with pytest.raises(InvalidRequestError, match="sharded") as caught:
+            engine.submit("x", grammar=GRAMMAR)
+    finally:
+        engine.sharded = None
+    assert "\n" not in str(caught.value)
