@@ -103,7 +103,15 @@ def variants(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_formats")
     source = tiny_model_dir("llama")
     made = {}
-    for name in ("none", "json_tools", "qwen3_coder", "mistral", "gemma4", "special"):
+    for name in (
+        "none",
+        "json_tools",
+        "qwen3_coder",
+        "mistral",
+        "gemma4",
+        "function_gemma",
+        "special",
+    ):
         directory = root / name
         shutil.copytree(source, directory)
         if name == "special":
@@ -202,6 +210,29 @@ def test_nested_arguments_parse_in_every_form(engines, variant):
         [call] = parse_calls(done.result(timeout=120).text, fmt, [PLAN])
         assert call["name"] == "plan"
         jsonschema.validate(call["arguments"], PLAN["function"]["parameters"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_function_gemma_writes_flat_calls_and_falls_back_for_nested_ones(engines, temperature):
+    engine = engines("function_gemma")
+    tokenizer = engine.model.tokenizer
+    flat = [WEATHER, NO_PARAMETERS]
+    fmt = tool_call_format(tokenizer, flat)
+    assert (fmt.parser, fmt.native) == ("function_gemma", True)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        grammar = tool_call_grammar(tokenizer, flat, choice)
+        for seed in (1, 2, 3):
+            done = engine.submit(
+                PROMPT, max_tokens=300, grammar=grammar, temperature=temperature, seed=seed
+            ).result(timeout=120)
+            [call] = parse_calls(done.text, fmt, flat)
+            check(call)
+    nested = tool_call_format(tokenizer, [PLAN])
+    assert (nested.parser, nested.native) == (FALLBACK_PARSER, False)
+    grammar = tool_call_grammar(tokenizer, [PLAN], "required")
+    done = engine.submit(PROMPT, max_tokens=400, grammar=grammar, temperature=1.0, seed=1)
+    [call] = parse_calls(done.result(timeout=120).text, nested, [PLAN])
+    jsonschema.validate(call["arguments"], PLAN["function"]["parameters"])
 
 
 def test_greedy_forced_calls_repeat(engines):

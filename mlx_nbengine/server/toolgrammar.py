@@ -21,7 +21,11 @@ calls:
   dashes (what its parser reads);
 - ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3,...}<tool_call|>``,
   where every value's schema is a plain type (objects with word-character keys, arrays,
-  strings without a pattern or format, numbers, booleans, null) or an enum of strings.
+  strings without a pattern or format, numbers, booleans, null) or an enum of strings;
+- ``function_gemma`` (FunctionGemma): ``<start_function_call>call:NAME{key:<escape>text
+  <escape>,n:3}<end_function_call>``, where every parameter is a string, a number, a
+  boolean, null or an enum of strings, and names are word characters (no ``}`` or ``<`` in
+  a string: its parser ends the call at the first ``}``).
 
 A marker that is one special token of the tokenizer is written as that token (llguidance's
 ``<[id]>``), else as its text.
@@ -45,6 +49,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -63,7 +68,7 @@ __all__ = [
 FALLBACK_PARSER = "json_tools"
 """mlx-lm's parser module (``mlx_lm.tool_parsers.json_tools``) that reads the JSON form."""
 
-NATIVE_PARSERS = ("json_tools", "qwen3_coder", "mistral", "gemma4")
+NATIVE_PARSERS = ("json_tools", "qwen3_coder", "mistral", "gemma4", "function_gemma")
 """mlx-lm tool parsers whose format `tool_call_grammar` writes."""
 
 # Compact JSON: llguidance's JSON options, given inside each schema.
@@ -124,11 +129,10 @@ def tool_call_format(tokenizer: Any, tools: list[dict] | None = None) -> ToolFor
         return _FALLBACK
     if name == "mistral" and not all(_MISTRAL_NAME.fullmatch(f["name"]) for f in functions):
         return _FALLBACK  # its parser reads names of word characters and dashes only
-    if name == "gemma4" and not all(
-        _MISTRAL_NAME.fullmatch(f["name"]) and _Gemma4(None).holds(f["parameters"])
-        for f in functions
-    ):
-        return _FALLBACK
+    if name in _CALL_SYNTAX:
+        syntax, names = _CALL_SYNTAX[name](None), _CALL_NAMES[name]
+        if not all(names.fullmatch(f["name"]) and syntax.holds(f["parameters"]) for f in functions):
+            return _FALLBACK
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
     return ToolFormat(name, start, end, native=True)
 
@@ -160,9 +164,9 @@ def tool_call_grammar(
         rules.append("call: " + " | ".join(calls))
         repeat = " call*" if parallel else ""
         return "\n".join([f"start: {start} call{repeat}", *rules])
-    if form.parser == "gemma4":
-        gemma4 = _Gemma4(marker('<|"|>'))
-        calls = [gemma4.call(f, f"g{i}", rules) for i, f in enumerate(chosen)]
+    if form.parser in _CALL_SYNTAX:
+        syntax = _CALL_SYNTAX[form.parser](marker)
+        calls = [syntax.call(f, f"g{i}", rules) for i, f in enumerate(chosen)]
         rules.append("body: " + " | ".join(calls))
         rules.append(f"call: {start} body {end}")
         return "\n".join([f"start: call{' call*' if parallel else ''}", *rules])
@@ -347,25 +351,31 @@ def _string_enum(schema: dict) -> list[str] | None:
 class _Gemma4:
     """Gemma 4's call syntax: ``call:NAME{key:VALUE,...}``, keys bare, strings between
     `quote` markers (``<|"|>``), other scalars as JSON; mlx-lm's gemma4 parser turns it
-    back into JSON."""
+    back into JSON. `marker` (None: only `holds` is asked) writes a marker as Lark."""
 
-    def __init__(self, quote: str | None) -> None:
-        self.quote = quote
+    QUOTE = '<|"|>'
+    EXCLUDED = "<\\x00"  # characters never in a string (as a regex class's body)
+    FLAT = False  # only scalars inside the arguments object
 
-    def holds(self, schema: Any) -> bool:
+    def __init__(self, marker: Callable[[str], str] | None) -> None:
+        self.quote = marker(self.QUOTE) if marker is not None else None
+
+    def holds(self, schema: Any, depth: int = 0) -> bool:
         """`schema` can be written in this syntax (see the module docstring)."""
         if not isinstance(schema, dict):
             return False
-        if _gemma4_strings(schema) is not None:
+        if self._strings(schema) is not None:
             return True
         kind = schema.get("type", "object" if "properties" in schema else None)
+        if kind in ("object", "array") and self.FLAT and depth:
+            return False
         if kind == "object":
             properties = schema.get("properties") or {}
             return isinstance(properties, dict) and all(
-                _GEMMA4_KEY.fullmatch(k) and self.holds(p) for k, p in properties.items()
+                _GEMMA4_KEY.fullmatch(k) and self.holds(p, depth + 1) for k, p in properties.items()
             )
         if kind == "array":
-            return "items" not in schema or self.holds(schema["items"])
+            return "items" not in schema or self.holds(schema["items"], depth + 1)
         if kind == "string":
             return not any(k in schema for k in ("pattern", "format", "enum", "const"))
         return kind in ("integer", "number", "boolean", "null") and not (
@@ -380,7 +390,7 @@ class _Gemma4:
 
     def value(self, schema: dict, rule: str, rules: list[str]) -> str:
         """A Lark expression for a value of `schema` (`rule`: a prefix for its rules)."""
-        strings = _gemma4_strings(schema)
+        strings = self._strings(schema)
         if strings is not None:
             return "(" + " | ".join(self._quoted(_lark_string(v)) for v in strings) + ")"
         kind = schema.get("type", "object" if "properties" in schema else None)
@@ -391,7 +401,7 @@ class _Gemma4:
         if kind == "string":
             low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
             count = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
-            rules.append(f"{rule.upper()}: /[^<\\x00]{count}/")
+            rules.append(f"{rule.upper()}: /[^{self.EXCLUDED}]{count}/")
             return self._quoted(rule.upper())
         rules.append(f"{rule}: %json " + json.dumps({**schema, "x-guidance": _COMPACT}))
         return rule
@@ -432,16 +442,30 @@ class _Gemma4:
         items = " ".join([item, *more, tail]).strip()
         return f'"[" {items} "]"' if low else f'"[" ({items})? "]"'
 
-
-def _gemma4_strings(schema: dict) -> list[str] | None:
-    values = schema.get("enum")
-    if "const" in schema:
-        values = [schema["const"]]
-    if not isinstance(values, list) or not values:
+    def _strings(self, schema: dict) -> list[str] | None:
+        """The values of an enum (or const) of strings this syntax can write, else None."""
+        values = schema.get("enum")
+        if "const" in schema:
+            values = [schema["const"]]
+        if not isinstance(values, list) or not values:
+            return None
+        excluded = re.compile(f"[{self.EXCLUDED}]")
+        if all(isinstance(v, str) and not excluded.search(v) for v in values):
+            return values
         return None
-    if all(isinstance(v, str) and "<" not in v and "\x00" not in v for v in values):
-        return values
-    return None
+
+
+class _FunctionGemma(_Gemma4):
+    """FunctionGemma's call syntax: Gemma 4's, flat, strings between ``<escape>`` markers
+    and without ``}`` (mlx-lm's function_gemma parser ends the call at the first one)."""
+
+    QUOTE = "<escape>"
+    EXCLUDED = "<}\\x00"
+    FLAT = True
+
+
+_CALL_SYNTAX: dict[str, type[_Gemma4]] = {"gemma4": _Gemma4, "function_gemma": _FunctionGemma}
+_CALL_NAMES = {"gemma4": re.compile(r"[\w-]+"), "function_gemma": re.compile(r"\w+")}
 
 
 # --- markers --------------------------------------------------------------------------------
