@@ -99,12 +99,15 @@ from mlx_nbengine._blaslib import BlasBuildError
 
 __all__ = [
     "BlasStatus",
+    "blas_identity",
     "blas_status",
     "blas_step",
     "blas_threads_for",
     "current_threads",
     "ensure_fast_blas",
     "note_kernel_products",
+    "reference_blas_line",
+    "say_reference_blas",
     "set_step_threads",
 ]
 
@@ -471,3 +474,55 @@ def current_threads() -> int:
 def blas_status() -> BlasStatus | None:
     """What `ensure_fast_blas` did in this process, or None if it was never called."""
     return _status
+
+
+def blas_identity() -> str:
+    """What runs MLX's CPU matmuls in this process, in a few words (a persistent store's
+    identity names it: another core gives other bits): OpenBLAS's version and the core it
+    chose ("OpenBLAS 0.3.34 SkylakeX"), the library's file name where it does not say,
+    "reference" (the bundled reference BLAS) or "platform" (not Linux)."""
+    status = _status
+    if status is None:
+        return "not set up"
+    if status.active:
+        words = (status.config or "").split()[:2]  # "OpenBLAS 0.3.34.481.3"
+        version = " ".join(words) if words[:1] == ["OpenBLAS"] else ""
+        named = " ".join(part for part in (version, status.core or "") if part)
+        return named or Path(status.library or "unknown").name
+    if status.reason.startswith("not Linux"):
+        return "platform"
+    return "reference"
+
+
+_reference_said = False
+
+
+def reference_blas_line() -> str | None:
+    """The line for a CPU process whose MLX was imported before mlx_nbengine, so its matmuls
+    are bound to the reference BLAS (`REFERENCE_COST`) and nothing else said so; else None."""
+    status = _status
+    if status is None or status.active or "imported first" not in status.reason:
+        return None
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and mx.default_device() == mx.gpu:
+        return None  # the GPU runs the model: the CPU's BLAS does not matter
+    return (
+        f"mlx_nbengine: mlx.core was imported before mlx_nbengine, so {REFERENCE_COST} "
+        "(every float32 product); import mlx_nbengine before mlx, or restart (in a notebook: "
+        "restart the kernel and run `%load_ext mlx_nbengine` first)"
+    )
+
+
+def say_reference_blas(*, claimed: bool = False) -> bool:
+    """Write `reference_blas_line` on stderr, once per process; returns whether it was
+    written now. `claimed`: the caller shows it its own way (the notebook's hint), so it is
+    marked said without a word here."""
+    global _reference_said
+    line = reference_blas_line()
+    if line is None or _reference_said:
+        return False
+    _reference_said = True
+    if claimed:
+        return False
+    print(line, file=sys.stderr, flush=True)
+    return True

@@ -204,6 +204,7 @@ def _default_engine_factory(model: str, *, progress: Any = None, **options: Any)
     # Lazy, and the BLAS bound first, for a kernel whose MLX arrived before this module
     # (see _blas); a no-op afterwards.
     _blas.ensure_fast_blas()
+    _blas.say_reference_blas(claimed=True)  # %load_model shows its own hint (_blas_hint)
     from mlx_nbengine.engine import Engine
 
     return Engine.load(model, progress=progress, **options)
