@@ -20,7 +20,8 @@ from kernelsets import ISAS, needs_kernels  # tests/ is on sys.path
 from kernelsets import attention_isa_or_skip as isa_or_skip
 
 from mlx_nbengine import Engine, kernels
-from mlx_nbengine.models import attnroute, fastops, load
+from mlx_nbengine.kernels import digest
+from mlx_nbengine.models import attnroute, fastops, layerroute, load
 from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES, VISION_FAMILIES
 
 # Measured 2026-12-01 on an AMD EPYC (Zen 4), every case below on every set: the largest
@@ -228,11 +229,13 @@ def test_a_routed_call_runs_on_the_kernel(routed, monkeypatch):
 def test_the_fingerprint_names_the_attention_variant(tiny_model_dir, routed):
     lm = load(tiny_model_dir("llama"))
     variant = attnroute.variant()
-    assert variant == f"attn-{kernels.attention_isa()}-v{kernels.ATTENTION_VERSION}"
+    named = digest.of_files(attnroute.VARIANT_SOURCES)
+    assert variant == f"attn-{kernels.attention_isa()}-{named}"
     from mlx_nbengine.models.loader import fingerprint_directory
 
     path = tiny_model_dir("llama")
-    routed = "+".join(v for v in (variant, fastops.variant()) if v)  # norms and RoPE too
+    # Norms and RoPE, and the fused decoder layer, too.
+    routed = "+".join(v for v in (variant, fastops.variant(), layerroute.variant()) if v)
     assert lm.fingerprint == fingerprint_directory(path, dtype="float32", variant=routed)
     assert lm.fingerprint != fingerprint_directory(path, dtype="float32")
 

@@ -9,7 +9,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_nbengine.models import attnroute, cpu_math, fastops, fingerprint_directory, load
+from mlx_nbengine.models import (
+    attnroute,
+    cpu_math,
+    fastops,
+    fingerprint_directory,
+    layerroute,
+    load,
+)
 
 
 def test_rational_tanh_is_within_a_few_float32_ulps_everywhere():
@@ -60,7 +67,8 @@ def test_loading_a_float32_gemma_on_cpu_swaps_every_mlp_and_keeps_its_greedy_out
     lm = load(path)
     mlps = [layer.mlp for layer in lm.model.layers]
     assert all(type(m).__name__ == "CpuGeluMLP" for m in mlps)
-    variant = "+".join(v for v in (cpu_math.VARIANT, attnroute.variant(), fastops.variant()) if v)
+    routes = (cpu_math.variant(), attnroute.variant(), fastops.variant(), layerroute.variant())
+    variant = "+".join(v for v in routes if v)
     assert lm.fingerprint == fingerprint_directory(path, dtype="float32", variant=variant)
     assert lm.fingerprint != fingerprint_directory(path, dtype="float32")
 
@@ -84,7 +92,10 @@ def test_other_families_and_other_dtypes_are_left_as_the_library_wrote_them(tiny
     assert lm.fingerprint == fingerprint_directory(
         llama,
         dtype="float32",
-        variant="+".join(v for v in (attnroute.variant(), fastops.variant()) if v) or None,
+        variant="+".join(
+            v for v in (attnroute.variant(), fastops.variant(), layerroute.variant()) if v
+        )
+        or None,
     )
     bf16 = load(tiny_model_dir("gemma3_text"), dtype="bfloat16")
     assert all(type(layer.mlp).__name__ == "MLP" for layer in bf16.model.layers)

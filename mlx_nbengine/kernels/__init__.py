@@ -31,6 +31,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import mlx.core as mx
@@ -40,7 +41,6 @@ from mlx_nbengine.kernels import build as _build
 
 __all__ = [
     "ACTIVATIONS",
-    "ATTENTION_VERSION",
     "BITS",
     "GROUP_SIZES",
     "MAX_ROWS",
@@ -49,6 +49,7 @@ __all__ = [
     "attention",
     "attention_isa",
     "block_tail",
+    "build_identity",
     "gated_mlp",
     "gemm_available",
     "qkv_step",
@@ -66,10 +67,6 @@ GROUP_SIZES = (32, 64, 128)
 # vectorized sets take any number (`gemm_available`): past 8 rows an integer GEMM, past
 # 96 the weights dequantized a tile at a time onto the BLAS (src/qgemm.h).
 MAX_ROWS = 64
-# Bumped whenever the attention kernels change their results' bits (the fingerprint names it):
-# 2 our own products for tiles of few rows, 3 a masked tile's keys from the first any of its
-# rows sees to the last.
-ATTENTION_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -157,6 +154,15 @@ def status() -> KernelStatus:
     if _status is None:
         _status = _setup()
     return _status
+
+
+def build_identity() -> str:
+    """The build key of the module serving this process (`build.build_key`: its sources, MLX,
+    nanobind, Python, the compiler) and the set chosen, or "not used" where the kernels do
+    not serve it (never set up, off, refused); builds nothing."""
+    if _status is None or not _status.active or _status.module is None:
+        return "not used"
+    return f"{Path(_status.module).parent.name} {_status.isa}"
 
 
 def usable_isa(isa: str) -> str | None:

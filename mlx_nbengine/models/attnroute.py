@@ -28,8 +28,24 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_nbengine import kernels
+from mlx_nbengine.kernels import digest
 
-__all__ = ["install", "installed", "routable", "uninstall", "variant"]
+__all__ = ["VARIANT_SOURCES", "install", "installed", "routable", "uninstall", "variant"]
+
+# The files that decide a routed call's bits (`variant` is their digest): this module and the
+# attention kernels (the set's name comes from qkernels.h).
+VARIANT_SOURCES = (
+    "models/attnroute.py",
+    *digest.COMMON,
+    *digest.kernel_source(
+        "attention.h",
+        "attention.cpp",
+        "attention_math.h",
+        "attention_portable.cpp",
+        "attention_x86.cpp",
+        "qkernels.h",
+    ),
+)
 
 _original: dict[str, Any] = {}
 
@@ -110,8 +126,8 @@ def uninstall() -> None:
 
 
 def variant() -> str | None:
-    """What the fingerprint records while attention is routed (its kernel set and version:
-    the sets differ in the last bits), else None."""
+    """What the fingerprint records while attention is routed (its kernel set, as the sets
+    differ in the last bits, and the digest of `VARIANT_SOURCES`), else None."""
     if not _original:
         return None
-    return f"attn-{kernels.attention_isa()}-v{kernels.ATTENTION_VERSION}"
+    return f"attn-{kernels.attention_isa()}-{digest.of_files(VARIANT_SOURCES)}"

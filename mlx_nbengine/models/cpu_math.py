@@ -19,14 +19,16 @@ element here): about 3.5x faster than MLX's own GELU over a prefill step's activ
 when the weights are float32 on the CPU, and only when the library's ``__call__`` is
 still the expression we restate (checked against its source), so an mlx-lm update that
 changes the MLP leaves the model untouched. It changes outputs by float32 rounding
-only; `LoadedModel.fingerprint` records it, so cached blocks are never shared with an
-unmodified model.
+only; `LoadedModel.fingerprint` records it (`variant`: a digest of the sources that decide
+its bits), so cached blocks are never shared with an unmodified model. Where the library's
+``__call__`` differs, one line on stderr says that its MLP keeps MLX's GELU.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from functools import partial
 from typing import Any
 
@@ -34,13 +36,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_nbengine import kernels
-from mlx_nbengine.kernels import rowops
-from mlx_nbengine.models import patches, qroute
+from mlx_nbengine.kernels import digest, rowops
+from mlx_nbengine.models import fastops, patches, qroute
 
-__all__ = ["VARIANT", "gelu_tanh", "runs_gelu_mlp", "speed_up"]
+__all__ = ["VARIANT_SOURCES", "gelu_tanh", "runs_gelu_mlp", "speed_up", "variant"]
 
-# Goes into the model fingerprint when `speed_up` changed something (bump on any change).
-VARIANT = "cpu-gelu-r44-v2"  # v2: a prefill step's activation on our kernel (rowops)
+# The files that decide the swapped MLP's bits (`variant` is their digest): this module, the
+# row primitive of a prefill step's activation (fastops') and the fused gated MLP of a decode
+# step (qroute's).
+VARIANT_SOURCES = tuple(
+    dict.fromkeys(("models/cpu_math.py", *fastops.VARIANT_SOURCES, *qroute.VARIANT_SOURCES))
+)
 
 _TANH_LIMIT = 9.0
 _TANH_P = (
@@ -102,24 +108,39 @@ def _gelu_mlp_call(self, x: mx.array) -> mx.array:
     return self.down_proj(gelu_tanh(gate) * up)
 
 
+def variant() -> str:
+    """What the fingerprint records when `speed_up` changed a model: the rational tanh (r44)
+    and the digest of `VARIANT_SOURCES`."""
+    return f"cpu-gelu-r44-{digest.of_files(VARIANT_SOURCES)}"
+
+
 def runs_gelu_mlp(module: Any) -> bool:
     """Whether `module` is an MLP that `speed_up` swapped: its decode step runs
     ``kernels.gated_mlp(..., activation="gelu_tanh")`` where `qroute` routes its layers."""
     return type(module).__call__ is _gelu_mlp_call
 
 
-_swapped: dict[type, type] = {}  # library MLP class -> its subclass with `gelu_tanh`
+# library MLP class -> its subclass with `gelu_tanh`, or None where the library's differs
+_swapped: dict[type, type | None] = {}
 
 
 def _fast_class(cls: type) -> type | None:
-    """The subclass of `cls` using `gelu_tanh`, or None when `cls` is not as expected."""
+    """The subclass of `cls` using `gelu_tanh`, or None when `cls` is not as expected (one
+    line on stderr says so, once per class)."""
     if cls in _swapped:
         return _swapped[cls]
     try:
         source = inspect.getsource(cls.__call__)
     except (OSError, TypeError):
-        return None
+        source = ""
     if _GELU_MLP_EXPRESSION not in " ".join(source.split()):
+        print(
+            f"mlx_nbengine: the CPU GELU is not used for {cls.__module__}.{cls.__name__}: its "
+            "__call__ is not the expression restated (cpu_math._GELU_MLP_EXPRESSION); it runs "
+            "the library's nn.gelu_approx (about 3.5x slower on the CPU)",
+            file=sys.stderr,
+        )
+        _swapped[cls] = None
         return None
     fast = type(f"CpuGelu{cls.__name__}", (cls,), {"__call__": _gelu_mlp_call})
     _swapped[cls] = fast

@@ -31,10 +31,10 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_nbengine import kernels
-from mlx_nbengine.kernels import rowops
+from mlx_nbengine.kernels import digest, rowops
 
 __all__ = [
-    "VERSION",
+    "VARIANT_SOURCES",
     "install",
     "installed",
     "offset_fits",
@@ -43,8 +43,21 @@ __all__ = [
     "variant",
 ]
 
-# Bumped whenever the kernels change their results' bits (the fingerprint names it).
-VERSION = 1
+# The files that decide a routed call's bits (`variant` is their digest): this module and the
+# row primitives (their Python face and C++; rowops.h takes the set from qmatvec.h).
+VARIANT_SOURCES = (
+    "models/fastops.py",
+    "kernels/rowops.py",
+    *digest.COMMON,
+    *digest.kernel_source(
+        "rowops.h",
+        "rowops.cpp",
+        "rowops_bindings.cpp",
+        "attention_math.h",
+        "qmatvec.h",
+        "qkernels.h",
+    ),
+)
 
 _original: dict[str, Any] = {}
 
@@ -224,7 +237,8 @@ def uninstall() -> None:
 
 
 def variant() -> str | None:
-    """What the fingerprint records while they are routed, else None."""
+    """What the fingerprint records while they are routed (the kernel set and the digest of
+    `VARIANT_SOURCES`), else None."""
     if not _original:
         return None
-    return f"rows-{kernels.status().isa}-v{VERSION}"
+    return f"rows-{kernels.status().isa}-{digest.of_files(VARIANT_SOURCES)}"

@@ -18,7 +18,10 @@ bookkeeping that runs it, while the step's products wait. While installed, the l
 
 Both primitives give the bits of the operations they replace, one by one on our kernels
 (the same row kernels, norm and RoPE passes, in the same order; tests/test_decode_layer.py
-compares logits bit for bit), so the fingerprint does not change with the route.
+compares logits bit for bit). The fingerprint names the route all the same (`variant`: a
+digest of the sources that decide its bits), so a change that moves them cannot pass unsaid.
+Where mlx-lm's layer or attention differs from the body restated, one line on stderr says
+that the layer runs unfused (once per process).
 
 A routed step: a cache; float32 x of 1 to 8 rows on the CPU; every projection of the layer
 routed by `qroute` (affine quantized, no bias, one bits and group size); the norms routed
@@ -32,6 +35,7 @@ same.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,16 +44,33 @@ import mlx.nn as nn
 
 from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
+from mlx_nbengine.kernels import digest
 from mlx_nbengine.models import cpu_math, fastops, qroute
 
 __all__ = [
     "EXPECTED_ATTENTION",
     "EXPECTED_BLOCK",
+    "VARIANT_SOURCES",
     "install",
     "installed",
     "plan_of",
     "uninstall",
+    "variant",
 ]
+
+# The files that decide a routed step's bits (`variant` is their digest): this module, its
+# two primitives, and the routes whose operations they fuse (products, norms, RoPE, the MLP).
+VARIANT_SOURCES = tuple(
+    dict.fromkeys(
+        (
+            "models/layerroute.py",
+            *digest.kernel_source("qkv_step.h", "qkv_step.cpp", "block_tail.h", "block_tail.cpp"),
+            *qroute.VARIANT_SOURCES,
+            *fastops.VARIANT_SOURCES,
+            *cpu_math.VARIANT_SOURCES,
+        )
+    )
+)
 
 # The library's bodies we restate (as `qroute.method_body` gives them).
 EXPECTED_BLOCK = """\
@@ -264,29 +285,61 @@ def installed() -> bool:
     return bool(_library)
 
 
+_refusal: list[str] = []  # why install refused, once said (it is not tried again)
+
+
+def _refuse(reason: str) -> bool:
+    if not _refusal:
+        _refusal.append(reason)
+        print(
+            f"mlx_nbengine: Gemma 3's decoder layer is not fused: {reason}; its decode steps "
+            "run mlx-lm's unfused layer (about 16 graph nodes a layer)",
+            file=sys.stderr,
+        )
+    return False
+
+
 def install() -> bool:
     """Route (once) where the kernels are active and mlx-lm's layer and attention are still
-    `EXPECTED_BLOCK` and `EXPECTED_ATTENTION`; never raises. Returns whether it is routed."""
+    `EXPECTED_BLOCK` and `EXPECTED_ATTENTION`; never raises. Returns whether it is routed.
+    A refusal for another library body is said on stderr in one line, once per process."""
     if _library:
         return True
-    if not kernels.status().active:
+    if _refusal or not kernels.status().active:
         return False
     try:
         module = importlib.import_module(_MODULE)
         cls = module.TransformerBlock
-        if qroute.method_body(cls.__call__) != EXPECTED_BLOCK:
-            return False
-        if qroute.method_body(module.Attention.__call__) != EXPECTED_ATTENTION:
-            return False
-    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
-        return False
+        block = qroute.method_body(cls.__call__)
+        attention = qroute.method_body(module.Attention.__call__)
+    except (ImportError, AttributeError, OSError, TypeError, SyntaxError) as exc:
+        return _refuse(f"{_MODULE} cannot be read ({type(exc).__name__}: {exc})")
+    if block != EXPECTED_BLOCK:
+        return _refuse(
+            f"{_MODULE}.TransformerBlock.__call__ is not the body restated "
+            "(layerroute.EXPECTED_BLOCK)"
+        )
+    if attention != EXPECTED_ATTENTION:
+        return _refuse(
+            f"{_MODULE}.Attention.__call__ is not the body restated (layerroute.EXPECTED_ATTENTION)"
+        )
     _library[cls] = cls.__call__
     cls.__call__ = _call(cls.__call__, module)
     return True
 
 
+def variant() -> str | None:
+    """What the fingerprint records while the layer is routed (the digest of
+    `VARIANT_SOURCES`), else None."""
+    if not _library:
+        return None
+    return f"layer-{digest.of_files(VARIANT_SOURCES)}"
+
+
 def uninstall() -> None:
-    """Give the layer its library ``__call__`` back (tests compare both ways)."""
+    """Give the layer its library ``__call__`` back (tests compare both ways); a refusal is
+    forgotten, so the next `install` checks the library again."""
     for cls, call in _library.items():
         cls.__call__ = call
     _library.clear()
+    _refusal.clear()

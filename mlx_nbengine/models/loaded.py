@@ -42,6 +42,9 @@ class LoadedModel:
     processor: Any = None
     dtype: str | None = None
     context_length: int | None = field(default=None)
+    # What the fingerprint names beyond the files and dtype: the routes' variants joined by
+    # "+" (e.g. "qmv-avx2-1f2e3d4c+attn-avx2-..."), None where the model runs as written.
+    variant: str | None = None
 
     @property
     def text_tokenizer(self) -> Any:

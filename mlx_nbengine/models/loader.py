@@ -24,7 +24,9 @@ on a GPU.
 On the CPU, quantized layers run on our kernels (`mlx_nbengine.kernels`, routed by
 `qroute`), and ``"default"`` without a dtype is requantized to 8-bit weights for them
 (`DEFAULT_CPU_BITS`): decode reads a quarter of float32's bytes. ``dtype="float32"`` keeps
-float32. The fingerprint names the variant, so their cached blocks never mix.
+float32. The fingerprint names the variant, so their cached blocks never mix: the weights'
+(``q8g32x``) and each route's on the CPU (`qroute`, `cpu_math`, `attnroute`, `fastops`,
+`layerroute`), a name and a digest of the sources that decide its bits (`kernels.digest`).
 """
 
 from __future__ import annotations
@@ -338,12 +340,12 @@ def load(
     dtype = dtype or _default_dtype()
     if dtype is not None:
         _cast(model, dtype)
+    # Each route's variant digests the sources that decide its bits (kernels.digest).
     variants = [_route_quantized(model, requantize=requantize)]
-    variants.append(cpu_math.VARIANT if cpu_math.speed_up(model) else None)
+    variants.append(cpu_math.variant() if cpu_math.speed_up(model) else None)
     variants.append(attnroute.variant() if _on_cpu() and attnroute.install() else None)
     variants.append(fastops.variant() if _on_cpu() and fastops.install() else None)
-    if _on_cpu():
-        layerroute.install()  # the same bits as the operations it fuses
+    variants.append(layerroute.variant() if _on_cpu() and layerroute.install() else None)
     variant = "+".join(v for v in variants if v) or None
     return LoadedModel(
         model=model,
@@ -353,6 +355,7 @@ def load(
         model_type=model_type,
         config=config,
         fingerprint=fingerprint_directory(path, dtype=dtype, variant=variant),
+        variant=variant,
         path=path,
         dtype=dtype,
         context_length=_context_length(config),

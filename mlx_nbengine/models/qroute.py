@@ -39,9 +39,11 @@ import numpy as np
 
 from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
+from mlx_nbengine.kernels import digest
 
 __all__ = [
     "EXPECTED_SOURCE",
+    "VARIANT_SOURCES",
     "has_quantized_layers",
     "install",
     "installed",
@@ -55,12 +57,28 @@ __all__ = [
     "variant",
 ]
 
-# Bumped whenever the kernels change their results' bits (the fingerprint names it): 2 is
-# the int16 activations of the vectorized sets, 3 their uncentred weights (qkernels_x86), 4
-# the gated MLPs of decode steps as one product (`routed_gated_mlp`), 5 the prefill steps'
-# products on the kernels too (the integer GEMM past 8 rows, dequantized tiles on the BLAS
-# past 96; src/qgemm.h).
-VERSION = 5
+# The files that decide the bits of a routed product (`variant` is their digest, so a change
+# to any of them names itself in the fingerprint): this module, the row kernels, the integer
+# GEMM and the gated MLP (its GELU's tanh in attention_math.h).
+VARIANT_SOURCES = (
+    "models/qroute.py",
+    *digest.COMMON,
+    *digest.kernel_source(
+        "qmatvec.h",
+        "qmatvec.cpp",
+        "qkernels.h",
+        "qkernels_portable.cpp",
+        "qkernels_x86.cpp",
+        "qkernels_x86_body.h",
+        "qgemm.h",
+        "qgemm.cpp",
+        "qgemm_x86.cpp",
+        "qgemm_x86_body.h",
+        "gated_mlp.h",
+        "gated_mlp.cpp",
+        "attention_math.h",
+    ),
+)
 
 _QUANTIZED_MATMUL = """\
 mx.quantized_matmul(
@@ -216,7 +234,10 @@ def _swiglu_call(library: Any) -> Any:
 
 
 def _swiglu_classes() -> list[type]:
-    found = []
+    """mlx-lm's SwiGLU MLP classes whose ``__call__`` is still `_SWIGLU_BODY`; one line on
+    stderr names those that changed (their decode steps keep the library's three products)."""
+    found: list[type] = []
+    changed: list[str] = []
     for name in _SWIGLU_MLPS:
         try:
             cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
@@ -225,6 +246,15 @@ def _swiglu_classes() -> list[type]:
             continue
         if body == _SWIGLU_BODY:
             found.append(cls)
+        else:
+            changed.append(name)
+    if changed:
+        print(
+            f"mlx_nbengine: the fused SwiGLU MLP is not used for {', '.join(changed)}: mlx-lm's "
+            "MLP.__call__ there is not the body restated (qroute._SWIGLU_BODY); its decode "
+            "steps run the library's MLP (three products, not one)",
+            file=sys.stderr,
+        )
     return found
 
 
@@ -260,11 +290,11 @@ def install() -> bool:
 
 
 def variant() -> str | None:
-    """What the fingerprint records while quantized layers are routed (the kernel set and
-    version: the sets differ in the last bits), else None."""
+    """What the fingerprint records while quantized layers are routed (the kernel set, as the
+    sets differ in the last bits, and the digest of `VARIANT_SOURCES`), else None."""
     if not _originals:
         return None
-    return f"qmv-{kernels.status().isa}-v{VERSION}"
+    return f"qmv-{kernels.status().isa}-{digest.of_files(VARIANT_SOURCES)}"
 
 
 def uninstall() -> None:
