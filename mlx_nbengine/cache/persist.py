@@ -15,7 +15,8 @@ symlinks):
   `identity` says whose records these are (the engine puts the model fingerprint, block
   size, key format, layer layout, GGUF converter version and the record format there:
   `kinds.RECORD_FORMAT`, the blob layout and each record kind's version, so a change of
-  what one kind keeps sets older stores aside);
+  what one kind keeps sets older stores aside; and under `SOFTWARE`, ``{name: version}``
+  of what computes the numbers: MLX, mlx-lm, mlx-vlm, the kernels, the BLAS core);
   `checksum` names the checksum of the entries and blobs (`blobfile.CHECKSUM`).
   Entry: a frame ``u32 payload length, u64 checksum of the payload``, then the payload, one
   type byte first (all integers little-endian; strings UTF-8 with a u16 length):
@@ -54,8 +55,10 @@ compacts too, which also keeps the LRU order for the next process.
 An index or data file that is not a store's (bad magic, damaged header, another store's
 data file, a symlink, absurd sizes) or was written for another identity or format is
 *set aside* and an empty store started; `PersistentBlobs.note` says what happened in one
-line. Nothing in these files is unpickled or executed: entries are fixed binary layouts,
-the header is JSON, records are safetensors blobs (`records.record_from_buffer`).
+line (for other software: "it was written by mlx-lm 0.32.1, this process runs mlx-lm
+0.32.2"), and nothing of it is read. Nothing in these files is unpickled or executed:
+entries are fixed binary layouts, the header is JSON, records are safetensors blobs
+(`records.record_from_buffer`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ __all__ = [
     "INDEX_FILE",
     "INDEX_MAGIC",
     "LOCK_FILE",
+    "SOFTWARE",
     "Delete",
     "Follower",
     "PersistentBlobs",
@@ -121,6 +125,9 @@ __all__ = [
 ]
 
 DATA_FILE = "blocks.dat"
+# The identity's key for what computes the records' numbers ({name: version}, named by the
+# engine): a store written under other versions is set aside with a line naming them.
+SOFTWARE = "software"
 LOCK_FILE = "lock"
 SET_ASIDE_PREFIX = "set-aside-"
 DATA_MAGIC = b"MNBDATA1"
@@ -228,24 +235,50 @@ def _check_compatible(header: dict, identity: dict, data: Path) -> None:
     the data file (where there is one) belongs to the same store."""
     if header.get("checksum") != CHECKSUM:
         raise StoreFormatError(f"checksum {header.get('checksum')}, this version uses {CHECKSUM}")
-    if header["identity"] != identity:
-        raise StoreFormatError(
-            "written for another model or format ("
-            + _describe_mismatch(header["identity"], identity)
-            + ")"
+    old = header["identity"]
+    if old != identity:
+        software = _describe_software(old.get(SOFTWARE), identity.get(SOFTWARE))
+        rest = _describe_mismatch(
+            {k: v for k, v in old.items() if k != SOFTWARE},
+            {k: v for k, v in identity.items() if k != SOFTWARE},
         )
+        if software is None:
+            raise StoreFormatError(f"written for another model or format ({rest})")
+        raise StoreFormatError(software + (f" (also: {rest})" if rest else ""))
     if os.path.lexists(data):
         check_data_header(_read_head(data, DATA_HEADER_BYTES), header["store_id"])
 
 
+def _describe_software(old: object, new: object) -> str | None:
+    """What differs between two identities' `SOFTWARE` (name -> version), in words; None
+    where nothing does."""
+    if old == new:
+        return None
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return "it was written by a version of mlx_nbengine that recorded no software versions"
+    names = [k for k in new if old.get(k) != new[k]] + [k for k in old if k not in new]
+    there = ", ".join(f"{k} {old.get(k, 'none')}" for k in names)
+    now = ", ".join(f"{k} {new.get(k, 'none')}" for k in names)
+    return f"it was written by {there}, this process runs {now}"
+
+
 def _describe_mismatch(old: dict, new: dict) -> str:
+    """The first three keys whose values differ, in words; "variant" first (it says why a
+    fingerprint differs), and of its parts (joined by "+") only those that differ."""
     parts = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(set(old) | set(new), key=lambda k: (k != "variant", k)):
         a, b = old.get(key), new.get(key)
-        if a != b:
+        if a == b:
+            continue
+        if key == "variant" and isinstance(a, str) and isinstance(b, str):
+            pa, pb = a.split("+"), b.split("+")
+            shown = [
+                "+".join(p for p in x if p not in y) or "none" for x, y in ((pa, pb), (pb, pa))
+            ]
+        else:
             shown = [str(v)[:12] + ("..." if len(str(v)) > 12 else "") for v in (a, b)]
-            parts.append(f"{key} {shown[0]} there, {shown[1]} now")
-    return "; ".join(parts[:3]) or "another identity"
+        parts.append(f"{key} {shown[0]} there, {shown[1]} now")
+    return "; ".join(parts[:3])
 
 
 # -- the backend ---------------------------------------------------------------------------

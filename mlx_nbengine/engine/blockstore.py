@@ -1,18 +1,24 @@
 """The engine's block store: opened for one model, named by its identity, drawn by its figures.
 
 The *identity* of a store says whose records it holds (model fingerprint, block size,
-record and key formats, layer layout): a persistent store written under another identity
-is set aside, never read. The *figures* are what the store view draws of the store now
-(`Engine.cache_view` adds the ledger's counts over time).
+record and key formats, layer layout) and what computed their numbers (`software`: MLX,
+mlx-lm, mlx-vlm, our kernels, the BLAS core): a persistent store written under another
+identity is set aside, never read, and the store's note says why in one line. The
+*figures* are what the store view draws of the store now (`Engine.cache_view` adds the
+ledger's counts over time).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
+from mlx_nbengine import _blas, kernels
 from mlx_nbengine.cache import RECORD_FORMAT, PrefixCache, blocks, layer_kinds, layer_windows
+from mlx_nbengine.cache.persist import SOFTWARE
 from mlx_nbengine.cache.store import BlockStore
 from mlx_nbengine.engine.ledger import CacheLedger
+from mlx_nbengine.kernels import digest
 from mlx_nbengine.models import gguf
 
 KINDS_SHOWN = ("kv", "window", "state")
@@ -52,12 +58,36 @@ def open_prefix_cache(
     return prefix
 
 
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def software() -> dict[str, str]:
+    """What computes a record's numbers in this process, name -> version: the libraries
+    (MLX, mlx-lm, mlx-vlm), our kernels (the digest of their sources; the build serving this
+    process, with its set) and the BLAS behind MLX's CPU matmuls (its core)."""
+    return {
+        "MLX": _version("mlx"),
+        "mlx-lm": _version("mlx-lm"),
+        "mlx-vlm": _version("mlx-vlm"),
+        "kernel sources": digest.kernel_sources_digest(),
+        "kernel build": kernels.build_identity(),
+        "BLAS": _blas.blas_identity(),
+    }
+
+
 def store_identity(lm: Any, template_cache: list, *, block_size: int) -> dict[str, Any]:
     """Whose records a persistent store holds: records written under another identity are
     never read (the store is set aside). The model fingerprint covers config, weights,
-    dtype and CPU math variant; the rest names the formats and the layer layout."""
+    dtype and the routes' variants (named again in ``variant``); `software` what computes
+    the numbers; the rest names the formats and the layer layout."""
     key_format = getattr(blocks, "_KEY_VERSION", b"")
     return {
+        SOFTWARE: software(),
+        "variant": getattr(lm, "variant", None) or "",
         "fingerprint": lm.fingerprint,
         "block_size": block_size,
         "model_type": getattr(lm, "model_type", ""),
