@@ -46,6 +46,7 @@ from mlx_nbengine.engine import (
 )
 from mlx_nbengine.engine.prompts import prompt_tokens
 from mlx_nbengine.errors import EngineError
+from mlx_nbengine.server import transport
 from mlx_nbengine.server.agentio import template_messages
 from mlx_nbengine.server.anthropic_shapes import (
     Blocks,
@@ -147,7 +148,8 @@ class MessagesAPI:
         try:
             splitter = app.splitter(call, admitted.handle)
             blocks = Blocks()
-            async for event in keepalive(admitted.pump):
+            # The interval read now (a module setting, e.g. shortened by a test).
+            async for event in keepalive(admitted.pump, transport.KEEPALIVE_S):
                 if event is IDLE:  # a long prompt is read
                     yield PING
                 elif isinstance(event, TextDelta) and event.text:
