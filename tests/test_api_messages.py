@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 
 import pytest
@@ -268,6 +269,39 @@ def test_streamed_events_in_anthropics_order(server, engine):
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 16
     assert delta["usage"]["input_tokens"] == len(want.prompt_tokens)
+
+
+def test_pings_keep_the_stream_alive_while_the_prompt_waits(server, engine, monkeypatch):
+    """No token comes while the prompt is read (here: the generation thread is held): a
+    ping every keep-alive interval, then the answer."""
+    from mlx_nbengine.server import transport
+
+    monkeypatch.setattr(transport, "KEEPALIVE_S", 0.05)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(60)
+
+    holder = threading.Thread(target=engine.on_model_thread, args=(hold,))
+    holder.start()
+    body = {"model": "m", "messages": user("hi"), "max_tokens": 3, "stream": True, "temperature": 0}
+    names = []
+    try:
+        assert entered.wait(30)
+        with httpx.stream("POST", f"{base_url(server)}/v1/messages", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("event: "):
+                    names.append(line[7:])
+                if names.count("ping") == 4:
+                    release.set()  # the model thread goes on: the answer comes
+            assert names[-1] == "message_stop"
+    finally:
+        release.set()
+        holder.join()
+    assert names[:4] == ["message_start", "ping", "ping", "ping"]
+    assert names.index("content_block_start") > names.index("ping") + 2
 
 
 def test_the_sdks_stream_and_final_message(client, engine):
@@ -596,6 +630,130 @@ def test_forced_tool_calls_and_the_loop_that_answers_them(tools, tool_engine):
     calm = client.messages.create(messages=question, tool_choice={"type": "none"}, **ask)
     assert calm.stop_reason in ("end_turn", "max_tokens")
     assert not [b for b in calm.content if b.type == "tool_use"]
+
+
+# -- a Claude Code-sized request -----------------------------------------------------------------
+
+CLAUDE_CODE_TOOLS = (
+    "Task Bash Glob Grep LS ExitPlanMode Read Edit MultiEdit Write NotebookEdit WebFetch "
+    "TodoWrite WebSearch BashOutput KillShell SlashCommand Skill AskUserQuestion EnterPlanMode "
+    "ListMcpResources ReadMcpResource"
+).split()
+BETAS = (
+    "claude-code-20250219,oauth-2025-04-20,interleaved-thinking-2025-05-14,"
+    "context-management-2025-06-27,prompt-caching-scope-2026-01-05,effort-2025-11-24,"
+    "fine-grained-tool-streaming-2025-05-14,tool-search-2025-10-19"
+)
+
+
+def claude_code_body(turns: list[dict]) -> dict:
+    """A request the size and shape of Claude Code's: about 90,000 characters, 22 tools
+    with JSON schemas, system blocks, adaptive thinking and its other fields."""
+    tools = []
+    for n, name in enumerate(CLAUDE_CODE_TOOLS):
+        tools.append(
+            {
+                "name": name,
+                "description": f"The {name} tool. " + LONG * 12,
+                "input_schema": {
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "path": {"type": "string", "description": "An absolute path."},
+                        "limit": {"type": "number", "description": f"At most {n} lines."},
+                    },
+                    "required": ["path"],
+                },
+            }
+        )
+    return {
+        "model": "claude-opus-5-5",
+        "max_tokens": 128_000,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "You are Claude Code, a command line coding agent."},
+            {"type": "text", "text": LONG * 264, "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": turns,
+        "tools": tools,
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": "user_0123_account_4567_session_89ab"},
+        "temperature": 0,
+    }
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory):
+    """The tool engine's template on a tiny llama whose context holds 65,536 tokens."""
+    from mlx_nbengine.testing import make_tiny_model, make_tiny_tokenizer
+
+    directory = make_tiny_model("llama", tmp_path_factory.mktemp("long-llama"))
+    config = json.loads((directory / "config.json").read_text())
+    config["max_position_embeddings"] = 65_536
+    (directory / "config.json").write_text(json.dumps(config))
+    make_tiny_tokenizer(directory, extra_special_tokens=MARKS, chat_template=TOOL_TEMPLATE)
+    with Engine.load(directory, block_size=256, parallel=1) as e:
+        srv = ApiServer(e, port=0, api_key=KEY).start()
+        yield e, srv
+        srv.stop()
+
+
+def test_a_claude_code_sized_request_is_streamed_and_its_next_turn_is_cached(long_engine):
+    engine, srv = long_engine
+    first = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<system-reminder>Be concise.</system-reminder>"},
+                {"type": "text", "text": "Read the README and tell me what it says."},
+            ],
+        }
+    ]
+    body = claude_code_body(first)
+    assert len(json.dumps(body)) >= 90_000 and len(body["tools"]) == 22
+    headers = {
+        "x-api-key": KEY,
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": BETAS,
+        "anthropic-dangerous-direct-browser-access": "true",
+        "user-agent": "claude-cli/2.1.328 (external, cli)",
+        "x-app": "cli",
+    }
+    url = f"{base_url(srv)}/v1/messages?beta=true"
+    count_url = f"{base_url(srv)}/v1/messages/count_tokens?beta=true"
+    counting = {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
+    counted = httpx.post(count_url, json=counting, headers=headers, timeout=120)
+    assert counted.status_code == 200, counted.text
+    prompt = counted.json()["input_tokens"]
+    assert prompt > 20_000
+    events = []
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            if sum(e["type"] == "content_block_delta" for e in events) >= 3:
+                break  # Claude Code's user pressed Esc: the stream is dropped
+    start = events[0]
+    assert start["type"] == "message_start"
+    assert start["message"]["usage"]["input_tokens"] == prompt
+    assert start["message"]["model"] == engine.model_name
+    # The next turn: the long prefix is read back from the cache.
+    second = [
+        *first,
+        {"role": "assistant", "content": [{"type": "text", "text": "It describes the project."}]},
+        {"role": "user", "content": "Thanks. Now list the files."},
+    ]
+    body = {**claude_code_body(second), "stream": False, "max_tokens": 2}
+    answer = httpx.post(url, json=body, headers=headers, timeout=300)
+    assert answer.status_code == 200, answer.text
+    use = answer.json()["usage"]
+    assert use["cache_read_input_tokens"] > prompt * 0.9
+    assert use["output_tokens"] == 2
 
 
 # -- errors ----------------------------------------------------------------------------------------
