@@ -2,7 +2,7 @@
 mlx_nbengine (every float32 product on the reference BLAS) hears it once from `Engine.load`,
 and each route that refuses a library body it does not recognise says in one stderr line what
 runs instead: the fused SwiGLU MLP (`qroute`), the fused Gemma 3 layer (`layerroute`), the CPU
-GELU (`cpu_math`).
+GELU (`cpu_math`), Gemma's norms (`fastops`).
 
 The BLAS case runs real Python processes on a tiny model; the routes' cases load tiny models
 here with the restated body monkeypatched so that the library's no longer matches.
@@ -20,7 +20,7 @@ import pytest
 from kernelsets import needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import _blas
-from mlx_nbengine.models import cpu_math, layerroute, load, qroute
+from mlx_nbengine.models import cpu_math, fastops, layerroute, load, qroute
 from mlx_nbengine.testing import make_tiny_model, make_tiny_quantized_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +101,11 @@ def stderr_lines(capsys, words: str) -> list[str]:
 @pytest.fixture
 def fresh_routes():
     """The routes installed anew by the test's loads, and anew after it (unpatched)."""
-    qroute.uninstall()
-    layerroute.uninstall()
+    for route in (qroute, fastops, layerroute):
+        route.uninstall()
     yield
-    qroute.uninstall()
-    layerroute.uninstall()
+    for route in (qroute, fastops, layerroute):
+        route.uninstall()
 
 
 @needs_kernels
@@ -157,3 +157,19 @@ def test_the_cpu_gelu_says_what_it_falls_back_to(tiny_model_dir, capsys, monkeyp
     assert "cpu-gelu" not in (lm.variant or "")
     load(tiny_model_dir("gemma3_text"))
     assert stderr_lines(capsys, "CPU GELU") == []  # once per class
+
+
+@needs_kernels
+def test_gemma_norms_say_what_they_fall_back_to(tiny_model_dir, capsys, monkeypatch, fresh_routes):
+    monkeypatch.setattr(fastops, "_OFFSET_NORM_BODY", "return other(x)")
+    capsys.readouterr()
+    lm = load(tiny_model_dir("gemma3_text"))
+    [line] = stderr_lines(capsys, "Gemma's norms")
+    assert line == (
+        "mlx_nbengine: Gemma's norms keep their library call for gemma, gemma2, gemma3_text: "
+        "mlx-lm's RMSNorm.__call__ there is not the line restated (fastops._OFFSET_NORM_BODY); "
+        "they add 1 to their weight on every call (two graph nodes a norm more), and Gemma 3's "
+        "decoder layer is not fused"
+    )
+    assert fastops.installed()  # mx.fast.rms_norm and rope still run on the kernels
+    assert fastops.offset_norm_weight(lm.model.layers[0].input_layernorm) is None

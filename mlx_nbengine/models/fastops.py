@@ -17,7 +17,9 @@ least 3 dimensions, an even ``dims``, an int or int32 array offset); everything 
 the library's function. Results differ from MLX's in float rounding: sums in another order,
 and RoPE's angles taken in double precision (MLX's float32 angles lose about 1e-3 radians by
 position 9,000). `variant` names the change in the model fingerprint, so cached blocks never
-mix with MLX's; `install` first checks each kernel against the library's function.
+mix with MLX's; `install` first checks each kernel against the library's function. Where
+a Gemma norm's line differs from the one restated, one line on stderr says that it keeps the
+library's call.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ def offset_norm_weight(norm: Any) -> mx.array | None:
 
 
 def _offset_norm_classes() -> list[type]:
-    found = []
+    """mlx-lm's Gemma norm classes whose ``__call__`` still ends in `_OFFSET_NORM_BODY`; one
+    line on stderr names those that changed (they add 1 to their weight on every call)."""
+    found: list[type] = []
+    changed: list[str] = []
     for name in _OFFSET_NORMS:
         try:
             cls = importlib.import_module(f"mlx_lm.models.{name}").RMSNorm
@@ -102,6 +107,17 @@ def _offset_norm_classes() -> list[type]:
             continue
         if body.strip() == _OFFSET_NORM_BODY:
             found.append(cls)
+        else:
+            changed.append(name)
+    if changed:
+        layer = ", and Gemma 3's decoder layer is not fused" if "gemma3_text" in changed else ""
+        print(
+            f"mlx_nbengine: Gemma's norms keep their library call for {', '.join(changed)}: "
+            "mlx-lm's RMSNorm.__call__ there is not the line restated "
+            "(fastops._OFFSET_NORM_BODY); they add 1 to their weight on every call (two graph "
+            f"nodes a norm more){layer}",
+            file=sys.stderr,
+        )
     return found
 
 
