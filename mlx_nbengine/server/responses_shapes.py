@@ -14,6 +14,8 @@ Terms:
   function with one string parameter ``input`` (a Lark grammar, if it has one, in the
   description; a regex format as the parameter's ``pattern``, which a forced call's grammar
   holds) and the model's call of it comes back as a ``custom_tool_call`` item.
+- *namespace*: a group of function tools (Codex's sub-agent tools); they are shown to the
+  model by their own names, and a call of one goes out with its ``namespace``.
 - *conversion*: consecutive assistant-side items (reasoning, message, calls) become one
   chat-format assistant message (``reasoning_content``, ``content``, ``tool_calls``); a
   call's output becomes a ``tool`` message. The leading run of system messages (the
@@ -46,6 +48,11 @@ __all__ = [
 ]
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
+
+# An agent's conversation is many items (each call and its output are two, reasoning one
+# more): `Limits.max_messages` of them times this, so long sessions are not refused (the
+# context and the body limit hold them).
+ITEMS_PER_MESSAGE = 16
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 # Items of OpenAI's hosted tools and of clients' own bookkeeping (Codex's), which this server
@@ -505,12 +512,9 @@ def check_responses(
     items = [*(previous or []), *new]
     if not new and not previous:
         raise _bad("input", "'input' is empty: send a string or a list of items")
-    if len(items) > limits.max_messages * 4:
-        raise _bad(
-            "input",
-            f"'input' holds {len(items)} items; this server takes at most "
-            f"{limits.max_messages * 4}",
-        )
+    most = limits.max_messages * ITEMS_PER_MESSAGE
+    if len(items) > most:
+        raise _bad("input", f"'input' holds {len(items)} items; this server takes at most {most}")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", "'instructions' must be a string")
