@@ -311,14 +311,16 @@ def make_tiny_quantized_model(
     bits: int = 4,
     group_size: int = 32,
     seed: int = 0,
+    kv_heads: int | None = None,
 ) -> Path:
     """A tiny text model of `family` quantized by mlx-lm (MLX's affine format, as the
-    mlx-community checkpoints are), written into `directory` (which must not exist)."""
+    mlx-community checkpoints are), written into `directory` (which must not exist);
+    `kv_heads` as in `make_tiny_model`."""
     from mlx_lm import convert
 
     directory = Path(directory)
     with tempfile.TemporaryDirectory() as tmp:
-        source = make_tiny_model(family, Path(tmp) / "float32", seed=seed)
+        source = make_tiny_model(family, Path(tmp) / "float32", seed=seed, kv_heads=kv_heads)
         convert(str(source), str(directory), quantize=True, q_group_size=group_size, q_bits=bits)
     return directory
 

@@ -6,7 +6,8 @@ per scenario: MLX makes one distributed group per process, for its whole life, s
 sharded engine needs a fresh process (a kernel restart, in a notebook).
 
 - ``behaviour``: greedy tokens against the single-process engine; an edited prompt
-  restored from disk on both ranks; four requests batched; a cancel; the status.
+  restored from disk on both ranks; four requests batched; a cancel; the status; whether
+  our CPU kernels served each rank.
 - ``kill``: the worker killed mid-request (SIGKILL) or stopped (SIGSTOP, `hang`): the
   error, how long it took, the engine closed; then a single-process engine loads in the
   same process and a second sharded one is refused in one line. For `hang`, the store
@@ -85,8 +86,26 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
     out["rank0_only"] = [alone.tokens == cold["edited"], [(b.source, b.reason) for b in blocks]]
     engine.clear_cache()
     out["cleared"] = [w["store"]["blocks_held"] for w in engine.stats()["sharded"]["workers"]]
+    out["kernels"] = kernels_in_use(out["pids"])
     engine.close()
     return out
+
+
+def kernels_in_use(pids: list[int]) -> dict:
+    """Rank 0's kernel set and routes (quantized products, attention), and whether each
+    worker process has our kernels' module loaded."""
+    from mlx_nbengine import kernels
+    from mlx_nbengine.kernels.build import MODULE_NAME
+    from mlx_nbengine.models import attnroute, qroute
+
+    def loaded(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as maps:
+            return MODULE_NAME in maps.read()
+
+    return {
+        "rank0": [kernels.status().isa, qroute.installed(), attnroute.installed()],
+        "workers": [loaded(pid) for pid in pids],
+    }
 
 
 def kill(model: str, cache_dir: str, how: str, hosts: list[str] | None = None) -> dict:

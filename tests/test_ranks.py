@@ -18,10 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from kernelsets import needs_kernels  # tests/ is on sys.path
 
+from mlx_nbengine import kernels
 from mlx_nbengine.engine import Engine
 from mlx_nbengine.engine.ranks import NotShardableError, RankLostError
 from mlx_nbengine.engine.ranks.shard import choose_kind, kinds_of
+from mlx_nbengine.testing import make_tiny_quantized_model
 
 SCENARIOS = Path(__file__).with_name("ranks_scenarios.py")
 
@@ -34,8 +37,9 @@ def scenario(*args: str, timeout: float, env: dict | None = None) -> dict:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        # Our CPU kernels off: a scenario must not wait for their first build (their own
-        # tests cover them); the single-process runs it compares with run without them too.
+        # Our CPU kernels off unless `env` turns them on (they are then the module this
+        # session built): a scenario must not wait for their first build; the
+        # single-process runs it compares with run the same way.
         # Where it runs long, it prints every thread's stack first (`faulthandler`).
         env={
             **os.environ,
@@ -89,6 +93,33 @@ def cache_dir(tmp_path: Path) -> Path:
 def test_two_ranks_serve_as_one_process(tiny_model_dir, cache_dir, family, shard):
     model = tiny_model_dir(family, kv_heads=2)
     result = scenario("behaviour", str(model), str(cache_dir), shard, timeout=180)
+    assert_served_as_one_process(result, cache_dir, shard)
+    assert result["kernels"] == {"rank0": [None, False, False], "workers": [False]}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_q8(tmp_path_factory) -> Path:
+    return make_tiny_quantized_model(
+        "llama", tmp_path_factory.mktemp("q8") / "tiny-llama-q8", bits=8, group_size=32, kv_heads=2
+    )
+
+
+@needs_kernels
+@pytest.mark.timeout(200)
+def test_two_ranks_serve_a_quantized_model_on_the_cpu_kernels(tiny_llama_q8, cache_dir):
+    """As users run a sharded model: 8-bit weights, our CPU kernels on (the module this
+    session built, found in the same cache home), llama's own shard kind (tensor). The
+    sharded projections run on MLX's kernels; the head, attention and norms on ours, on every
+    rank, and the tokens are the single-process engine's (its kernels on too)."""
+    env = {"MLX_NBENGINE_KERNELS": "auto"}
+    result = scenario(
+        "behaviour", str(tiny_llama_q8), str(cache_dir), "tensor", timeout=180, env=env
+    )
+    assert_served_as_one_process(result, cache_dir, "tensor")
+    assert result["kernels"] == {"rank0": [kernels.status().isa, True, True], "workers": [True]}
+
+
+def assert_served_as_one_process(result: dict, cache_dir: Path, shard: str) -> None:
     assert result["plain"], "greedy tokens differ from the single-process engine"
     assert result["edited"], "the edited prompt's tokens differ from a cold run's"
     assert result["edited_sources"][0] == "disk"
