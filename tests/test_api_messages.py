@@ -88,6 +88,18 @@ def function_tool(tool: dict) -> dict:
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_anthropic_environment():
+    """The SDK reads ANTHROPIC_AUTH_TOKEN, ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL from the
+    environment; a machine that sets them must not change what these tests send."""
+    import os
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("ANTHROPIC_")]:
+            mp.delenv(name)
+        yield
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     with Engine.load(tiny_model_dir("llama"), block_size=BLOCK, parallel=4) as e:
