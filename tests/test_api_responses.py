@@ -159,6 +159,14 @@ def test_instructions_and_developer_messages_are_one_system_message():
                 {"type": "message", "role": "developer", "content": "Sandbox: read-only."},
                 {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
                 {"role": "developer", "content": "later"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "<a>x</a>"},
+                        {"type": "input_text", "text": "<b>y</b>"},
+                        {"type": "input_text", "text": " z"},
+                    ],
+                },
             ],
         },
         Limits(context=CONTEXT),
@@ -168,6 +176,7 @@ def test_instructions_and_developer_messages_are_one_system_message():
         {"role": "system", "content": "You are Codex.\n\nSandbox: read-only."},
         {"role": "user", "content": "hi"},
         {"role": "system", "content": "later"},
+        {"role": "user", "content": "<a>x</a>\n<b>y</b> z"},  # touching parts: a newline
     ]
 
 

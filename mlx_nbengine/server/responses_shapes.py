@@ -341,7 +341,18 @@ def _content(content: Any, where: str, images: list[bytes], vision: bool) -> str
             )
     if any(p["type"] == "image" for p in parts):
         return parts
-    return "".join(p["text"] for p in parts)
+    return _join_parts([p["text"] for p in parts])
+
+
+def _join_parts(texts: list[str]) -> str:
+    """Text parts as one text, a newline between two that would touch (Codex sends its
+    instruction blocks as parts: ``</skills_instructions>`` + ``<permissions ...>``)."""
+    out = ""
+    for text in texts:
+        if out and text and not out[-1].isspace() and not text[0].isspace():
+            out += "\n"
+        out += text
+    return out
 
 
 def _output_text(output: Any, where: str) -> str:
