@@ -644,6 +644,51 @@ def test_forced_tool_calls_and_the_loop_that_answers_them(tools, tool_engine):
     assert not [b for b in calm.content if b.type == "tool_use"]
 
 
+def test_blocks_events_build_the_same_message_in_the_sdk():
+    """Pieces of every kind, in turn: the stream events `Blocks` makes, read by the SDK's
+    own accumulator, give the content `Blocks` lists (the non-streamed answer)."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from mlx_nbengine.server.agentio import Reasoning, Text, ToolCall
+    from mlx_nbengine.server.anthropic_shapes import Blocks, message_response, usage
+
+    blocks = Blocks()
+    events = [*blocks.feed([Reasoning("Let me "), Reasoning("think.")])]
+    events += blocks.feed([Text("I will call "), Text("two tools.")])
+    events += blocks.feed([ToolCall("call_1a", "get_weather", '{"city": "Paris"}')])
+    events += blocks.feed([ToolCall("call_2b", "convert", "{}"), Text(""), Reasoning("")])
+    events += blocks.feed([Text("Done.")])
+    events += blocks.close()
+    assert blocks.tool_calls == 2
+    assert [e[0] for e in events].count("content_block_start") == 5
+    assert [e[0] for e in events].count("content_block_stop") == 5
+    start = message_response("msg_x", "m", [], None, None, usage(10, 0, 0))
+    snapshot = accumulate_event(
+        event={"type": "message_start", "message": start}, current_snapshot=None, json_bufs={}
+    )
+    buffers: dict = {}
+    for name, payload in events:
+        assert payload["type"] == name
+        snapshot = accumulate_event(event=payload, current_snapshot=snapshot, json_bufs=buffers)
+    streamed = [b.model_dump(exclude_none=True) for b in snapshot.content]
+    assert streamed == blocks.content
+    assert [b["type"] for b in blocks.content] == [
+        "thinking",
+        "text",
+        "tool_use",
+        "tool_use",
+        "text",
+    ]
+    assert blocks.content[0]["thinking"] == "Let me think." and blocks.content[0]["signature"]
+    assert blocks.content[2] == {
+        "type": "tool_use",
+        "id": "toolu_1a",
+        "name": "get_weather",
+        "input": {"city": "Paris"},
+    }
+    assert blocks.content[3]["input"] == {}
+
+
 # -- a Claude Code-sized request -----------------------------------------------------------------
 
 CLAUDE_CODE_TOOLS = (
