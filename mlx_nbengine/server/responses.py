@@ -343,6 +343,7 @@ class _Responses:
             return JSONResponse(err.body(), status_code=err.status)
         req = checked[0]
         id_ = new_item_id("resp")
+        entry.response_id = id_  # a later previous_response_id names this entry's conversation
         if req.stream:
             return EventStream(self._stream(admitted, req, id_), admitted.release)
         try:
