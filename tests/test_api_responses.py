@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -732,3 +733,34 @@ def test_input_images_reach_a_vision_model(tmp_path):
             assert "data URLs" in caught.value.body["message"]
         finally:
             srv.stop()
+
+
+def wait_idle(engine, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["active"] == 0 and stats["queued"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the engine still runs requests: {engine.stats()}")
+
+
+def test_a_streaming_client_that_goes_away_cancels_its_response(client, engine, server):
+    wait_idle(engine)
+    stream = client.responses.create(
+        model="x", input="Tell me a very long story.", temperature=0, stream=True
+    )
+    deltas = 0
+    for event in stream:
+        deltas += event.type == "response.output_text.delta"
+        if deltas >= 3:
+            break
+    stream.close()  # the client goes away mid-answer
+    wait_idle(engine)
+    entry = server.journal.entries()[-1]
+    deadline = time.monotonic() + 30
+    while entry.finish is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert entry.finish == "cancelled" and entry.status == 499
+    ok = client.responses.create(model="x", input="hi", max_output_tokens=2, temperature=0)
+    assert ok.usage.output_tokens == 2
