@@ -4,7 +4,10 @@ An entry holds figures (never the prompt's text or the answer; its token ids sta
 memory for the view's block words, and out of `Entry.as_dict`): when the request came, its
 endpoint, its prompt tokens, where the restored ones came from (memory or disk), how many
 were computed, the first-token time, the decode speed, how it finished, and its prompt
-blocks (the engine's `BlockReport`s, as they arrive). Watchers (`Journal.watch`) are called
+blocks (the engine's `BlockReport`s, as they arrive); the client (from its User-Agent), its
+API, its conversation's label, and, where it restored less than the previous turn of its
+conversation held, why (`conversations.Miss`: its one line in `as_dict`, the decoded text
+around the changed token only with ``log_prompts``). Watchers (`Journal.watch`) are called
 on the server's thread each time an entry changes; they must return quickly and never raise
 into the server (an error there is swallowed).
 """
@@ -17,6 +20,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mlx_nbengine.server.conversations import (
+    Conversations,
+    Facts,
+    Miss,
+    Reader,
+    Turn,
+    api_name,
+)
 
 __all__ = ["Entry", "Journal"]
 
@@ -42,8 +54,18 @@ class Entry:
     report: Any = None  # the engine's Report once finished
     # The client's conversation key (the Responses API's prompt_cache_key), if it sent one.
     conversation_key: str | None = None
+    client: str = ""  # from the User-Agent (`conversations.client_name`)
+    api: str = ""  # "chat completions", "completions", "responses", "messages"
+    conversation: str = ""  # its conversation's label ("A", "B"...), once admitted
+    miss: Miss | None = None  # why it restored less than the previous turn held
+    # The id of the response it answered with (the Responses API sets it, so a later
+    # request's previous_response_id finds its conversation).
+    response_id: str | None = None
     # The prompt's token ids, in memory only (the view's block words); never in as_dict.
     tokens: list[int] = field(default_factory=list, repr=False)
+    answer_tokens: list[int] = field(default_factory=list, repr=False)  # likewise
+    turn: Turn | None = field(default=None, repr=False)
+    log_prompts: bool = field(default=False, repr=False)  # as_dict may hold miss text
 
     @property
     def cached_tokens(self) -> int:
@@ -65,6 +87,10 @@ class Entry:
             "finish": self.finish,
             "error": self.error,
             "conversation_key": self.conversation_key,
+            "client": self.client,
+            "api": self.api,
+            "conversation": self.conversation,
+            "miss": self.miss.as_dict(text=self.log_prompts) if self.miss else None,
         }
 
 
@@ -91,21 +117,50 @@ def restored_split(report: Any) -> tuple[int, int]:
 
 
 class Journal:
-    """The last `keep` entries, newest last; thread-safe."""
+    """The last `keep` entries, newest last; thread-safe. `log_prompts`: entries' `as_dict`
+    may hold the decoded text around a miss."""
 
-    def __init__(self, keep: int = 200) -> None:
+    def __init__(self, keep: int = 200, *, log_prompts: bool = False) -> None:
         self._entries: deque[Entry] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._count = 0
         self._watchers: list[Callable[[Entry], None]] = []
+        self.log_prompts = log_prompts
+        self.conversations = Conversations(keep)
+        self.reader = Reader()
 
     def open(self, endpoint: str) -> Entry:
         with self._lock:
             self._count += 1
-            entry = Entry(number=self._count, endpoint=endpoint, started=time.time())
+            entry = Entry(
+                number=self._count,
+                endpoint=endpoint,
+                started=time.time(),
+                api=api_name(endpoint),
+                log_prompts=self.log_prompts,
+            )
             self._entries.append(entry)
         self.changed(entry)
         return entry
+
+    def admitted(self, entry: Entry, facts: Facts, reader: Reader | None = None) -> None:
+        """`entry`'s request was submitted (its `tokens` set): place it in its conversation
+        with its request's `facts`; `reader` reads the engine's tokens (for the misses)."""
+        with self._lock:
+            if reader is not None:
+                self.reader = reader
+            entry.client = facts.client or entry.client
+            turn = Turn(entry.number, entry.tokens, facts)
+            after = None
+            if facts.previous_response_id is not None:
+                for other in self._entries:
+                    if other.response_id == facts.previous_response_id and other.turn:
+                        after = other.turn
+            entry.turn = turn
+            entry.conversation = self.conversations.place(
+                turn, block_size=self.reader.block_size, after=after
+            )
+        self.changed(entry)
 
     def entries(self) -> list[Entry]:
         with self._lock:
@@ -145,6 +200,20 @@ class Journal:
         entry.finish = completion.finish_reason
         if report.blocks:
             entry.blocks = list(report.blocks)
+        entry.answer_tokens = list(completion.tokens)
+        if entry.turn is not None:
+            with self._lock:
+                self.conversations.finish(entry.turn, entry.answer_tokens)
+                try:
+                    entry.miss = self.conversations.explain(
+                        entry.turn,
+                        entry.cached_tokens,
+                        self.reader,
+                        reasons=[b.reason for b in entry.blocks if b.source == "computed"],
+                        kept_boundary=getattr(report, "kept_boundary", None),
+                    )
+                except Exception:  # an explanation never breaks a request
+                    entry.miss = None
         self.changed(entry)
 
     def cancel(self, entry: Entry) -> None:
