@@ -33,7 +33,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -42,8 +41,6 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -59,7 +56,6 @@ from mlx_nbengine.engine import (
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.server import messages, responses
 from mlx_nbengine.server.agentio import OutputSplitter, Reasoning, Text, ToolCall, template_messages
-from mlx_nbengine.server.anthropic_shapes import error_body as anthropic_error_body
 from mlx_nbengine.server.conversations import client_name, reader_of, request_facts
 from mlx_nbengine.server.journal import Entry, Journal
 from mlx_nbengine.server.openai_shapes import (
@@ -86,8 +82,6 @@ __all__ = ["build_app"]
 log = logging.getLogger("mlx_nbengine.server")
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): text only as half of a pair.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -201,31 +195,17 @@ class _App:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-        except ClientDisconnect:  # journalled as a client gone; nobody reads the answer
-            raise APIError("the client disconnected before its body was sent", status=499) from None
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError):
             raise APIError("the request body is not valid JSON") from None
-        except RecursionError:
-            raise APIError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
-        if SURROGATE_ESCAPE.search(raw):  # a lone surrogate is no text: tokenizers refuse it
-            try:
-                json.dumps(body, ensure_ascii=False).encode()
-            except (UnicodeEncodeError, RecursionError):
-                raise APIError(
-                    "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                    "without its pair); send valid Unicode text"
-                ) from None
         return body
 
     def template_kwargs(self, call: Call) -> dict[str, Any] | None:
@@ -588,45 +568,6 @@ def _finish_reason(reason: str, *, called: bool = False) -> str:
     return "tool_calls" if called else "stop"
 
 
-def _error_body(path: str, message: str, status: int, type: str) -> dict:  # noqa: A002
-    """An error in the shape of the API `path` belongs to (Anthropic's for /v1/messages)."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error_body(message, status)
-    return error_body(message, type=type)
-
-
-class _Unforeseen:
-    """ASGI middleware: an exception no handler caught is a 500 in the API's error shape
-    (logged by its type only), and the connection stays open for the client's next request
-    (Starlette's own 500 handler raises it again, and uvicorn then drops the connection
-    under a client that keeps it alive). Mid-response, the connection is cut."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watched(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except Exception as exc:
-            if started:
-                raise
-            path = scope.get("path", "")
-            log.error("internal error on %s: %s", path, type(exc).__name__)
-            message = f"internal error: {type(exc).__name__}"
-            body = _error_body(path, message, 500, "server_error")
-            await JSONResponse(body, status_code=500)(scope, receive, send)
-
-
 def build_app(
     engine: Any,
     *,
@@ -663,8 +604,14 @@ def build_app(
         message = {404: f"no such path: {request.url.path}", 405: "method not allowed"}.get(
             status, getattr(exc, "detail", "error")
         )
-        body = _error_body(request.url.path, message, status, "invalid_request_error")
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(error_body(message), status_code=status)
+
+    async def unforeseen(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s: %s", request.url.path, type(exc).__name__)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type="server_error"),
+            status_code=500,
+        )
 
     app = Starlette(
         routes=[
@@ -674,8 +621,7 @@ def build_app(
             *responses.routes(handlers),
             *messages.routes(handlers),
         ],
-        exception_handlers={HTTPException: http_error},
-        middleware=[Middleware(_Unforeseen)],
+        exception_handlers={HTTPException: http_error, Exception: unforeseen},
     )
     app.state.handlers = handlers
     return app
