@@ -468,6 +468,7 @@ def test_a_prompt_over_the_context_streamed_fails_with_its_code(server, client, 
     plain = post(server, {"input": long, "max_output_tokens": 2})
     assert plain.status_code == 400
     assert plain.json()["error"]["code"] == "context_length_exceeded"
+    assert plain.json()["error"]["param"] == "input"
     stream = client.responses.create(
         model=engine.model_name, input=long, max_output_tokens=2, stream=True
     )

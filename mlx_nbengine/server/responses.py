@@ -338,8 +338,10 @@ class _Responses:
         try:
             admitted = await app.admit(request, entry, check)
         except APIError as err:
-            if err.code == CONTEXT_EXCEEDED and checked and checked[0].stream:
-                return EventStream(self._too_long(checked[0], err), lambda: None)
+            if err.code == CONTEXT_EXCEEDED:
+                err.param = "input"  # this API's name for what the chat's 'messages' are
+                if checked and checked[0].stream:
+                    return EventStream(self._too_long(checked[0], err), lambda: None)
             return JSONResponse(err.body(), status_code=err.status)
         req = checked[0]
         id_ = new_item_id("resp")
