@@ -143,8 +143,12 @@ def number(text: str) -> int:
 
 
 def test_a_row_per_api_request_newest_first(seen):
-    endpoints = [r["endpoint"] for r in seen.rows]
-    assert endpoints == ["completions", "chat/completions", "chat/completions"]
+    apis = [r["api"] for r in seen.rows]
+    assert apis == ["completions", "chat completions", "chat completions"]
+    assert all(r["client"].startswith("openai-python ") for r in seen.rows)
+    # The same chat twice is one conversation; the completion starts another.
+    assert seen.rows[1]["conversation"] == seen.rows[2]["conversation"] != "-"
+    assert seen.rows[0]["conversation"] not in ("-", seen.rows[1]["conversation"])
     assert all(r["finish"] == "length" for r in seen.rows)
     assert all(r["time"].count(":") == 2 for r in seen.rows)
 

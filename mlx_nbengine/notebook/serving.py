@@ -10,9 +10,12 @@ server first), an engine closed any other way (the server's watcher) and the ker
 Terms:
 
 - *agent view* (`AgentView`): the cell's output, live: the URL, a snippet for the `openai`
-  client, and one row per API request (time, endpoint, prompt tokens, restored from memory
-  and from disk, computed, first-token time, tok/s, finish) with that request's block strip;
-  a click on a row opens its block map. It reuses the notebook's one renderer
+  client, and one row per API request (time, client, API, conversation, prompt tokens,
+  restored from memory and from disk, computed, first-token time, tok/s, finish) with that
+  request's block strip; a click on a row opens its block map. A request that restored less
+  than the previous turn of its conversation held gets a line under its row: why
+  (`mlx_nbengine.server.conversations`), with the text either side of the first changed
+  token (`miss_html`, in the edit marker's classes). It reuses the notebook's one renderer
   (`pictures.strip_html`, `pictures.map_html`) and the widgets' ES module and CSS.
 - *row*: one journal entry of the server (`server.journal`) as a dict of figures plus its
   strip and map HTML, made once per change of the entry (`row_of`).
@@ -76,6 +79,9 @@ def row_of(entry: Any, engine: Any, *, block_size: int) -> dict[str, Any]:
         "number": entry.number,
         "time": time.strftime("%H:%M:%S", time.localtime(entry.started)),
         "endpoint": entry.endpoint.removeprefix("/v1/"),
+        "client": getattr(entry, "client", "") or "",
+        "api": getattr(entry, "api", "") or entry.endpoint.removeprefix("/v1/"),
+        "conversation": getattr(entry, "conversation", "") or "",
         "prompt": entry.prompt_tokens,
         "memory": entry.restored_memory,
         "disk": entry.restored_disk,
@@ -97,12 +103,20 @@ def row_of(entry: Any, engine: Any, *, block_size: int) -> dict[str, Any]:
         )
     if blocks and entry.finish is not None:
         map_ = map_html(blocks, block_size=block_size, prompt_tokens=entry.prompt_tokens, live=True)
-    return {**figures, "strip": strip, "map": map_}
+    miss = getattr(entry, "miss", None)
+    return {
+        **figures,
+        "strip": strip,
+        "map": map_,
+        "miss": miss.as_dict(text=True) if miss else None,
+    }
 
 
 COLUMNS = (
     ("time", "time"),
-    ("endpoint", "endpoint"),
+    ("client", "client"),
+    ("api", "API"),
+    ("conversation", "conversation"),
     ("prompt", "prompt tokens"),
     ("memory", "memory"),
     ("disk", "disk"),
@@ -121,9 +135,41 @@ def _cell(row: dict, name: str) -> str:
         return f"{value:,.1f}" if value else "-"
     if name == "finish" and row.get("status", 200) not in (200, 499):
         return f"{row['status']} error"
+    if name in ("client", "conversation") and not value:
+        return "-"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def miss_html(miss: dict) -> str:
+    """The line under a row that restored less than the previous turn of its conversation
+    held: why, and the text either side of the first changed token (the edit marker's
+    classes: what this prompt has from there, and what the previous turn had)."""
+    position = int(miss.get("position", 0))
+    words = (
+        f'<span class="mnb-edit-words">…<span class="mnb-before">{escape(miss.get("before", ""))}'
+        '</span><span class="mnb-caret" aria-label="changed here">▍</span>'
+        f'<span class="mnb-after">{escape(miss.get("now", ""))}</span>…</span>'
+    )
+    notes = []
+    if miss.get("was"):
+        notes.append(
+            f"request {int(miss.get('previous', 0)):,} had "
+            f'<span class="mnb-edit-words">{escape(miss["was"])}…</span>'
+        )
+    if miss.get("detail"):
+        notes.append(escape(miss["detail"]))
+    notes.append(
+        f"restored {int(miss.get('restored', 0)):,} of the "
+        f"{int(miss.get('expected', 0)):,} tokens it held"
+    )
+    return (
+        f'<div class="mnb-edit mnb-agent-why" data-kind="{escape(miss.get("kind", ""))}" '
+        f'data-position="{position}">'
+        f'<span class="mnb-edit-label">{escape(miss.get("why", ""))}</span> {words} '
+        f'<span class="mnb-edit-note">{"; ".join(notes)}</span></div>'
+    )
 
 
 def rows_html(rows: list[dict], *, url: str, snippet: str, stopped: bool = False) -> str:
@@ -154,6 +200,11 @@ def rows_html(rows: list[dict], *, url: str, snippet: str, stopped: bool = False
             body.append(
                 f'<tr class="mnb-agent-strip"><td colspan="{len(COLUMNS)}">{inner}</td></tr>'
             )
+        if row.get("miss"):  # under the row's strip: why it restored less than it could
+            body.append(
+                f'<tr class="mnb-agent-miss" data-number="{row["number"]}">'
+                f'<td colspan="{len(COLUMNS)}">{miss_html(row["miss"])}</td></tr>'
+            )
     table = (
         f'<table class="mnb-table mnb-agent-table"><thead><tr>{ths}</tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
@@ -165,6 +216,8 @@ def rows_text(rows: list[dict], *, url: str) -> str:
     lines = [f"serving {url}: {len(rows):,} requests"]
     for row in rows[-SHOWN_ROWS:]:
         lines.append(" ".join(f"{label}={_cell(row, name)}" for name, label in COLUMNS))
+        if row.get("miss"):
+            lines.append(f"  missed: {row['miss'].get('why', '')}")
     return "\n".join(lines)
 
 
