@@ -108,6 +108,13 @@ REASONING_MARKERS: tuple[tuple[str, str], ...] = (
     ("<|channel|>analysis", "<|end|>"),
 )
 
+# Why a restore kept to a block boundary (the engine's `Report.kept_boundary`).
+BOUNDARY_WHY = {
+    "state": "the model's recurrent state is stored at block boundaries only",
+    "window": "its sliding-window records cannot be cut there",
+    "block": "the engine restores whole blocks",
+}
+
 Decode = Callable[[Sequence[int]], str]
 
 
@@ -521,7 +528,7 @@ def explain(
 
     if position >= expected:  # the client kept all of it: the cache lost it
         reasons = set(reasons)
-        if "evicted" in reasons:
+        if "evicted" in reasons or kept_boundary == "evicted":
             why = (
                 f"evicted from the store: the previous turn's tokens from {restored:,} on "
                 "are no longer stored"
@@ -529,7 +536,8 @@ def explain(
             return miss("evicted", why, restored, was=False)
         if kept_boundary:
             why = f"the restore kept to a block boundary at token {restored:,}"
-            return miss("boundary", why, restored, was=False)
+            because = BOUNDARY_WHY.get(kept_boundary)
+            return miss("boundary", f"{why} ({because})" if because else why, restored, was=False)
         why = (
             f"the store held {restored:,} of the {expected:,} tokens the previous turn "
             "left in the cache"
