@@ -7,14 +7,19 @@ Terms:
   Fields this server does not know are ignored (``metadata``, ``thinking``,
   ``context_management``, ``output_config``, ``top_k``, ``cache_control`` on any block...);
   a known field of the wrong type is an `APIError` (status 400) naming it.
-- *conversation*: ``system`` and ``messages`` rendered as chat-format messages: text blocks
-  joined by newlines, ``thinking`` blocks as the assistant's ``reasoning_content``
-  (``redacted_thinking`` dropped: opaque), ``tool_use`` blocks as the assistant's
-  ``tool_calls`` (``input`` as JSON text), each ``tool_result`` block as a ``tool`` message
+- *conversation*: ``system`` and ``messages`` rendered as chat-format messages: the system
+  text first (Claude Code's billing line, ``x-anthropic-billing-header: ...``, left out; a
+  system turn in ``messages`` before any other joins it, a later one joins the user turn
+  it follows: templates take a system message first only), consecutive turns of one role
+  joined (as Anthropic's API combines them), text blocks joined by newlines, ``thinking``
+  blocks as the assistant's ``reasoning_content`` (``redacted_thinking`` dropped: opaque),
+  ``tool_use`` blocks as the assistant's ``tool_calls`` (``input`` as JSON text), each
+  ``tool_result`` block as a ``tool`` message
   (``tool_call_id``: its ``tool_use_id``, which an earlier ``tool_use`` must have issued),
   base64 ``image`` blocks as ``{"type": "image"}`` parts with their bytes in `Call.images`.
 - *tools*: custom tools (``name``, ``description``, ``input_schema``) as chat-format
-  function tools; Anthropic's own tool types (web search, code execution...) are skipped.
+  function tools; Anthropic's own tool types (web search, code execution...) are skipped,
+  and so are deferred tools (``defer_loading``) until a ``tool_reference`` block loads them.
   ``tool_choice`` becomes the chat form's: ``auto`` "auto", ``any`` "required", ``tool`` a
   named function, ``none`` "none".
 - *blocks*: the answer's content blocks, built from the `agentio` pieces the output splitter
@@ -64,6 +69,10 @@ ERROR_TYPES = {
     503: "api_error",
     529: "overloaded_error",
 }
+
+# The first system block Claude Code sends: a billing header, not prompt text (its value
+# changes between sessions and versions; Anthropic's API strips it).
+BILLING = "x-anthropic-billing-header:"
 
 # Blocks of Anthropic's own (server) tools in a conversation: this server issues none and
 # runs none, so a client's record of them is skipped.
@@ -208,22 +217,61 @@ class _Conversation:
         self.out: list[dict] = []
         self.images: list[bytes] = []
         self.issued: dict[str, str] = {}  # tool_use id -> tool name
+        self.referenced: set[str] = set()  # deferred tools a tool_reference block loaded
 
-    def system(self, value: Any) -> None:
+    def system(self, value: Any, where: str = "system") -> None:
+        """``system`` (or a system turn in ``messages``): Claude Code's billing line (a
+        header it sends as the first system block, which Anthropic's API strips) is left
+        out, so that the prompt's start is the same in every session."""
         if value is None:
             return
-        text = _text_of(value, "system")
-        if text:
-            self.out.append({"role": "system", "content": text})
+        blocks = [{"type": "text", "text": value}] if isinstance(value, str) else value
+        if isinstance(blocks, list):
+            blocks = [
+                b
+                for b in blocks
+                if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING))
+            ]
+        text = _text_of(blocks, where)
+        if not text:
+            return
+        if all(m["role"] == "system" for m in self.out):  # the leading system text
+            if self.out:
+                self.out[0]["content"] += "\n" + text
+            else:
+                self.out.append({"role": "system", "content": text})
+        else:  # mid-conversation: what the user turn carries (templates take system first)
+            self._add({"role": "user", "content": text})
+
+    def _add(self, message: dict) -> None:
+        """Append `message`; a user or assistant message right after one of the same role
+        joins it (Anthropic's API combines consecutive turns of a role too)."""
+        last = self.out[-1] if self.out else None
+        role = message["role"]
+        if last is None or last["role"] != role or role not in ("user", "assistant"):
+            self.out.append(message)
+            return
+        if role == "user":
+            last["content"] = _concat(last["content"], message["content"])
+            return
+        last["content"] = "\n".join(t for t in (last["content"], message["content"]) if t)
+        for key in ("reasoning_content",):
+            if message.get(key):
+                last[key] = "\n".join(t for t in (last.get(key), message[key]) if t)
+        if message.get("tool_calls"):
+            last["tool_calls"] = [*last.get("tool_calls", []), *message["tool_calls"]]
 
     def message(self, message: Any, index: int) -> None:
         where = f"messages.{index}"
         if not isinstance(message, dict):
             raise _bad(f"{where}: must be an object with 'role' and 'content'")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
         content = message.get("content")
+        if role == "system":  # Claude Code's mid-conversation system turns
+            self.system(content, f"{where}.content")
+            return
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
@@ -272,7 +320,7 @@ class _Conversation:
             message["reasoning_content"] = "\n".join(reasoning)
         if calls:
             message["tool_calls"] = calls
-        self.out.append(message)
+        self._add(message)
 
     def _user(self, content: list, where: str) -> None:
         parts: list[dict] = []  # the user message's text and image parts, in order
@@ -294,7 +342,7 @@ class _Conversation:
                     f"blocks, not {kind!r}"
                 )
         if parts:
-            self.out.append({"role": "user", "content": _joined(parts)})
+            self._add({"role": "user", "content": _joined(parts)})
 
     def _tool_result(self, block: dict, place: str) -> list[dict]:
         """Append the ``tool`` message; return image parts for the user message after."""
@@ -318,6 +366,9 @@ class _Conversation:
                     images.append({"type": "image"})
                 elif kind == "document":
                     texts.append(_document(part, inner))
+                elif kind == "tool_reference" and isinstance(part.get("tool_name"), str):
+                    self.referenced.add(part["tool_name"])  # a deferred tool, loaded now
+                    texts.append(f"Tool {part['tool_name']} loaded.")
                 elif isinstance(part, dict) and isinstance(part.get("text"), str):
                     texts.append(part["text"])  # text, search results' text...
                 elif not isinstance(part, dict) or not isinstance(kind, str):
@@ -340,6 +391,17 @@ def _string(block: dict, name: str, place: str) -> str:
     return value
 
 
+def _concat(a: Any, b: Any) -> Any:
+    """Two user contents as one (text joined by a newline; parts where there are images)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return "\n".join(t for t in (a, b) if t)
+
+    def parts(c: Any) -> list[dict]:
+        return [{"type": "text", "text": c}] if isinstance(c, str) else list(c)
+
+    return [*parts(a), *parts(b)]
+
+
 def _joined(parts: list[dict]) -> Any:
     """A user message's content: its text parts joined by newlines, or the parts as they
     are where there are images (the chat template places them)."""
@@ -348,8 +410,10 @@ def _joined(parts: list[dict]) -> Any:
     return "\n".join(p["text"] for p in parts)
 
 
-def _tools(body: dict) -> list[dict] | None:
-    """The custom tools as chat-format function tools (Anthropic's own tools skipped)."""
+def _tools(body: dict, referenced: set[str]) -> list[dict] | None:
+    """The custom tools as chat-format function tools: Anthropic's own tools are skipped,
+    and so are deferred ones (``defer_loading``) until a ``tool_reference`` block in the
+    conversation loads them (`referenced`), as Anthropic's API shows them."""
     tools = body.get("tools")
     if tools is None:
         return None
@@ -367,6 +431,8 @@ def _tools(body: dict) -> list[dict] | None:
             raise _bad(f"tools.{i}.name: must be a non-empty string")
         if not isinstance(schema, dict):
             raise _bad(f"tools.{i}.input_schema: must be a JSON schema object")
+        if tool.get("defer_loading") is True and name not in referenced:
+            continue
         function = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
@@ -420,7 +486,7 @@ def check_messages(body: dict, limits: Limits, *, vision: bool) -> Call:
             f"messages: {len(conversation.images)} images; this server takes at most "
             f"{limits.max_images}"
         )
-    tools = _tools(body)
+    tools = _tools(body, conversation.referenced)
     choice, parallel = _tool_choice(body, tools)
     thinking = body.get("thinking")
     template_kwargs = {}
