@@ -14,6 +14,7 @@ import base64
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -813,6 +814,57 @@ def test_a_claude_code_sized_request_is_streamed_and_its_next_turn_is_cached(lon
     assert use["output_tokens"] == 2
 
 
+CAPTURED = Path(__file__).parent / "agents" / "claude_first_request.json"
+
+
+def test_claude_codes_captured_first_request_renders_as_anthropic_reads_it():
+    """Claude Code 2.1.328's first request, as recorded: its billing line is not prompt
+    text, its mid-conversation system turn joins the user's turn (templates take a system
+    message first only), its deferred placeholder tool is not shown."""
+    from mlx_nbengine.server.anthropic_shapes import check_messages
+
+    first = json.loads(CAPTURED.read_text())["first"]
+    call = check_messages(first["body"], Limits(context=8192), vision=False)
+    assert [m["role"] for m in call.prompt] == ["system", "user"]
+    system, turn = call.prompt[0]["content"], call.prompt[1]["content"]
+    assert "x-anthropic-billing-header" not in system
+    assert system.startswith("You are a Claude agent")
+    assert "Reply with the single word OK." in turn and "# Environment" in turn
+    assert turn.index("Reply with the single word OK.") < turn.index("# Environment")
+    names = [t["function"]["name"] for t in call.tools]
+    assert "DeferredToolPlaceholder" not in names
+    assert {"Bash", "Read", "Edit", "Write", "ToolSearch"} <= set(names)
+    assert call.max_tokens == 8192 and call.stream and call.tool_choice == "auto"
+
+
+def test_claude_codes_captured_first_request_is_answered(long_engine):
+    """The recorded request, sent as Claude Code sent it (its query, headers and body)."""
+    engine, srv = long_engine
+    first = json.loads(CAPTURED.read_text())["first"]
+    headers = {
+        k: v
+        for k, v in first["headers"].items()
+        if k not in ("host", "content-length", "connection", "accept-encoding")
+    }
+    headers["x-api-key"] = KEY
+    url = f"{base_url(srv)}{first['path']}?{first['query']}"
+    body = {**first["body"], "temperature": 0}
+    events = []
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            if any(e["type"] == "content_block_delta" for e in events):
+                break  # the answer has begun: enough (the client drops the stream)
+    assert events[0]["type"] == "message_start"
+    assert events[0]["message"]["model"] == engine.model_name
+    counting = {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
+    count_url = f"{base_url(srv)}/v1/messages/count_tokens?beta=true"
+    counted = httpx.post(count_url, json=counting, headers=headers, timeout=120).json()
+    assert events[0]["message"]["usage"]["input_tokens"] == counted["input_tokens"]
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 
@@ -825,7 +877,7 @@ def test_a_claude_code_sized_request_is_streamed_and_its_next_turn_is_cached(lon
         ({"stream": "yes"}, "stream"),
         ({"stop_sequences": "END"}, "stop_sequences"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
         ({"messages": [{"role": "user", "content": 5}]}, "content"),
         ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "video"),
         ({"system": 5}, "system"),
