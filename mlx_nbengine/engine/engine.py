@@ -291,7 +291,7 @@ class Engine(StoreFace):
         """
         if self._closed:
             raise EngineClosedError(self._closed_line())
-        problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
         if problem:
             raise InvalidRequestError(problem)
         constraint = None if grammar is None else self._constraint(grammar)

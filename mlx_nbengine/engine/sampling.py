@@ -37,8 +37,14 @@ from mlx_lm.sample_utils import apply_top_p
 __all__ = ["HostDraw", "RequestSampler", "draw_rows", "validate"]
 
 
-def validate(*, temperature: float, top_p: float, max_tokens: int) -> str | None:
+def validate(
+    *, temperature: float, top_p: float, max_tokens: int, seed: int | None = None
+) -> str | None:
     """Return what is wrong with these sampling values, or None when they are usable."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+    ):  # numpy's and MLX's random keys take unsigned 64-bit seeds
+        return f"seed must be an integer in [0, 2**64), got {seed!r}"
     if not isinstance(max_tokens, int) or max_tokens < 1:
         return f"max_tokens must be an integer >= 1, got {max_tokens!r}"
     if not temperature >= 0:  # also rejects NaN
