@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_nbengine.errors import TokenizerError
+from jinja2 import TemplateError
+
+from mlx_nbengine.errors import InvalidRequestError, TokenizerError
 
 __all__ = ["LoadedModel"]
 
@@ -112,7 +114,8 @@ class LoadedModel:
 
     def render_chat(self, messages: list[dict], **template_kwargs: Any) -> str:
         """`messages` rendered with the chat template as text (``add_generation_prompt``
-        defaults to True); `TokenizerError` for a model without one."""
+        defaults to True); `TokenizerError` for a model without one, `InvalidRequestError`
+        (its first line) for messages or values the template refuses or cannot render."""
         if not self.has_chat_template:
             raise TokenizerError(
                 f"{self.path.name} has no chat template (a base model): send the prompt as "
@@ -120,7 +123,15 @@ class LoadedModel:
             )
         template_kwargs.setdefault("add_generation_prompt", True)
         template_kwargs.pop("tokenize", None)
-        return self.text_tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        try:
+            return self.text_tokenizer.apply_chat_template(
+                messages, tokenize=False, **template_kwargs
+            )
+        except (TemplateError, TypeError, ValueError) as exc:  # e.g. raise_exception(...)
+            line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise InvalidRequestError(
+                f"the chat template cannot render this prompt: {line}"
+            ) from exc
 
     def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template.
