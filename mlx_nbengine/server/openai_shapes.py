@@ -285,7 +285,19 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
         out["reasoning_effort"] = effort
         if effort == "none":
             out["enable_thinking"] = False
-    reserved = {"messages", "tools", "tokenize", "add_generation_prompt"}
+    # apply_chat_template's own arguments: a client may not swap the template or its output
+    reserved = {
+        "messages",
+        "tools",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+        "documents",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
     for key, value in (extra or {}).items():
         if key in reserved:
             raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {key!r}")
@@ -360,13 +372,19 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict | Non
 
 
 def _tool_answers(messages: list[dict]) -> None:
-    """Each tool message answers a call of an earlier assistant message, where that message
-    gave the call an id (clients that send ids see a mismatch as the 400 it is)."""
+    """Each tool message answers a call of an earlier assistant message, by its id where
+    that message gave the call one (clients that send ids see a mismatch as the 400 it is);
+    a tool message before any call answers nothing (OpenAI's 400 too)."""
     ids: set[str] = set()
+    called = False
     for i, m in enumerate(messages):
         for call in m.get("tool_calls") or ():
+            called = True
             if call.get("id"):
                 ids.add(call["id"])
+        if m["role"] == "tool" and not called:
+            param = f"messages[{i}]"
+            raise _bad(param, f"{param} is a tool message before any assistant tool call")
         if m["role"] == "tool" and ids and m.get("tool_call_id") not in ids:
             param = f"messages[{i}].tool_call_id"
             raise _bad(
