@@ -136,7 +136,8 @@ class ApiServer:
             http=_IdleTimeoutH11,
             timeout_keep_alive=idle_timeout_s,
             timeout_graceful_shutdown=2,
-            limit_concurrency=max_pending + 16,
+            # No limit_concurrency: past it uvicorn answers a plain-text 503 (and counts idle
+            # keep-alive connections too); the app's own 429 past max_pending is the refusal.
         )
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -178,7 +179,7 @@ class ApiServer:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(128)
+            sock.listen(2048)  # uvicorn's own backlog: a burst of clients is queued, not dropped
         except OSError as exc:
             sock.close()
             if exc.errno == errno.EADDRINUSE:
