@@ -558,3 +558,32 @@ def test_the_view_shows_the_client_the_conversation_and_the_miss_line(thinking, 
     assert '<span class="mnb-after">Four.' in line
     assert "<think>" not in markup
     assert "missed: the client rewrote history" in rows_text(rows, url=server.url)
+
+
+def test_the_messages_and_responses_apis_name_their_client_and_group_by_key(thinking):
+    anthropic = pytest.importorskip("anthropic")
+    engine, server, client = thinking
+    name = engine.model_name
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="none")
+    session = {"user_id": "user_1_account_2_session_3"}
+    for text in ("Hello there, agent.", "Something else entirely, with no shared words."):
+        claude.messages.create(
+            model=name,
+            max_tokens=2,
+            messages=[{"role": "user", "content": text}],
+            metadata=session,
+        )
+        finished_entry(server)
+    first, second = server.journal.entries()[-2:]
+    assert first.api == second.api == "messages"
+    assert first.client.startswith("anthropic-python ")
+    assert first.conversation == second.conversation  # the session groups, not the prompt
+    for text in ("Hi.", "Another thing."):
+        client.responses.create(
+            model=name, input=text, max_output_tokens=16, prompt_cache_key="codex-session"
+        )
+        finished_entry(server)
+    first, second = server.journal.entries()[-2:]
+    assert first.api == second.api == "responses"
+    assert first.client.startswith("openai-python ")
+    assert first.conversation == second.conversation != server.journal.entries()[-3].conversation
