@@ -33,6 +33,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -56,6 +59,7 @@ from mlx_nbengine.engine import (
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.server import messages, responses
 from mlx_nbengine.server.agentio import OutputSplitter, Reasoning, Text, ToolCall, template_messages
+from mlx_nbengine.server.anthropic_shapes import error_body as anthropic_error_body
 from mlx_nbengine.server.conversations import client_name, reader_of, request_facts
 from mlx_nbengine.server.journal import Entry, Journal
 from mlx_nbengine.server.openai_shapes import (
@@ -82,6 +86,8 @@ __all__ = ["build_app"]
 log = logging.getLogger("mlx_nbengine.server")
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): text only as half of a pair.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -195,17 +201,31 @@ class _App:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # journalled as a client gone; nobody reads the answer
+            raise APIError("the client disconnected before its body was sent", status=499) from None
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise APIError("the request body is not valid JSON") from None
+        except RecursionError:
+            raise APIError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
+        if SURROGATE_ESCAPE.search(raw):  # a lone surrogate is no text: tokenizers refuse it
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except (UnicodeEncodeError, RecursionError):
+                raise APIError(
+                    "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                    "without its pair); send valid Unicode text"
+                ) from None
         return body
 
     def template_kwargs(self, call: Call) -> dict[str, Any] | None:
@@ -250,14 +270,19 @@ class _App:
             prompt=getattr(handle, "prompt_tokens", None),
         )
 
-    def submit(self, call: Call) -> Any:
-        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own.
-        Chat messages go in as templates read them (`agentio.template_messages`)."""
+    def prompt_of(self, call: Call) -> Any:
+        """The prompt `Engine.submit` takes for `call`: chat messages as templates read them
+        (`agentio.template_messages`), or plain lines for a model without a template."""
         prompt = call.prompt
         if _is_chat(prompt):
             prompt = template_messages(prompt)
             if not getattr(self.engine.model, "has_chat_template", True):
                 prompt = plain_chat(prompt)  # a base model: no template to render them
+        return prompt
+
+    def submit(self, call: Call) -> Any:
+        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own."""
+        prompt = self.prompt_of(call)
         try:
             grammar = self.tool_grammar(call)
             extra = {"grammar": grammar} if grammar is not None else {}
@@ -568,6 +593,45 @@ def _finish_reason(reason: str, *, called: bool = False) -> str:
     return "tool_calls" if called else "stop"
 
 
+def _error_body(path: str, message: str, status: int, type: str) -> dict:  # noqa: A002
+    """An error in the shape of the API `path` belongs to (Anthropic's for /v1/messages)."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(message, status)
+    return error_body(message, type=type)
+
+
+class _Unforeseen:
+    """ASGI middleware: an exception no handler caught is a 500 in the API's error shape
+    (logged by its type only), and the connection stays open for the client's next request
+    (Starlette's own 500 handler raises it again, and uvicorn then drops the connection
+    under a client that keeps it alive). Mid-response, the connection is cut."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            path = scope.get("path", "")
+            log.error("internal error on %s: %s", path, type(exc).__name__)
+            message = f"internal error: {type(exc).__name__}"
+            body = _error_body(path, message, 500, "server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
 def build_app(
     engine: Any,
     *,
@@ -604,14 +668,8 @@ def build_app(
         message = {404: f"no such path: {request.url.path}", 405: "method not allowed"}.get(
             status, getattr(exc, "detail", "error")
         )
-        return JSONResponse(error_body(message), status_code=status)
-
-    async def unforeseen(request: HTTPRequest, exc: Exception) -> JSONResponse:
-        log.error("internal error on %s: %s", request.url.path, type(exc).__name__)
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", type="server_error"),
-            status_code=500,
-        )
+        body = _error_body(request.url.path, message, status, "invalid_request_error")
+        return JSONResponse(body, status_code=status)
 
     app = Starlette(
         routes=[
@@ -621,7 +679,8 @@ def build_app(
             *responses.routes(handlers),
             *messages.routes(handlers),
         ],
-        exception_handlers={HTTPException: http_error, Exception: unforeseen},
+        exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(_Unforeseen)],
     )
     app.state.handlers = handlers
     return app
