@@ -140,6 +140,16 @@ def test_request_facts_hold_digests_keys_and_tool_names_never_text():
     assert not plain.chat and plain.messages == () and plain.system is None
 
 
+def test_request_facts_take_the_tools_the_template_is_shown_and_never_raise():
+    tools = [{"type": "function", "function": {"name": "shell", "parameters": {}}}]
+    hidden = Call(prompt=[{"role": "user", "content": "hi"}], max_tokens=4, tools=tools)
+    hidden.tool_choice = "none"  # the template is not shown them
+    assert request_facts({}, {}, hidden).tools == ()
+    odd = Call(prompt=[{"role": "user", "content": object()}, "not a message"], max_tokens=4)
+    facts = request_facts({"user-agent": "curl/8.5.0"}, {"metadata": [1]}, odd)
+    assert facts.client == "curl 8.5.0" and facts.key is None and len(facts.messages) == 1
+
+
 def test_helpers_labels_prefixes_and_escapes():
     assert [label(i) for i in (0, 1, 25, 26, 27, 701, 702)] == [
         "A",

@@ -227,7 +227,15 @@ def request_facts(
     endpoint: str = "",
 ) -> Facts:
     """The facts of a request: its headers (case-insensitive, as Starlette's), its JSON
-    body, and the checked call (`openai_shapes.Call`: its chat-form messages and tools)."""
+    body, and the checked call (`openai_shapes.Call`: its chat-form messages and the tools
+    the template is shown). Never raises: a part it cannot read is left out."""
+    try:
+        return _request_facts(headers, body, call, endpoint)
+    except Exception:  # the journal's facts never break a request
+        return Facts(client=client_name(headers.get("user-agent")), api=api_name(endpoint))
+
+
+def _request_facts(headers: Mapping[str, str], body: Mapping[str, Any], call: Any, endpoint: str):
     previous = body.get("previous_response_id")
     model = body.get("model")
     prompt = getattr(call, "prompt", None)
@@ -236,12 +244,14 @@ def request_facts(
     messages: list[tuple[str, str]] = []
     if chat:
         for message in prompt:
+            if not isinstance(message, dict):
+                continue
             role = str(message.get("role", ""))
             if role in ("system", "developer"):
                 system.append(message.get("content"))
             else:
                 messages.append((role, _digest(message)))
-    tools = getattr(call, "offered_tools", None) or getattr(call, "tools", None) or []
+    tools = getattr(call, "offered_tools", getattr(call, "tools", None)) or []
     return Facts(
         client=client_name(headers.get("user-agent")),
         api=api_name(endpoint) if endpoint else "",

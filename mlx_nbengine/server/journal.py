@@ -156,10 +156,13 @@ class Journal:
                 for other in self._entries:
                     if other.response_id == facts.previous_response_id and other.turn:
                         after = other.turn
-            entry.turn = turn
-            entry.conversation = self.conversations.place(
-                turn, block_size=self.reader.block_size, after=after
-            )
+            try:
+                entry.conversation = self.conversations.place(
+                    turn, block_size=self.reader.block_size, after=after
+                )
+                entry.turn = turn
+            except Exception:  # grouping never breaks a request
+                entry.turn = None
         self.changed(entry)
 
     def entries(self) -> list[Entry]:
