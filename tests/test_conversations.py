@@ -237,6 +237,13 @@ def test_no_miss_when_the_turn_restored_all_the_previous_turn_held():
     assert miss is None
 
 
+def test_no_miss_when_the_previous_turn_held_less_than_a_block():
+    tracker = Conversations()
+    finished(tracker, 1, "<u>hi</>", Facts(key="k"), "<a>yo")
+    _, miss = second(tracker, "<u>hi</><a>yo</><u>more</>", Facts(key="k"), 0)
+    assert miss is None  # 10 tokens held, 16-token blocks
+
+
 def test_reasoning_dropped_from_an_earlier_turn_is_named_at_its_token():
     tracker = Conversations()
     asked = render(SYSTEM, QUESTION)  # ends with the generation prompt's <think>

@@ -21,11 +21,12 @@ Terms:
 - *held*: the tokens a finished turn left in the cache: its prompt and its answer but the
   last token (sampled, never fed to the model).
 - *miss* (`Miss`): a turn restored fewer tokens than the previous turn of its conversation
-  held (as far as this prompt reaches, its last token always computed). The previous turn
-  is the earlier finished one of the conversation whose prompt and answer share the longest
-  prefix with this prompt (the newest on a tie); it finished before this turn came. Its
-  *position* is the first token where this prompt leaves that turn's prompt and answer, or,
-  where the client kept all of it, the token where the restore stopped.
+  held (as far as this prompt reaches, its last token always computed), where that turn
+  held at least a block. The previous turn is the earlier finished one of the conversation
+  whose prompt and answer share the longest prefix with this prompt (the newest on a tie);
+  it finished before this turn came. Its *position* is the first token where this prompt
+  leaves that turn's prompt and answer, or, where the client kept all of it, the token
+  where the restore stopped.
 
 A miss is classified (`Miss.kind`), first match wins:
 
@@ -516,8 +517,8 @@ def explain(
     """The `Miss` of `turn` against `previous` (see the module's doc), or None."""
     prompt = turn.prompt
     expected = min(previous.held, len(prompt) - 1)
-    if expected <= 0 or restored >= expected:
-        return None
+    if expected <= 0 or restored >= expected or expected < reader.block_size:
+        return None  # nothing missed (less than a block: the hot cache gives none of it)
     old = previous.sequence()
     position = previous.shared(prompt)
 
