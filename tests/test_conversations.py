@@ -604,3 +604,17 @@ def test_the_messages_and_responses_apis_name_their_client_and_group_by_key(thin
     assert first.api == second.api == "responses"
     assert first.client.startswith("openai-python ")
     assert first.conversation == second.conversation != server.journal.entries()[-3].conversation
+
+
+def test_previous_response_id_joins_the_conversation_of_the_response_it_names(thinking):
+    engine, server, client = thinking
+    name = engine.model_name
+    one = client.responses.create(model=name, input="Hi there.", max_output_tokens=16)
+    entry_one = finished_entry(server)
+    assert entry_one.response_id == one.id
+    client.responses.create(
+        model=name, input="Go on.", previous_response_id=one.id, max_output_tokens=16
+    )
+    entry = finished_entry(server)
+    assert entry.conversation == entry_one.conversation != ""
+    assert entry.turn.grouped_by == "previous_response_id"
