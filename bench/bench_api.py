@@ -20,8 +20,10 @@ Servers: *ours* (``mlx_nbengine.server.ApiServer`` on ``Engine.load(model)``, st
 script with ``--serve``), *mlx-lm* (``python -m mlx_lm server`` on the same model directory:
 the default model's converted MLX directory; our engine requantizes it to 8 bits on the CPU,
 mlx-lm runs the directory's weights as they are) and *llama.cpp* (``python -m
-llama_cpp.server`` on the default model's GGUF, where ``llama-cpp-python[server]`` is
-installed; skipped and said so otherwise, and under ``--quick``).
+llama_cpp.server`` on the default model's GGUF, its prompt cache on, ``--cache true``:
+llama-cpp-python's ``LlamaRAMCache``, on every usable CPU, where
+``llama-cpp-python[server]`` is installed; skipped and said so otherwise; under ``--quick``
+on a GGUF of the tiny model, `bench.common.quick_gguf`).
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_api`` (minutes, the default
 model); ``--quick`` runs tiny sizes on a tiny model (``--model DIR``, else a tiny llama) in
@@ -35,7 +37,6 @@ import argparse
 import base64
 import io
 import json
-import os
 import random
 import socket
 import subprocess
@@ -48,7 +49,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_run_args, fill_sizes, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_run_args,
+    fill_sizes,
+    quick_gguf,
+    usable_cpus,
+    write_results,
+)
 
 SIZES = {"prompt_tokens": 256, "max_tokens": 32, "long_tokens": 1024}  # the README's run
 QUICK_SIZES = {"prompt_tokens": 64, "max_tokens": 8, "long_tokens": 128}
@@ -165,6 +172,9 @@ def llama_cpp_server(gguf: Path, tmp: Path, threads: int) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
     cmd += ["--n_ctx", "8192", "--n_threads", str(threads), "--model_alias", "gguf"]
+    # Its prompt cache on, as its users run it for an agent's re-sent conversations
+    # (llama-cpp-python's LlamaRAMCache, its default 2 GiB).
+    cmd += ["--cache", "true", "--cache_type", "ram"]
     server = Server("llama.cpp", cmd, "gguf", tmp / "llama-cpp.log")
     server.wait_ready()
     return server
@@ -399,15 +409,18 @@ def main(argv: list[str] | None = None) -> int:
 
         measure(mlx_lm)
         missing = llama_cpp_missing()
-        gguf = None if args.quick or args.model else default_gguf(tmp)
-        if args.quick:
-            skipped["llama.cpp"] = "--quick (no GGUF of the tiny model)"
-        elif missing or gguf is None:
+        if missing:
+            gguf = None
+        elif args.quick:
+            gguf = quick_gguf(model, tmp / "gguf")[1]  # tiny: the path runs in smoke tests
+        else:
+            gguf = None if args.model else default_gguf(tmp)
+        if missing or gguf is None:
             skipped["llama.cpp"] = missing or "no GGUF of this model (the default model's only)"
         else:
 
             def llama_cpp():
-                return llama_cpp_server(gguf, tmp, threads=os.cpu_count() or 1)
+                return llama_cpp_server(gguf, tmp, threads=usable_cpus())
 
             measure(llama_cpp)
         for name in skipped:

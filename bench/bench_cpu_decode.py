@@ -7,15 +7,31 @@ One run, one model (default: the default model, Gemma 3 270M), every variant sid
   default model's group size on the CPU, `loader.DEFAULT_CPU_GROUP_SIZE`) with its
   quantized layers routed to our kernels (`mlx_nbengine.models.qroute`).
 - *mlx q8 / mlx q4*: the same quantized weights on MLX's own ``mx.quantized_matmul``.
-- *llama.cpp*: the same GGUF through ``llama_cpp`` with the same thread count, when
-  ``llama_cpp`` is importable (the ``peers`` extra); else skipped, with the reason printed.
+- *llama.cpp*: the same GGUF through ``llama_cpp`` (the ``peers`` extra): a prefill of the
+  same prompt, then ``--decode-steps`` greedy ``eval`` + ``sample`` steps, the median step;
+  else skipped, with the reason printed.
+- *llama-bench*: llama.cpp's own benchmark, built from the same llama.cpp source
+  (`bench.llama_tools`): ``llama-bench -m GGUF -p 0 -n TG -d PROMPT -t T -r 3 -o json``
+  (``--bench-tokens`` TG, default 128, generated after a context of the same
+  ``--prompt-tokens``), at its own defaults otherwise; its *tg* tok/s. Skipped, and said so,
+  where the tool is not built.
+
+Threads, the same policy on both sides: each of our variants and each llama.cpp side runs
+under every count of `bench.common.blas_thread_counts` (one thread, and every usable CPU),
+the llama.cpp runs right after our one-row steps of the same count (interleaved), and
+each is reported at its best count, named in the table and the JSON. A ``--quick`` run
+writes a GGUF of its tiny model (`bench.common.quick_gguf`) and runs the whole-answer
+workload at tiny sizes, so every llama.cpp path runs.
 
 *Whole answers* (``--answer-tokens``, default 128; the default model only, next to
 llama.cpp): `bench_peers`' four-document workload, four ~2,048-token documents each asked
 once (*first*), then each re-asked with its question changed after the three others
 (*edited*), every answer greedy and up to 128 tokens: our engine as the notebook runs it
 (``Engine.load("default")``, 8-bit weights on our kernels, restore to the token) and
-llama.cpp's ``create_completion`` streaming on the GGUF, calls interleaved. Per phase, the
+llama.cpp's ``create_completion`` streaming on the GGUF with its prompt cache on
+(``LlamaRAMCache``, `bench.common.open_llama`: an edited re-ask restores the state cached
+with that document's first answer), on ``--llama-threads`` threads (default: every usable
+CPU, the most our engine uses), calls interleaved. Per phase, the
 median over the four documents of the first token, the whole answer and the decode rate
 (tokens after the first over the time after the first token). An answer that ends at EOS
 before 128 tokens is counted as it came, and the table gives the tokens generated.
@@ -67,10 +83,13 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from bench import llama_tools  # noqa: E402
 from bench.common import (  # noqa: E402
     add_run_args,
     blas_thread_counts,
+    llama_cache_settings,
     open_llama,
+    quick_gguf,
     usable_cpus,
     write_results,
 )
@@ -182,51 +201,64 @@ def use(routed: bool) -> None:
         qroute.uninstall()
 
 
-def llama_cpp_tok_s(gguf: Path | None, ids_text: str, *, threads: int, steps: int) -> dict:
+def llama_cpp_missing(gguf: Path | None) -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
-        return {"skipped": "llama_cpp is not installed (pip install -e '.[peers]')"}
+        return "llama_cpp is not installed (pip install -e '.[peers]')"
     if gguf is None:
-        return {"skipped": "no GGUF file for this model"}
-    llm = open_llama(gguf, threads=threads, n_ctx=2048)
-    tokens = llm.tokenize(ids_text.encode())
-    llm.eval(tokens)
-    times = []
-    token = llm.sample(temp=0.0)
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.eval([token])
+        return "no GGUF file for this model"
+    return None
+
+
+def llama_cpp_tok_s(gguf: Path, ids_text: str, *, prompt_tokens: int, threads: int, steps: int):
+    """llama-cpp-python's decode tok/s after a `prompt_tokens` prefill: the median of `steps`
+    greedy steps (``eval`` of the last token + ``sample``)."""
+    llm = open_llama(gguf, threads=threads, n_ctx=2048, cache=False)
+    try:
+        tokens = llm.tokenize(ids_text.encode())[:prompt_tokens]
+        llm.eval(tokens)
+        times = []
         token = llm.sample(temp=0.0)
-        times.append(time.perf_counter() - start)
-    return {"1": 1 / statistics.median(times)}
+        for _ in range(steps):
+            start = time.perf_counter()
+            llm.eval([token])
+            token = llm.sample(temp=0.0)
+            times.append(time.perf_counter() - start)
+    finally:
+        getattr(llm, "close", lambda: None)()
+    return 1 / statistics.median(times)
 
 
 class Answers:
     """One peer of the whole-answer workload: ``answer(tokens)`` gives (first-token s,
-    whole-answer s, tokens generated)."""
+    whole-answer s, tokens generated, prompt tokens computed: not restored from a cache)."""
 
     def __init__(self, run, close) -> None:
         self.answer, self.close = run, close
 
 
-def ours_answers(model: str, scratch: str, *, max_tokens: int) -> Answers:
+def ours_answers(
+    model: str, scratch: str, *, max_tokens: int, block_size: int | None = None
+) -> Answers:
     from mlx_nbengine import Engine  # lazy: only this part loads an engine
 
-    engine = Engine.load(model, cache_dir=scratch, restore="token", parallel=1)
+    sizes = {} if block_size is None else {"block_size": block_size}
+    engine = Engine.load(model, cache_dir=scratch, restore="token", parallel=1, **sizes)
 
-    def run(tokens: list[int]) -> tuple[float, float, int]:
+    def run(tokens: list[int]) -> tuple[float, float, int, int]:
         start = time.perf_counter()
         done = engine.submit(tokens, max_tokens=max_tokens, temperature=0.0).result(timeout=900)
         whole = time.perf_counter() - start
         engine.wait_for_saves(timeout=600)  # idle before the next call, as between cells
-        return done.report.ttft_s, whole, len(done.tokens)
+        return done.report.ttft_s, whole, len(done.tokens), done.report.computed_tokens
 
     return Answers(run, engine.close)
 
 
 def llama_cpp_answers(gguf: Path, *, threads: int, n_ctx: int, max_tokens: int) -> Answers:
-    llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
+    llm = open_llama(gguf, threads=threads, n_ctx=n_ctx, cache=True)
 
-    def run(tokens: list[int]) -> tuple[float, float, int]:
+    def run(tokens: list[int]) -> tuple[float, float, int, int]:
+        llm.evaluated[0] = 0
         start = time.perf_counter()
         first, count = None, 0
         for chunk in llm.create_completion(
@@ -237,7 +269,10 @@ def llama_cpp_answers(gguf: Path, *, threads: int, n_ctx: int, max_tokens: int) 
             count += 1
             if first is None:
                 first = time.perf_counter() - start
-        return first, time.perf_counter() - start, count
+        # Every token after the first is evaluated once to decode the next: the rest of
+        # what it evaluated is the prompt it computed (not restored).
+        computed = llm.evaluated[0] - max(count - 1, 0)
+        return first, time.perf_counter() - start, count, computed
 
     return Answers(run, lambda: getattr(llm, "close", lambda: None)())
 
@@ -250,6 +285,7 @@ def whole_answers(
     prompt_tokens: int,
     question_tokens: int,
     max_tokens: int,
+    block_size: int | None = None,
 ) -> dict:
     """The four-document workload with `max_tokens`-token answers (see the module docstring)."""
     from bench.bench_peers import text_prompt, workload  # lazy: heavy, and only for this part
@@ -262,7 +298,7 @@ def whole_answers(
     del lm
     out: dict = {}
     with tempfile.TemporaryDirectory() as scratch:
-        peers = {"ours": ours_answers(model, scratch, max_tokens=max_tokens)}
+        peers = {"ours": ours_answers(model, scratch, max_tokens=max_tokens, block_size=block_size)}
         if importlib.util.find_spec("llama_cpp") is None or gguf is None:
             out["skipped"] = "llama_cpp is not installed, or no GGUF of this model"
         else:
@@ -278,13 +314,22 @@ def whole_answers(
             calls = [("first", p) for p in firsts] + [("edited", e) for e in edits]
             for i, (phase, tokens) in enumerate(calls):
                 for name, peer in peers.items():
-                    first, whole, count = peer.answer(tokens)
+                    first, whole, count, computed = peer.answer(tokens)
                     rate = (count - 1) / (whole - first) if count > 1 else 0.0
                     row = out.setdefault(name, {}).setdefault(phase, [])
-                    row.append({"first_s": first, "whole_s": whole, "tokens": count, "tok_s": rate})
+                    row.append(
+                        {
+                            "first_s": first,
+                            "whole_s": whole,
+                            "tokens": count,
+                            "tok_s": rate,
+                            "computed_tokens": computed,
+                        }
+                    )
                     print(
                         f"  answer {i + 1}/{len(calls)} {phase:>6} {name:<9} first {first:6.2f} s"
-                        f"  whole {whole:6.2f} s  {count} tokens  {rate:5.1f} tok/s",
+                        f"  whole {whole:6.2f} s  {count} tokens  {rate:5.1f} tok/s  "
+                        f"computed {computed} of {len(tokens)} prompt tokens",
                         flush=True,
                     )
         finally:
@@ -296,7 +341,7 @@ def whole_answers(
         for phase, rows in phases.items():
             phases[phase] = {
                 key: statistics.median(r[key] for r in rows)
-                for key in ("first_s", "whole_s", "tokens", "tok_s")
+                for key in ("first_s", "whole_s", "tokens", "tok_s", "computed_tokens")
             } | {"calls": rows}
     return out
 
@@ -304,7 +349,8 @@ def whole_answers(
 def answers_lines(answers: dict, *, max_tokens: int) -> list[str]:
     lines = [
         f"whole answers, four documents, up to {max_tokens} greedy tokens (median of 4)",
-        f"{'peer, phase':<20} {'first s':>8} {'answer s':>9} {'tokens':>7} {'tok/s':>6}",
+        f"{'peer, phase':<20} {'first s':>8} {'answer s':>9} {'tokens':>7} {'tok/s':>6} "
+        f"{'computed':>9}",
     ]
     for name in ("ours", "llama.cpp"):
         for phase in ("edited", "first"):
@@ -312,7 +358,7 @@ def answers_lines(answers: dict, *, max_tokens: int) -> list[str]:
             if r is not None:
                 lines.append(
                     f"{name + ', ' + phase:<20} {r['first_s']:>8.2f} {r['whole_s']:>9.2f} "
-                    f"{r['tokens']:>7.0f} {r['tok_s']:>6.1f}"
+                    f"{r['tokens']:>7.0f} {r['tok_s']:>6.1f} {r['computed_tokens']:>9.0f}"
                 )
     if "skipped" in answers:
         lines.append(f"llama.cpp: skipped ({answers['skipped']})")
@@ -324,6 +370,68 @@ def answers_lines(answers: dict, *, max_tokens: int) -> list[str]:
             f"edited re-run, llama.cpp / ours: whole answer {whole:.2f}x; "
             f"decode, ours / llama.cpp: {decode:.2f}x"
         )
+    return lines
+
+
+def peer_figures(
+    binding_by: dict[str, float],
+    bench_by: dict[str, dict],
+    *,
+    llama_skipped: str | None,
+    bench_skipped: str | None,
+    bench_tokens: int,
+    prompt_tokens: int,
+) -> dict:
+    """llama.cpp's decode figures for the JSON: the binding's and llama-bench's tok/s at
+    each thread count and at the best, with the build's record and the cache settings."""
+    out: dict = {"build": llama_tools.build_info(), "cache_in_answers": llama_cache_settings()}
+    if llama_skipped:
+        out["binding"] = {"skipped": llama_skipped}
+    else:
+        best = max(binding_by, key=binding_by.get)
+        out["binding"] = {
+            "tok_s_1": binding_by[best],
+            "threads": int(best),
+            "by_threads": binding_by,
+        }
+    if bench_skipped:
+        out["llama_bench"] = {"skipped": bench_skipped}
+    else:
+        best = max(bench_by, key=lambda c: bench_by[c]["avg_ts"])
+        out["llama_bench"] = {
+            "tg_tok_s": bench_by[best]["avg_ts"],
+            "threads": int(best),
+            "n_gen": bench_tokens,
+            "n_depth": prompt_tokens,
+            "by_threads": bench_by,
+        }
+    return out
+
+
+def peer_lines(peer: dict) -> list[str]:
+    lines = []
+    binding, bench = peer["binding"], peer["llama_bench"]
+    if "skipped" in binding:
+        lines.append(f"llama.cpp: skipped ({binding['skipped']})")
+    else:
+        by = ", ".join(f"{c}t {v:.1f}" for c, v in binding["by_threads"].items())
+        lines.append(
+            f"{'llama.cpp':<12} {binding['tok_s_1']:>8.1f}  (llama-cpp-python, 1 row, best at "
+            f"{binding['threads']} threads; {by})"
+        )
+    if "skipped" in bench:
+        lines.append(f"llama-bench: skipped ({bench['skipped']})")
+    else:
+        by = ", ".join(f"{c}t {v['avg_ts']:.1f}" for c, v in bench["by_threads"].items())
+        row = next(iter(bench["by_threads"].values()))
+        tools = peer["build"].get("tools") or {}
+        lines.append(
+            f"{'llama-bench':<12} {bench['tg_tok_s']:>8.1f}  (tg{bench['n_gen']} after "
+            f"{bench['n_depth']} tokens, best at {bench['threads']} threads; {by}; build "
+            f"{row.get('build_commit')}, {row.get('cpu_info')})"
+        )
+        if tools.get("system_info"):
+            lines.append(f"  llama.cpp system info: {tools['system_info']}")
     return lines
 
 
@@ -348,7 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens per answer of the whole-answer workload (0: skip it; quick: skipped)",
     )
     ap.add_argument(
-        "--answer-prompt-tokens", type=int, default=2048, help="tokens per document there"
+        "--answer-prompt-tokens", type=int, default=None, help="tokens per document there"
+    )
+    ap.add_argument(
+        "--bench-tokens", type=int, default=None, help="llama-bench's tg tokens (default 128)"
+    )
+    ap.add_argument(
+        "--llama-threads",
+        type=int,
+        default=None,
+        help="llama.cpp's threads in the whole answers (default: every usable CPU)",
     )
     args = ap.parse_args(argv)
     if args.quick and args.model is None:
@@ -362,7 +479,21 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, model: str) -> int:
     prompt_tokens = args.prompt_tokens or (32 if args.quick else 256)
     steps = args.decode_steps or (3 if args.quick else 40)
+    bench_tokens = args.bench_tokens or (steps if args.quick else 128)
     threads = usable_cpus()
+    llama_threads = args.llama_threads or threads
+    scratch = tempfile.TemporaryDirectory()
+    if model == "default":
+        gguf = default_gguf(scratch.name)
+    elif args.quick:
+        model, gguf = quick_gguf(model, scratch.name)  # tiny: llama.cpp's paths run too
+    else:
+        gguf = None
+    llama_skipped = llama_cpp_missing(gguf)
+    bench_skipped = "no GGUF file for this model" if gguf is None else llama_tools.missing()
+    for name, why in (("llama.cpp", llama_skipped), ("llama-bench", bench_skipped)):
+        if why:
+            print(f"{name} skipped: {why}", file=sys.stderr)
     status = kernels.status()
     variants: dict[str, tuple] = {"float32": (load(model, dtype="float32"), False)}
     skipped = {}
@@ -377,11 +508,30 @@ def run(args, model: str) -> int:
     tokenizer = variants["float32"][0].tokenizer
     ids = (tokenizer.encode(TEXT * (prompt_tokens // 8 + 1)))[:prompt_tokens]
     round_steps = min(ROUND_STEPS, steps + 1)  # a short run: one round
-    # Each variant at its best thread count (on a busy machine one thread often wins).
+    # Each variant, and llama.cpp, at its best thread count (on a busy machine one thread
+    # often wins); llama.cpp's runs right after our one-row steps of the same count.
     seconds: dict[str, dict[str, float]] = {"1": {}, "4": {}, "1_serial": {}}
     best_threads: dict[str, dict[str, int]] = {"1": {}, "4": {}, "1_serial": {}}
-    for count in blas_thread_counts() or [1]:
+    counts = blas_thread_counts() or [1]
+    peer_text = TEXT * (prompt_tokens // 8 + 1)
+    binding_by: dict[str, float] = {}
+    bench_by: dict[str, dict] = {}
+    for count in counts:
         for rows in (1, 4):
+            if rows == 4 and not llama_skipped:
+                binding_by[str(count)] = llama_cpp_tok_s(
+                    gguf, peer_text, prompt_tokens=prompt_tokens, threads=count, steps=steps
+                )
+                print(f"  llama.cpp {count}t: {binding_by[str(count)]:.1f} tok/s", flush=True)
+            if rows == 4 and not bench_skipped:
+                bench_by[str(count)] = llama_tools.llama_bench(
+                    gguf,
+                    threads=count,
+                    n_gen=bench_tokens,
+                    depth=prompt_tokens,
+                    repetitions=1 if args.quick else 3,
+                )
+                print(f"  llama-bench {count}t: {bench_by[str(count)]['avg_ts']:.1f} tok/s")
             steps_s = decode_steps(
                 variants,
                 ids,
@@ -399,21 +549,27 @@ def run(args, model: str) -> int:
                         best_threads[key][name] = count
     bandwidth = read_bandwidth(threads, megabytes=64 if args.quick else 512)
     answers = None
-    with tempfile.TemporaryDirectory() as gguf_dir:
-        gguf = default_gguf(gguf_dir) if model == "default" else None
-        peer = llama_cpp_tok_s(gguf, TEXT * (prompt_tokens // 8 + 1), threads=threads, steps=steps)
-        if "skipped" in peer:
-            print(f"llama.cpp skipped: {peer['skipped']}", file=sys.stderr)
-        if args.answer_tokens and not args.quick:
-            print("whole answers", flush=True)
-            answers = whole_answers(
-                model,
-                gguf=gguf,
-                threads=threads,
-                prompt_tokens=args.answer_prompt_tokens,
-                question_tokens=20,
-                max_tokens=args.answer_tokens,
-            )
+    answer_tokens = min(args.answer_tokens, 4) if args.quick else args.answer_tokens
+    if answer_tokens:
+        print("whole answers", flush=True)
+        answers = whole_answers(
+            model,
+            gguf=gguf,
+            threads=llama_threads,
+            prompt_tokens=args.answer_prompt_tokens or (48 if args.quick else 2048),
+            question_tokens=4 if args.quick else 20,
+            max_tokens=answer_tokens,
+            block_size=16 if args.quick else None,
+        )
+    scratch.cleanup()
+    peer = peer_figures(
+        binding_by,
+        bench_by,
+        llama_skipped=llama_skipped,
+        bench_skipped=bench_skipped,
+        bench_tokens=bench_tokens,
+        prompt_tokens=prompt_tokens,
+    )
 
     results = {}
     base = 1 / seconds["1"]["float32"]
@@ -450,14 +606,15 @@ def run(args, model: str) -> int:
             f"{r['weight_mb']:>7.0f} {r['step_ms_1']:>8.1f} {r['floor_ms']:>9.1f} "
             f"{r['floor_ratio_1']:>8.2f} {r['threads_1']:>5} {r['threads_4']:>5}"
         )
-    if "skipped" in peer:
-        lines.append(f"llama.cpp: skipped ({peer['skipped']})")
-    else:
-        lines.append(f"llama.cpp    {peer['1']:>8.1f}")
+    lines += peer_lines(peer)
     for name, reason in skipped.items():
         lines.append(f"{name}: skipped ({reason})")
     if answers is not None:
-        lines += ["", *answers_lines(answers, max_tokens=args.answer_tokens)]
+        lines += ["", *answers_lines(answers, max_tokens=answer_tokens)]
+        lines.append(
+            f"(whole answers: ours picks its threads per step, at most {threads}; llama.cpp "
+            f"{llama_threads} threads, LlamaRAMCache on)"
+        )
     data = {
         "model": model,
         "threads": threads,
@@ -469,6 +626,7 @@ def run(args, model: str) -> int:
         "variants": results,
         "llama_cpp": peer,
         "whole_answers": answers,
+        "whole_answers_threads": {"ours_at_most": threads, "llama_cpp": llama_threads},
     }
     write_results("cpu_decode", data, "\n".join(lines), json_path=args.json, quick=args.quick)
     return 0

@@ -1,4 +1,5 @@
-"""Prefill speed on the CPU: our attention kernel against MLX's, and llama.cpp.
+"""Prefill speed on the CPU: our attention kernel against MLX's, and llama.cpp (its Python
+binding and its own ``llama-bench``).
 
 One run, one model (default: the default model, Gemma 3 270M, as `load` gives it on the
 CPU: 8-bit weights on our kernels, float32 activations), every variant side by side:
@@ -6,7 +7,15 @@ CPU: 8-bit weights on our kernels, float32 activations), every variant side by s
 - *ours*: attention routed to our kernel (`mlx_nbengine.models.attnroute`);
 - *mlx*: the same model with MLX's own ``mx.fast.scaled_dot_product_attention``;
 - *llama.cpp*: the same GGUF through ``llama_cpp`` with the same thread count, when
-  ``llama_cpp`` is importable (the ``peers`` extra); else skipped, with the reason printed.
+  ``llama_cpp`` is importable (the ``peers`` extra); else skipped, with the reason printed;
+- *llama-bench*: llama.cpp's own benchmark, built from the same llama.cpp source
+  (`bench.llama_tools`), ``llama-bench -m GGUF -p N -n 0 -t THREADS -r 1 -o json`` at its
+  own defaults otherwise (batch 2,048, ubatch 512, flash attention auto), once per length
+  and repeat, right after the same length's steps of the others (interleaved); its *pp*
+  tok/s, the best of ``--repeats``; skipped, and said so, where the tool is not built.
+
+A ``--quick`` run writes a GGUF of its tiny model (`bench.common.quick_gguf`), so every
+llama.cpp path runs on tiny sizes too.
 
 Measured, all on ``--threads`` BLAS threads (default 2; our kernels split their work over
 the same count):
@@ -15,7 +24,7 @@ the same count):
   in steps of ``--step`` tokens (default 1,024, the engine's largest prefill step) on a fresh
   cache, each step evaluated; llama.cpp evaluates the same steps, continuing its context; the
   variants and llama.cpp interleaved step by step (a change in the machine's load hits them
-  alike); the best of ``--repeats``;
+  alike), then llama-bench on the whole length; the best of ``--repeats``;
 - *edit tail*: one step of the last ``--tail`` tokens (default 20) after 2,028 cached ones
   (the cache restored from a snapshot before each try), the median over ``--repeats`` + 2
   rounds of `TAIL_ROUND` steps per variant (each round's first step untimed: it pays for
@@ -57,11 +66,14 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from bench import llama_tools  # noqa: E402
 from bench.common import (  # noqa: E402
     add_run_args,
     fill_sizes,
     open_llama,
+    quick_gguf,
     set_blas_threads,
+    usable_cpus,
     write_results,
 )
 from mlx_nbengine import kernels  # noqa: E402
@@ -237,7 +249,8 @@ class LlamaCppPeer:
     """llama-cpp-python's `Llama` on a GGUF file: prefill in steps, continuing its context."""
 
     def __init__(self, gguf: Path, text: str, *, threads: int, n_ctx: int) -> None:
-        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
+        # No prompt cache: every length is a cold prefill (it would not be consulted: `eval`).
+        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx, cache=False)
         self.tokens = self.llm.tokenize(text.encode())
 
     def reset(self) -> None:
@@ -370,6 +383,13 @@ def tail_only(args, lm, ids: list[int], model: str) -> int:
 
 
 def run(args, model: str) -> int:
+    scratch = tempfile.TemporaryDirectory()
+    if model == "default":
+        gguf = default_gguf(scratch.name)
+    elif args.quick and not args.tail_only:
+        model, gguf = quick_gguf(model, scratch.name)  # tiny: llama.cpp's paths run too
+    else:
+        gguf = None
     set_blas_threads(args.threads)
     lm = load(model, dtype=args.dtype) if args.dtype else load(model)
     status = kernels.status()
@@ -385,16 +405,19 @@ def run(args, model: str) -> int:
 
     if args.tail_only:
         use("mlx")
+        scratch.cleanup()
         return tail_only(args, lm, ids, model)
     for v in variants:  # warm: the first calls build MLX's compiled functions
         use(v)
         prefill(lm, ids[: 2 * args.step], step=args.step)
-    scratch = tempfile.TemporaryDirectory()
-    gguf = default_gguf(scratch.name) if model == "default" else None
     peer = open_peer(gguf, text, threads=args.threads, n_ctx=max(args.lengths) + 64)
     skipped = peer if isinstance(peer, str) else None
     if skipped:
         print(f"llama.cpp skipped: {skipped}", file=sys.stderr)
+    bench_skipped = "no GGUF file for this model" if gguf is None else llama_tools.missing()
+    if bench_skipped:
+        print(f"llama-bench skipped: {bench_skipped}", file=sys.stderr)
+    bench_runs: dict[str, list[dict]] = defaultdict(list)
     # Cold prefill, the variants (and llama.cpp) interleaved step by step, so a change in
     # the machine's load hits them alike.
     cold: dict[str, dict[str, float]] = {}
@@ -415,6 +438,10 @@ def run(args, model: str) -> int:
                 cold.setdefault(v, {})
                 cold[v][str(n)] = min(cold[v].get(str(n), float("inf")), seconds)
             del caches
+            if not bench_skipped:  # llama.cpp's own tool, right after the same length
+                run_ = llama_tools.llama_bench(gguf, threads=args.threads, n_prompt=n)
+                bench_runs[str(n)].append(run_)
+                print(f"  llama-bench pp{n}: {run_['avg_ts']:.1f} tok/s", flush=True)
     if not skipped:
         peer.close()
     scratch.cleanup()
@@ -448,25 +475,33 @@ def run(args, model: str) -> int:
         f"attention kernels: {isa or status.reason}",
         f"{'tokens':>7} "
         + " ".join(f"{v + ' tok/s':>12}" for v in variants)
-        + f" {'llama.cpp':>10} {'ours/mlx':>9} {'ours/llama':>11}",
+        + f" {'llama.cpp':>10} {'llama-bench':>12} {'ours/mlx':>9} {'ours/llama':>11}"
+        + f" {'ours/l-bench':>13}",
     ]
     results = {"cold": {}, "tail": {}, "profile": profiles}
     for n in args.lengths:
         row = {v: n / cold[v][str(n)] for v in variants}
         llama = n / cold["llama.cpp"][str(n)] if "llama.cpp" in cold else None
+        runs = bench_runs.get(str(n), [])
+        pp = max((r["avg_ts"] for r in runs), default=None)
         ours = row.get("ours")
         results["cold"][str(n)] = {
             **{f"{v}_tok_s": t for v, t in row.items()},
             "llama_cpp_tok_s": llama,
+            "llama_bench_pp_tok_s": pp,
+            "llama_bench_runs": runs,
             "ours_over_mlx": ours / row["mlx"] if ours else None,
             "ours_over_llama_cpp": ours / llama if ours and llama else None,
+            "ours_over_llama_bench": ours / pp if ours and pp else None,
         }
         r = results["cold"][str(n)]
+        nan = float("nan")
         lines.append(
             f"{n:>7} "
             + " ".join(f"{row[v]:>12.1f}" for v in variants)
-            + f" {llama or float('nan'):>10.1f} {r['ours_over_mlx'] or float('nan'):>9.2f}"
-            + f" {r['ours_over_llama_cpp'] or float('nan'):>11.2f}"
+            + f" {llama or nan:>10.1f} {pp or nan:>12.1f} {r['ours_over_mlx'] or nan:>9.2f}"
+            + f" {r['ours_over_llama_cpp'] or nan:>11.2f}"
+            + f" {r['ours_over_llama_bench'] or nan:>13.2f}"
         )
     lines.append("")
     lines.append(f"edit tail: {args.tail} tokens after {args.tail_context} cached")
@@ -497,6 +532,15 @@ def run(args, model: str) -> int:
         )
     if skipped:
         lines.append(f"\nllama.cpp: skipped ({skipped})")
+    if bench_skipped:
+        lines.append(f"llama-bench: skipped ({bench_skipped})")
+    else:
+        first = bench_runs[str(args.lengths[0])][0]
+        tools = llama_tools.record() or {}
+        lines.append(
+            f"llama-bench: {args.threads} threads, build {first.get('build_commit')} "
+            f"({first.get('cpu_info')}); system info: {tools.get('system_info')}"
+        )
     data = {
         "model": model,
         "threads": args.threads,
@@ -505,7 +549,16 @@ def run(args, model: str) -> int:
         "repeats": args.repeats,
         "kernels": {"active": status.active, "isa": status.isa, "attention_isa": isa},
         "results": results,
+        "threads_by_side": {
+            "ours": args.threads,
+            "llama_cpp": args.threads,
+            "llama_bench": args.threads,
+        },
+        "usable_cpus": usable_cpus(),
         "llama_cpp": {"skipped": skipped} if skipped else {"threads": args.threads},
+        "llama_bench": {"skipped": bench_skipped}
+        if bench_skipped
+        else {"threads": args.threads, **llama_tools.build_info()},
     }
     write_results("cpu_prefill", data, "\n".join(lines), json_path=args.json, quick=args.quick)
     return 0

@@ -22,10 +22,13 @@ Peers:
   the ratios take the one whose median edited re-run (four documents) is faster, and
   the table names it.
 - *llama.cpp*: ``llama_cpp.Llama`` (llama-cpp-python, the optional ``peers`` extra) on the
-  default model's GGUF, assembled from its package, with as many threads as our prefill
-  uses; it keeps the one prompt it last ran and reuses its longest common prefix.
-  Skipped, and said so (printed, and in the table and the JSON), where ``llama_cpp`` is
-  not installed or the model has no GGUF here.
+  default model's GGUF, assembled from its package, with its prompt cache on as its users
+  turn it on for re-asked prompts (``set_cache(LlamaRAMCache())``, `bench.common.open_llama`):
+  a prompt is restored from the cached state with the longest common prefix (else from the
+  prompt still in its context), and the rest computed. It runs on ``--llama-threads``
+  threads (default: every usable CPU, the most our engine's steps use; never a count our
+  engine's tuner chose), recorded in the JSON. Skipped, and said so (printed, and in the
+  table and the JSON), where ``llama_cpp`` is not installed or the model has no GGUF here.
 
 Calls are interleaved (call i of every peer, then call i + 1), so a change in the
 machine's load hits every peer alike, and each call starts with the engines idle (their
@@ -86,12 +89,15 @@ ensure_fast_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import llama_tools  # noqa: E402
 from bench.bench_engine import edited, read_bandwidth, text_prompt  # noqa: E402
 from bench.common import (  # noqa: E402
     add_run_args,
     blas_thread_counts,
+    llama_cache_settings,
     open_llama,
     set_blas_threads,
+    usable_cpus,
     write_results,
 )
 from mlx_nbengine import Engine  # noqa: E402
@@ -166,12 +172,15 @@ class MlxLm:
 
 
 class LlamaCpp:
-    """llama-cpp-python's `Llama` on a GGUF file, greedy, one token per call."""
+    """llama-cpp-python's `Llama` on a GGUF file, its prompt cache on, greedy, one token
+    per call."""
 
     def __init__(self, gguf: Path, *, threads: int, n_ctx: int) -> None:
-        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx)
+        self.llm = open_llama(gguf, threads=threads, n_ctx=n_ctx, cache=True)
+        self.computed: list[int] = []  # the tokens it evaluated per call (not restored)
 
     def ttft(self, tokens: list[int]) -> float:
+        self.llm.evaluated[0] = 0
         t = time.perf_counter()
         stream = self.llm.create_completion(
             list(tokens), max_tokens=1, temperature=0.0, stream=True
@@ -180,6 +189,7 @@ class LlamaCpp:
         for _ in stream:
             if first is None:
                 first = time.perf_counter() - t
+        self.computed.append(self.llm.evaluated[0])
         return first
 
     def close(self) -> None:
@@ -335,9 +345,8 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             skipped["llama.cpp"] = missing
             print(f"llama.cpp skipped: {missing}", flush=True)
         else:
-            threads = blas_threads_for(args.prompt_tokens)
             peers["llama.cpp"] = LlamaCpp(
-                gguf_for(scratch), threads=threads, n_ctx=2 * args.prompt_tokens + 64
+                gguf_for(scratch), threads=args.llama_threads, n_ctx=2 * args.prompt_tokens + 64
             )
         try:
             # Warm-up: first-call allocations and kernels, on a prompt no workload shares.
@@ -357,6 +366,7 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
             single_reports = ours.reports[n_four["ours token"] + 1 :: 2]
             block_reports = peers["ours block"].reports[1 + 4 : 1 + 8]
             reused = {name: peers[name].reused for name in MLX_LM}
+            llama_computed = peers["llama.cpp"].computed if "llama.cpp" in peers else None
         finally:
             for peer in peers.values():
                 peer.close()
@@ -377,6 +387,15 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
         "question_tokens": args.question_tokens,
         "block_size": block_size,
         "skipped": skipped,
+        "threads": {
+            "ours": f"picked per step among {blas_thread_counts() or [1]} (at most every "
+            "usable CPU)",
+            "mlx_lm": blas_thread_counts(),
+            "llama_cpp": None if "llama.cpp" in skipped else args.llama_threads,
+        },
+        "llama_cpp": None
+        if "llama.cpp" in skipped
+        else {"threads": args.llama_threads, **llama_cache_settings(), **llama_tools.build_info()},
         "four": {
             n: {ph: spread(v) for ph, v in d.items() if ph != "warmup"} for n, d in four.items()
         },
@@ -391,6 +410,7 @@ def bench(args, model: str, *, block_size: int, gguf_for) -> dict:
         "ours_token_edited": [summary(r) for r in edited_reports],
         "ours_block_edited": [summary(r) for r in block_reports],
         "mlx_lm_reused_tokens": reused,
+        "llama_cpp_computed_tokens": llama_computed,
     }
     result["mlx_lm_best"] = min(MLX_LM, key=lambda n: result["four"][n]["edited"]["median"])
     result["targets"] = targets(result)
@@ -454,6 +474,8 @@ def table(r: dict, *, title: str) -> str:
         cells = [cell(four["first"]), cell(four["edited"])]
         cells += [cell(single["first"]), cell(single["edited"])]
         label = f"{name} (faster)" if name == r["mlx_lm_best"] and len(MLX_LM) > 1 else name
+        if name == "llama.cpp":
+            label = f"llama.cpp (LlamaRAMCache, {r['threads']['llama_cpp']}t)"
         lines.append(" | ".join([label, *cells]))
     lines.append(f"floor | | {cell(r['floor_four'])} | | {cell(r['floor_single'])}")
     t = r["targets"]
@@ -468,7 +490,8 @@ def table(r: dict, *, title: str) -> str:
     if "llama_cpp_over_token" in t:
         lines.append(
             f"llama.cpp / token: {t['llama_cpp_over_token']:.1f}x (4 docs), "
-            f"{t['single_llama_cpp_over_token']:.2f}x (1 doc, its same-object reuse)"
+            f"{t['single_llama_cpp_over_token']:.2f}x (1 doc); llama.cpp: LlamaRAMCache on, "
+            f"{r['threads']['llama_cpp']} threads"
         )
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in t["met"].items())
     lines.append(f"targets: {met}")
@@ -478,6 +501,11 @@ def table(r: dict, *, title: str) -> str:
         f"{r['read_bandwidth_Bps'] / 1e9:.1f} GB/s; mlx-lm reused tokens per call: "
         f"{r['mlx_lm_reused_tokens']}"
     )
+    if r.get("llama_cpp_computed_tokens") is not None:
+        lines.append(
+            "llama.cpp computed tokens per call (the rest restored from its cache or its "
+            f"context): {r['llama_cpp_computed_tokens']}"
+        )
     return "\n".join(lines)
 
 
@@ -617,12 +645,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=None, help="tokens per prompt")
     ap.add_argument("--question-tokens", type=int, default=None, help="tokens of its question")
     ap.add_argument("--repeats", type=int, default=None, help="documents of the single-doc case")
+    ap.add_argument(
+        "--llama-threads",
+        type=int,
+        default=None,
+        help="llama.cpp's threads (default: every usable CPU)",
+    )
     args = ap.parse_args(argv)
+    args.llama_threads = args.llama_threads or usable_cpus()
     args.prompt_tokens = args.prompt_tokens or (256 if args.quick else 2048)
     args.question_tokens = args.question_tokens or (8 if args.quick else 20)
     args.repeats = args.repeats or (2 if args.quick else 3)
     settings = {
-        "threads_note": f"{os.cpu_count()} CPUs",
+        "threads_note": f"{os.cpu_count()} CPUs, {usable_cpus()} usable",
         "blas_thread_counts": blas_thread_counts(),
         "repeats": args.repeats,
         "quick": args.quick,

@@ -24,6 +24,8 @@ import platform
 import sys
 from pathlib import Path
 
+from bench.llama_tools import cpu_summary
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -63,10 +65,14 @@ def machine() -> dict:
     out = {
         "machine": platform.platform(),
         "cpu": cpu_name(),
+        "cpu_detail": cpu_summary(),
         "cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
         "load_avg": os.getloadavg(),
         "python": platform.python_version(),
+        # The environment as it was (a benchmark runs with it as is): OpenBLAS's variables
+        # change its kernels (OPENBLAS_CORETYPE) and blocking (OPENBLAS_L2_SIZE).
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_")},
     }
     mx = sys.modules.get("mlx.core")
     if mx is not None:
@@ -163,15 +169,71 @@ def set_blas_threads(n: int) -> None:
         lib.openblas_set_num_threads(int(n))
 
 
-def open_llama(gguf: Path, *, threads: int, n_ctx: int):
+def open_llama(gguf: Path, *, threads: int, n_ctx: int, cache: bool):
     """llama-cpp-python's `Llama` on `gguf`, prefill and decode on `threads` threads (the
-    optional ``peers`` extra; import it only where it is installed)."""
-    from llama_cpp import Llama  # lazy: an optional peer
+    optional ``peers`` extra; import it only where it is installed).
 
-    return Llama(
+    `cache`: its prompt cache on, as its users turn it on for re-asked prompts
+    (``set_cache(LlamaRAMCache())``, the default capacity, 2 GiB of llama.cpp states): each
+    completion's state is kept under its tokens, and a prompt whose longest cached prefix
+    beats the one in the context is restored from it. Every benchmark where a prompt comes
+    back (an edit, an agent's next turn) runs it on; without it `Llama` reuses only the
+    common prefix of the one prompt it last ran."""
+    from llama_cpp import Llama, LlamaRAMCache  # lazy: an optional peer
+
+    llm = Llama(
         model_path=str(gguf),
         n_ctx=n_ctx,
         n_threads=threads,
         n_threads_batch=threads,
         verbose=False,
     )
+    if cache:
+        llm.set_cache(LlamaRAMCache())
+    llm.evaluated = count_evaluated(llm)
+    return llm
+
+
+def count_evaluated(llm) -> list[int]:
+    """A one-item list counting the tokens `llm` evaluates from now on (its ``eval``
+    wrapped): what it computed, so a benchmark can tell what its cache restored. Reset it
+    with ``llm.evaluated[0] = 0`` before a call."""
+    counter = [0]
+    evaluate = llm.eval
+
+    def counting(tokens):
+        counter[0] += len(tokens)
+        return evaluate(tokens)
+
+    llm.eval = counting
+    return counter
+
+
+def llama_cache_settings() -> dict:
+    """What a benchmark's JSON records of llama.cpp's prompt cache (`open_llama`)."""
+    try:
+        from llama_cpp import LlamaRAMCache
+    except ImportError:
+        return {"cache": "LlamaRAMCache", "capacity_bytes": None}
+    return {"cache": "LlamaRAMCache", "capacity_bytes": LlamaRAMCache().capacity_bytes}
+
+
+def quick_gguf(model: str, directory: str | Path) -> tuple[str, Path | None]:
+    """For a ``--quick`` run on a tiny model: a copy of `model` in `directory` and a GGUF of
+    it beside (`mlx_nbengine.testing.make_tiny_gguf`), so llama.cpp's paths run on the same
+    weights (a smoke test's: the figures are not compared); the GGUF is None for a family it
+    cannot write. Writing a gemma3_text GGUF rewrites its source's config.json to Gemma 3's
+    layer pattern, which a tiny model with fewer layers cannot load: the copy gets its own
+    config.json back."""
+    import shutil
+
+    from mlx_nbengine.testing import make_tiny_gguf
+
+    copy = Path(shutil.copytree(model, Path(directory) / f"{Path(model).name}-copy"))
+    config = (copy / "config.json").read_text()
+    family = json.loads(config).get("model_type")
+    if family not in ("llama", "gemma3_text", "qwen2", "qwen3"):
+        return str(copy), None
+    gguf = make_tiny_gguf(family, Path(directory) / "tiny.gguf", source=copy)
+    (copy / "config.json").write_text(config)
+    return str(copy), gguf
