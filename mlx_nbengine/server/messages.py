@@ -47,7 +47,6 @@ from mlx_nbengine.engine import (
 from mlx_nbengine.engine.prompts import prompt_tokens
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.server import transport
-from mlx_nbengine.server.agentio import template_messages
 from mlx_nbengine.server.anthropic_shapes import (
     Blocks,
     check_messages,
@@ -204,16 +203,10 @@ class MessagesAPI:
                 status=503,
                 type="server_error",
             )
-        lm = app.engine.model
-        prompt = template_messages(call.prompt)
-        if not getattr(lm, "has_chat_template", True):
-            from mlx_nbengine.server.app import plain_chat  # noqa: PLC0415 - app imports us
-
-            prompt = plain_chat(prompt)
         try:
             tokens, _ = prompt_tokens(
-                lm,
-                prompt,
+                app.engine.model,
+                app.prompt_of(call),
                 images=call.images or None,
                 template_kwargs=app.template_kwargs(call),
                 model_name=app.model_name,
