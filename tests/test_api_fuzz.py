@@ -695,6 +695,55 @@ def test_each_api_refuses_with_429_in_its_shape(client, server, monkeypatch):
     still_serving(client, server)
 
 
+def read_one(sock: socket.socket, buffer: bytes = b"") -> tuple[int, dict, bytes]:
+    """One response of a kept-alive connection: (status, JSON body, bytes after it)."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {buffer!r}"
+        buffer += chunk
+    top, _, rest = buffer.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in top.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        rest += chunk
+    return int(top.split()[1]), json.loads(rest[:length]), rest[length:]
+
+
+@pytest.mark.parametrize("path", (CHAT, MESSAGES))
+def test_an_unforeseen_error_is_a_500_in_shape_and_the_connection_serves_on(
+    client, server, monkeypatch, path
+):
+    """A fault injected into the real server (no request above makes one any more): its
+    500 is in the API's shape, and the client's kept-alive connection takes its next
+    request (Starlette's own 500 handler raised again, and uvicorn closed it)."""
+
+    def broken(request):
+        raise RuntimeError("injected\nfault")
+
+    body = json.dumps(GOOD[path]).encode()
+    request = (
+        f"POST /v1{path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        monkeypatch.setattr(server.app.state.handlers, "check_host", broken)
+        sock.sendall(request)
+        status, error, rest = read_one(sock)
+        monkeypatch.undo()
+        assert status == 500
+        shaped = error_of(_Seen(json.dumps(error), 500, JSON), path)
+        assert shaped["type"] in ("server_error", "api_error"), error
+        sock.sendall(request)
+        status, answer, _ = read_one(sock, rest)
+    assert status == 200 and answer["usage"], answer
+    settled(server)
+
+
 # -- slow clients ----------------------------------------------------------------------------------
 
 
@@ -799,6 +848,9 @@ async def fire(url: str, n: int) -> list[tuple[str, int, str, str]]:
             return path, response.status_code, kind, response.text
 
         return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+JSON = "application/json"
 
 
 class _Seen:
