@@ -87,7 +87,7 @@ log = logging.getLogger("mlx_nbengine.server")
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff): text only as half of a pair.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -211,7 +211,9 @@ class _App:
             raise APIError("the client disconnected before its body was sent", status=499) from None
         raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
+            # UTF-8 only (a BOM taken), strictly: json.loads of bytes would let encoded
+            # surrogates through, which tokenizers refuse.
+            body = json.loads(raw.decode("utf-8-sig"))
         except (ValueError, UnicodeDecodeError):
             raise APIError("the request body is not valid JSON") from None
         except RecursionError:
