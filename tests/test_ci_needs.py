@@ -60,4 +60,4 @@ def test_outside_ci_the_kernel_tests_skip_with_the_reason(tmp_path):
     done = pytest_without_a_compiler(home, "tests/test_grid_quantize.py", ci=False)
     assert done.returncode == 0, done.stdout + done.stderr
     skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) == 1 and "kernels not active: not built: no C++ compiler" in skips[0]
+    assert skips and all("kernels not active: not built: no C++ compiler" in s for s in skips)
