@@ -18,6 +18,7 @@ __all__ = [
     "model_classes",
     "set_window_state",
     "subclass_instance",
+    "unsubclass_instance",
     "window_in_token_order",
 ]
 
@@ -70,3 +71,10 @@ def subclass_instance(instance: Any, subclass: type) -> None:
     if not issubclass(subclass, type(instance)):
         raise TypeError(f"{subclass.__name__} does not subclass {type(instance).__name__}")
     instance.__class__ = subclass
+
+
+def unsubclass_instance(instance: Any, cls: type) -> None:
+    """Give `instance` its class `cls` back (a superclass of its own, `subclass_instance`)."""
+    if not issubclass(type(instance), cls):
+        raise TypeError(f"{type(instance).__name__} does not subclass {cls.__name__}")
+    instance.__class__ = cls
