@@ -66,6 +66,7 @@ else one made), a few steps, writing only ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import statistics
 import sys
@@ -146,7 +147,7 @@ def decode_steps(
     our kernels' for a routed variant (OpenBLAS on one), OpenBLAS's for the others."""
     state = {}
     for name, (lm, _) in variants.items():
-        use(True)  # prefill dequantizes onto the BLAS: MLX's CPU kernel takes minutes here
+        use(lm, True)  # prefill dequantizes onto the BLAS: MLX's CPU kernel takes minutes here
         cache = lm.make_cache()
         logits = lm.model(mx.array([ids] * rows), cache=cache)
         token = mx.argmax(logits[:, -1:, :], axis=-1)
@@ -159,7 +160,7 @@ def decode_steps(
     }
     for _ in range(rounds):
         for name, (lm, routed) in variants.items():
-            use(routed)
+            use(lm, routed)
             set_step_threads(threads, decode=routed)
             cache, token = state[name]
 
@@ -194,11 +195,14 @@ def decode_steps(
     }
 
 
-def use(routed: bool) -> None:
-    if routed:
-        qroute.install()
-    else:
-        qroute.uninstall()
+_SUSPENDED = contextlib.ExitStack()  # the unrouted variant's model on the library's products
+
+
+def use(lm, routed: bool) -> None:
+    _SUSPENDED.close()
+    if not routed:
+        quantized = (qroute.LINEAR, qroute.EMBEDDING_HEAD, *qroute.SWIGLU_MLPS)
+        _SUSPENDED.enter_context(lm.routing.suspended(*quantized))
 
 
 def llama_cpp_missing(gguf: Path | None) -> str | None:

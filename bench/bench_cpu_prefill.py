@@ -47,6 +47,7 @@ else one made), small sizes, writing only ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -85,11 +86,13 @@ TEXT = "The river stone sat under seven green lamps by the ocean window. "
 VARIANTS = ("ours", "mlx")
 
 
+_LIBRARY = contextlib.ExitStack()  # MLX's attention for the "mlx" variant
+
+
 def use(variant: str) -> None:
-    if variant == "ours":
-        attnroute.install()
-    else:
-        attnroute.uninstall()
+    _LIBRARY.close()
+    if variant != "ours":
+        _LIBRARY.enter_context(attnroute.ATTENTION.library_functions())
 
 
 def prefill_step(lm, x: list[int], cache: list, *, last: bool) -> float:

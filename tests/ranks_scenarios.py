@@ -86,24 +86,23 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
     out["rank0_only"] = [alone.tokens == cold["edited"], [(b.source, b.reason) for b in blocks]]
     engine.clear_cache()
     out["cleared"] = [w["store"]["blocks_held"] for w in engine.stats()["sharded"]["workers"]]
-    out["kernels"] = kernels_in_use(out["pids"])
+    out["kernels"] = kernels_in_use(out["pids"], engine.model.routing.names())
     engine.close()
     return out
 
 
-def kernels_in_use(pids: list[int]) -> dict:
-    """Rank 0's kernel set and routes (quantized products, attention), and whether each
-    worker process has our kernels' module loaded."""
+def kernels_in_use(pids: list[int], routes: tuple[str, ...]) -> dict:
+    """Rank 0's kernel set and routes (quantized products, attention: of `routes`, its
+    model's), and whether each worker process has our kernels' module loaded."""
     from mlx_nbengine import kernels
     from mlx_nbengine.kernels.build import MODULE_NAME
-    from mlx_nbengine.models import attnroute, qroute
 
     def loaded(pid: int) -> bool:
         with open(f"/proc/{pid}/maps") as maps:
             return MODULE_NAME in maps.read()
 
     return {
-        "rank0": [kernels.status().isa, qroute.installed(), attnroute.installed()],
+        "rank0": [kernels.status().isa, "quantized-linear" in routes, "attention" in routes],
         "workers": [loaded(pid) for pid in pids],
     }
 

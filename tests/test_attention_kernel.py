@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import random
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ from kernelsets import attention_isa_or_skip as isa_or_skip
 from mlx_nbengine import Engine, kernels
 from mlx_nbengine.kernels import digest
 from mlx_nbengine.models import attnroute, fastops, layerroute, load
+from mlx_nbengine.models.routes import Routing
 from mlx_nbengine.testing import EXTRA_FAMILIES, FAMILIES, VISION_FAMILIES
 
 # Measured 2026-12-01 on an AMD EPYC (Zen 4), every case below on every set: the largest
@@ -184,7 +186,7 @@ def test_mlx_lm_still_reaches_attention_through_mx_fast():
     )
     # The wrapper passes these by name to MLX's own function (a nanobind function: its
     # signature is the first line of its docstring).
-    original = attnroute._original.get("sdpa", mx.fast.scaled_dot_product_attention)
+    original = attnroute.ATTENTION.library["scaled_dot_product_attention"]
     signature = original.__doc__.strip().splitlines()[0]
     for name in ("q", "k", "v", "scale", "mask", "sinks", "stream"):
         assert f"{name}:" in signature, f"MLX's attention lost its argument {name!r}"
@@ -206,9 +208,11 @@ def test_routable_takes_what_the_kernel_handles_and_nothing_else():
 
 @pytest.fixture
 def routed():
-    assert attnroute.install()
-    yield
-    attnroute.install()
+    """Attention routed for the test (as a model on the CPU holds it), released after it."""
+    routing = Routing()
+    assert attnroute.route(routing)
+    yield routing
+    routing.release()
 
 
 def test_a_routed_call_runs_on_the_kernel(routed, monkeypatch):
@@ -220,8 +224,8 @@ def test_a_routed_call_runs_on_the_kernel(routed, monkeypatch):
     assert calls and calls[0]["causal"] is True
     additive = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mx.zeros((7, 30)))
     assert len(calls) == 1  # the library's own
-    attnroute.uninstall()
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    library = attnroute.ATTENTION.library["scaled_dot_product_attention"]
+    want = library(q, k, v, scale=0.125, mask="causal")
     assert largest_difference(got, want) <= TOLERANCE
     assert largest_difference(additive, reference(q, k, v, scale=0.125)) <= TOLERANCE
 
@@ -263,9 +267,9 @@ def test_every_tiny_family_gives_the_same_greedy_tokens_with_and_without_the_ker
     fast_logits = lm.model(prompt[None])
     fast_tokens = [t for t, _ in generate_step(prompt, lm.model, max_tokens=16)]
     assert calls, "the model's attention did not reach the kernel"
-    attnroute.uninstall()
-    slow_logits = lm.model(prompt[None])
-    slow_tokens = [t for t, _ in generate_step(prompt, lm.model, max_tokens=16)]
+    with lm.routing.suspended(attnroute.ATTENTION):
+        slow_logits = lm.model(prompt[None])
+        slow_tokens = [t for t, _ in generate_step(prompt, lm.model, max_tokens=16)]
     scale = mx.abs(slow_logits).max().item()
     assert mx.abs(fast_logits - slow_logits).max().item() <= LOGIT_TOLERANCE * scale
     assert fast_tokens == slow_tokens
@@ -289,24 +293,22 @@ def test_an_edited_rerun_restores_with_the_kernel_exactly_as_without(
     def edited_run(directory, *, with_kernel: bool):
         (directory / "cold").mkdir(parents=True)
         engine = Engine.load(path, block_size=16, cache_dir=directory)
+        routes = () if with_kernel else (attnroute.ATTENTION,)
         try:
-            if not with_kernel:
-                attnroute.uninstall()
-            engine.submit(_prompt(133), max_tokens=6).result(timeout=60)
-            engine.submit(_prompt(20, seed=777), max_tokens=2).result(timeout=60)
-            engine.wait_for_saves(timeout=60)
-            done = engine.submit(edit, max_tokens=6).result(timeout=60)
+            with engine.model.routing.suspended(*routes) if routes else nullcontext():
+                engine.submit(_prompt(133), max_tokens=6).result(timeout=60)
+                engine.submit(_prompt(20, seed=777), max_tokens=2).result(timeout=60)
+                engine.wait_for_saves(timeout=60)
+                done = engine.submit(edit, max_tokens=6).result(timeout=60)
             cold = Engine.load(path, block_size=16, cache_dir=directory / "cold")
             try:
-                if not with_kernel:
-                    attnroute.uninstall()
-                cold_tokens = cold.submit(edit, max_tokens=6).result(timeout=60).tokens
+                with cold.model.routing.suspended(*routes) if routes else nullcontext():
+                    cold_tokens = cold.submit(edit, max_tokens=6).result(timeout=60).tokens
             finally:
                 cold.close()
             return done, cold_tokens
         finally:
             engine.close()
-            attnroute.install()
 
     fast, fast_cold = edited_run(tmp_path / "fast", with_kernel=True)
     slow, slow_cold = edited_run(tmp_path / "slow", with_kernel=False)
@@ -336,14 +338,13 @@ def test_every_tiny_vision_family_answers_an_image_prompt_alike_with_and_without
 
     def answer(*, with_kernel: bool) -> list[int]:
         engine = Engine.load(path, block_size=16, store=False)
+        routes = () if with_kernel else (attnroute.ATTENTION,)
         try:
-            if not with_kernel:
-                attnroute.uninstall()
-            done = engine.submit(_image_chat(), images=[image], max_tokens=8).result(timeout=120)
-            return done.tokens
+            with engine.model.routing.suspended(*routes) if routes else nullcontext():
+                chat = engine.submit(_image_chat(), images=[image], max_tokens=8)
+                return chat.result(timeout=120).tokens
         finally:
             engine.close()
-            attnroute.install()
 
     fast = answer(with_kernel=True)
     assert calls, "the vision model's attention did not reach the kernel"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,6 +17,7 @@ from mlx_nbengine.models import (
     fingerprint_directory,
     layerroute,
     load,
+    routes,
 )
 
 
@@ -43,19 +45,20 @@ def test_fused_gelu_matches_the_exact_tanh_formula_and_mlx_gelu_approx():
     assert np.array(cpu_math.gelu_tanh(special)).tolist() == [np.inf, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("module_name,class_name", cpu_math._GELU_MLPS)
-def test_every_listed_library_mlp_still_computes_the_restated_expression(module_name, class_name):
-    # If mlx-lm or mlx-vlm change this MLP, the swap silently stops: this test says so.
-    cls = getattr(importlib.import_module(module_name), class_name)
-    assert cpu_math._fast_class(cls) is not None
+@pytest.mark.parametrize("route", cpu_math.GELU_MLPS, ids=lambda route: route.name)
+def test_every_listed_library_mlp_still_computes_the_restated_expression(route):
+    # If mlx-lm or mlx-vlm change this MLP, the swap stops (with one line): this test says so.
+    [body] = route.bodies
+    importlib.import_module(body.module)
+    assert not body.changed(), f"{body.name} changed"
 
 
 def test_an_mlp_computing_something_else_is_never_swapped():
-    class OtherMLP(nn.Module):
-        def __call__(self, x):
-            return self.down_proj(nn.gelu(self.gate_proj(x)) * self.up_proj(x))
+    def other(self, x):
+        return self.down_proj(nn.gelu(self.gate_proj(x)) * self.up_proj(x))
 
-    assert cpu_math._fast_class(OtherMLP) is None
+    [body] = cpu_math.GELU_MLPS[0].bodies
+    assert routes.body_digest(inspect.getsource(other)) != routes.body_digest(body.source)
 
 
 def test_loading_a_float32_gemma_on_cpu_swaps_every_mlp_and_keeps_its_greedy_output(
@@ -99,4 +102,4 @@ def test_other_families_and_other_dtypes_are_left_as_the_library_wrote_them(tiny
     )
     bf16 = load(tiny_model_dir("gemma3_text"), dtype="bfloat16")
     assert all(type(layer.mlp).__name__ == "MLP" for layer in bf16.model.layers)
-    assert cpu_math.speed_up(bf16.model) == 0
+    assert cpu_math.speed_up(bf16.model, routes.Routing()) == 0

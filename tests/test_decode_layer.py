@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import rowops
-from mlx_nbengine.models import fastops, layerroute, load, qroute
+from mlx_nbengine.models import layerroute, load
 from mlx_nbengine.testing import make_tiny_quantized_model
 
 pytestmark = needs_kernels
@@ -219,25 +219,21 @@ def decode_logits(lm, prompt: list[int], *, rows: int, steps: int) -> list[mx.ar
 def test_the_library_layer_and_attention_are_what_we_restate():
     from mlx_lm.models import gemma3_text
 
-    block = gemma3_text.TransformerBlock
-    library = layerroute._library.get(block, block.__call__)
-    assert qroute.method_body(library) == layerroute.EXPECTED_BLOCK, "mlx-lm changed the layer"
-    attention = qroute.method_body(gemma3_text.Attention.__call__)
-    assert attention == layerroute.EXPECTED_ATTENTION, "mlx-lm changed the attention"
+    block, attention = layerroute.LAYER.bodies
+    assert block.library() is gemma3_text.TransformerBlock.__call__
+    assert not block.changed(), "mlx-lm changed the layer"
+    assert not attention.changed(), "mlx-lm changed the attention"
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_quantized_gemma_decodes_the_same_logits_with_and_without_the_fused_layers(tiny_q8, rows):
     lm = load(tiny_q8)
-    assert layerroute.installed() and fastops.installed()
+    assert {"gemma3-decoder-layer", "rows"} <= set(lm.routing.names())
     # Past the tiny model's sliding window (mlx_nbengine.testing): a rotating cache's offsets.
     prompt = list(range(5, 45))
     fused = decode_logits(lm, prompt, rows=rows, steps=30)
-    layerroute.uninstall()
-    try:
+    with lm.routing.suspended(layerroute.LAYER):
         unfused = decode_logits(lm, prompt, rows=rows, steps=30)
-    finally:
-        layerroute.install()
     for step, (a, b) in enumerate(zip(fused, unfused, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"
 

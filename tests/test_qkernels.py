@@ -193,11 +193,11 @@ def test_the_gemm_gives_the_same_bits_under_avx2_and_avx512(bits):
     assert mx.array_equal(two, five).item()
 
 
-def test_the_patched_library_methods_are_what_we_restate():
+def test_the_routed_library_methods_are_what_we_restate():
     # Fails when an MLX update changes QuantizedLinear.__call__ or QuantizedEmbedding.as_linear:
-    # then read the new methods and update qroute's EXPECTED_SOURCE and replacements.
-    for cls, name in qroute.EXPECTED_SOURCE:
-        assert qroute.matches_library(cls, name), f"mlx changed {cls.__name__}.{name}"
+    # then read the new methods and update qroute's bodies and replacements.
+    for route in (qroute.LINEAR, qroute.EMBEDDING_HEAD):
+        assert all(not body.changed() for body in route.bodies), f"mlx changed {route.name}"
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +231,12 @@ def test_a_quantized_model_decodes_the_same_tokens_with_and_without_the_kernels(
 ):
     # Gemma's GELU MLP and Llama's SwiGLU MLP each run as one gated-MLP primitive.
     lm = load(request.getfixturevalue("tiny_q4" if family == "gemma3_text" else "tiny_llama_q8"))
-    assert qroute.installed()
+    assert "quantized-linear" in lm.routing.names()
     prompt = lm.tokenizer.encode("The Eiffel Tower is located in the city of")
     with_kernels = greedy(lm, prompt, rows=rows, steps=24)
-    qroute.uninstall()
-    try:
+    quantized = (qroute.LINEAR, qroute.EMBEDDING_HEAD, *qroute.SWIGLU_MLPS)
+    with lm.routing.suspended(*quantized):
         without = greedy(lm, prompt, rows=rows, steps=24)
-    finally:
-        qroute.install()
     assert with_kernels == without
 
 
@@ -297,11 +295,8 @@ def test_a_decode_step_runs_each_mlp_as_one_primitive(request, family):
     cache = lm.make_cache()
     mx.eval(lm.model(mx.array([[1, 2, 3]]), cache=cache), [c.state for c in cache])
     # Gemma 3's whole layer is routed too (tests/test_decode_layer.py): the MLP on its own here.
-    layerroute.uninstall()
-    try:
+    with lm.routing.suspended(layerroute.LAYER):
         step = lm.model(mx.array([[4]]), cache=cache)
-    finally:
-        layerroute.install()
     dot = Path(request.config.cache.mkdir("graphs")) / f"{family}.dot"
     mx.export_to_dot(str(dot), step)
     text = dot.read_text()
@@ -373,11 +368,12 @@ def test_a_failed_build_says_one_line_and_models_run_as_before(tmp_path, tiny_q4
         "import mlx_nbengine\n"
         "import mlx.core as mx\n"
         "from mlx_nbengine import kernels\n"
-        "from mlx_nbengine.models import load, qroute\n"
+        "from mlx_nbengine.models import load\n"
         f"lm = load({str(tiny_q4)!r})\n"
         "logits = lm.model(mx.array([[1, 2, 3]]))\n"
         "mx.eval(logits)\n"
-        "print(kernels.status().active, qroute.installed(), logits.shape[-1])\n"
+        "routed = 'quantized-linear' in lm.routing.names()\n"
+        "print(kernels.status().active, routed, logits.shape[-1])\n"
     )
     env = {**os.environ, "CXX": "false", "MLX_NBENGINE_HOME": str(tmp_path / "home")}
     env.pop(kernels.MODE_ENV, None)

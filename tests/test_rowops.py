@@ -18,6 +18,7 @@ from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import digest, rowops
 from mlx_nbengine.models import fastops, load
+from mlx_nbengine.models.routes import Routing
 from mlx_nbengine.testing import make_tiny_model
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -26,8 +27,8 @@ pytestmark = needs_kernels
 
 
 def library(name: str):
-    """MLX's own function, whether or not fastops has replaced it in this process."""
-    return fastops._original.get(name, getattr(mx.fast, name))  # noqa: SLF001
+    """MLX's own function, whether or not a model holds fastops' route in this process."""
+    return fastops.ROWS.library[name]
 
 
 def normal(shape, seed: int) -> mx.array:
@@ -103,8 +104,16 @@ def test_rope_reads_a_transposed_view_in_place(isa):
     assert mx.all(mx.abs(rowops.rope(x, 64, isa=isa, **args) - want) <= rope_bound(want, 45)).item()
 
 
-def test_routed_calls_run_on_the_kernels_and_others_on_mlx():
-    assert fastops.install()
+@pytest.fixture
+def routing():
+    """What a model on the CPU holds, released after the test."""
+    held = Routing()
+    yield held
+    held.release()
+
+
+def test_routed_calls_run_on_the_kernels_and_others_on_mlx(routing):
+    assert routing.hold(fastops.ROWS)
     x = normal((1, 3, 640), 8)
     w = normal((640,), 9)
     assert mx.array_equal(mx.fast.rms_norm(x, w, 1e-6), rowops.rms_norm(x, w, 1e-6)).item()
@@ -122,7 +131,7 @@ def test_routed_calls_run_on_the_kernels_and_others_on_mlx():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
 def test_a_model_decodes_the_same_tokens_with_and_without_the_kernels(tmp_path, family):
     lm = load(make_tiny_model(family, tmp_path / family))
-    assert fastops.installed()
+    assert "rows" in lm.routing.names()
     prompt = lm.tokenizer.encode("The Eiffel Tower is located in the city of")
 
     def greedy() -> list[int]:
@@ -135,21 +144,19 @@ def test_a_model_decodes_the_same_tokens_with_and_without_the_kernels(tmp_path, 
         return out
 
     with_kernels = greedy()
-    fastops.uninstall()
-    try:
+    with lm.routing.suspended(fastops.ROWS, *fastops.OFFSET_NORMS):
         without = greedy()
-    finally:
-        fastops.install()
     assert with_kernels == without
 
 
-def test_gemma_norms_add_one_to_their_weight_once_while_it_stays_the_same():
+def test_gemma_norms_add_one_to_their_weight_once_while_it_stays_the_same(routing):
     # Fails when mlx-lm changes Gemma's RMSNorm: then read it and update fastops.
     import mlx_lm.models.gemma3_text as gemma3
 
-    assert gemma3.RMSNorm in fastops._offset_norm_classes()  # noqa: SLF001
-    assert fastops.install()
+    route = next(r for r in fastops.OFFSET_NORMS if r.library_class() is gemma3.RMSNorm)
+    assert all(not body.changed() for body in route.bodies)
     norm = gemma3.RMSNorm(64, eps=1e-6)
+    assert fastops.route(norm, routing) and route.routes(norm)
     x = normal((1, 2, 64), 11)
     first = norm(x)
     assert mx.allclose(first, library("rms_norm")(x, 1.0 + norm.weight, 1e-6), atol=1e-6).item()

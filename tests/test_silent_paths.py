@@ -21,6 +21,7 @@ from kernelsets import needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import _blas
 from mlx_nbengine.models import cpu_math, fastops, layerroute, load, qroute
+from mlx_nbengine.models.routes import Body
 from mlx_nbengine.testing import make_tiny_model, make_tiny_quantized_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,59 +99,61 @@ def stderr_lines(capsys, words: str) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if words in line]
 
 
-@pytest.fixture
-def fresh_routes():
-    """The routes installed anew by the test's loads, and anew after it (unpatched)."""
-    for route in (qroute, fastops, layerroute):
-        route.uninstall()
-    yield
-    for route in (qroute, fastops, layerroute):
-        route.uninstall()
+def changed(route, source: str = "return self.down_proj(other(x))") -> tuple[Body, ...]:
+    """`route`'s bodies with the first one restated as `source` (the library's no longer
+    matches it)."""
+    first, *rest = route.bodies
+    return (Body(first.module, first.qualname, source), *rest)
 
 
 @needs_kernels
-def test_the_swiglu_route_says_what_it_falls_back_to(tmp_path, capsys, monkeypatch, fresh_routes):
-    monkeypatch.setattr(qroute, "_SWIGLU_BODY", "return self.down_proj(other(x))")
+def test_the_swiglu_route_says_what_it_falls_back_to(tmp_path, capsys, monkeypatch):
+    for route in qroute.SWIGLU_MLPS:
+        monkeypatch.setattr(route, "bodies", changed(route))
     capsys.readouterr()
     lm = load(make_tiny_quantized_model("llama", tmp_path / "q4"))
     [line] = stderr_lines(capsys, "SwiGLU")
-    assert line.startswith("mlx_nbengine: the fused SwiGLU MLP is not used for llama, qwen2, qwen3")
-    assert "the library's MLP (three products, not one)" in line
-    assert qroute.installed()  # the projections still run on the kernels
-    mlp = type(lm.model.layers[0].mlp)
-    assert (mlp, "__call__") not in qroute._originals  # the library's own MLP
+    assert line == (
+        "mlx_nbengine: the fused SwiGLU MLP is not used for llama: "
+        "mlx_lm.models.llama.MLP.__call__ is not the body restated (route swiglu-mlp-llama, "
+        "read from mlx 0.32.4, mlx-lm 0.32.2); its decode steps run the library's MLP "
+        "(three products, not one)"
+    )
+    assert "quantized-linear" in lm.routing.names()  # the projections still run on the kernels
+    mlp = lm.model.layers[0].mlp
+    assert type(mlp) is qroute.SWIGLU_MLPS[0].library_class()  # the library's own MLP
     load(make_tiny_quantized_model("llama", tmp_path / "q4-again", seed=1))
     assert stderr_lines(capsys, "SwiGLU") == []  # once
 
 
 @needs_kernels
-def test_the_layer_route_says_what_it_falls_back_to(
-    tiny_model_dir, capsys, monkeypatch, fresh_routes
-):
-    monkeypatch.setattr(layerroute, "EXPECTED_BLOCK", "return x")
+def test_the_layer_route_says_what_it_falls_back_to(tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(layerroute.LAYER, "bodies", changed(layerroute.LAYER, "return x"))
     capsys.readouterr()
     lm = load(tiny_model_dir("gemma3_text"))
     [line] = stderr_lines(capsys, "decoder layer")
     assert line == (
         "mlx_nbengine: Gemma 3's decoder layer is not fused: "
         "mlx_lm.models.gemma3_text.TransformerBlock.__call__ is not the body restated "
-        "(layerroute.EXPECTED_BLOCK); its decode steps run mlx-lm's unfused layer "
-        "(about 16 graph nodes a layer)"
+        "(route gemma3-decoder-layer, read from mlx-lm 0.32.2); its decode steps run mlx-lm's "
+        "unfused layer (about 16 graph nodes a layer)"
     )
-    assert not layerroute.installed() and "layer-" not in (lm.variant or "")
+    assert "layer-" not in (lm.variant or "")
+    assert not any(layerroute.LAYER.routes(layer) for layer in lm.model.layers)
     load(tiny_model_dir("gemma3_text"))
     assert stderr_lines(capsys, "decoder layer") == []  # once
 
 
 def test_the_cpu_gelu_says_what_it_falls_back_to(tiny_model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(cpu_math, "_GELU_MLP_EXPRESSION", "return self.down_proj(other(x))")
-    monkeypatch.setattr(cpu_math, "_swapped", {})
+    for route in cpu_math.GELU_MLPS:
+        monkeypatch.setattr(route, "bodies", changed(route))
     capsys.readouterr()
     lm = load(tiny_model_dir("gemma3_text"))
     [line] = stderr_lines(capsys, "CPU GELU")
     assert line == (
-        "mlx_nbengine: the CPU GELU is not used for mlx_lm.models.gemma3_text.MLP: its "
-        "__call__ is not the expression restated (cpu_math._GELU_MLP_EXPRESSION); it runs "
+        "mlx_nbengine: the CPU GELU is not used for mlx_lm.models.gemma3_text.MLP: "
+        "mlx_lm.models.gemma3_text.MLP.__call__ is not the body restated "
+        "(route cpu-gelu-gemma3_text, read from mlx-lm 0.32.2, mlx-vlm 0.7.10); it runs "
         "the library's nn.gelu_approx (about 3.5x slower on the CPU)"
     )
     assert all(type(layer.mlp).__name__ == "MLP" for layer in lm.model.layers)
@@ -160,16 +163,18 @@ def test_the_cpu_gelu_says_what_it_falls_back_to(tiny_model_dir, capsys, monkeyp
 
 
 @needs_kernels
-def test_gemma_norms_say_what_they_fall_back_to(tiny_model_dir, capsys, monkeypatch, fresh_routes):
-    monkeypatch.setattr(fastops, "_OFFSET_NORM_BODY", "return other(x)")
+def test_gemma_norms_say_what_they_fall_back_to(tiny_model_dir, capsys, monkeypatch):
+    for route in fastops.OFFSET_NORMS:
+        monkeypatch.setattr(route, "bodies", changed(route, "return other(x)"))
     capsys.readouterr()
     lm = load(tiny_model_dir("gemma3_text"))
     [line] = stderr_lines(capsys, "Gemma's norms")
     assert line == (
-        "mlx_nbengine: Gemma's norms keep their library call for gemma, gemma2, gemma3_text: "
-        "mlx-lm's RMSNorm.__call__ there is not the line restated (fastops._OFFSET_NORM_BODY); "
+        "mlx_nbengine: Gemma's norms keep their library call for gemma3_text: "
+        "mlx_lm.models.gemma3_text.RMSNorm.__call__ is not the body restated "
+        "(route offset-norm-gemma3_text, read from mlx 0.32.4, mlx-lm 0.32.2); "
         "they add 1 to their weight on every call (two graph nodes a norm more), and Gemma 3's "
         "decoder layer is not fused"
     )
-    assert fastops.installed()  # mx.fast.rms_norm and rope still run on the kernels
+    assert "rows" in lm.routing.names()  # mx.fast.rms_norm and rope still run on the kernels
     assert fastops.offset_norm_weight(lm.model.layers[0].input_layernorm) is None

@@ -433,7 +433,9 @@ class Engine(StoreFace):
         self._io.close(drain_s=PERSIST_DRAIN_S if self.persist_dir is not None else 0.0)
         if self.sharded is not None:
             self.sharded.close()  # every worker stops; each deletes its scratch file
-        self.model = None
+        model, self.model = self.model, None
+        if model is not None:  # mx.fast and the library's classes are the user's again
+            model.release_routes()
         _open_engines.discard(self)
 
     def _closed_line(self) -> str:

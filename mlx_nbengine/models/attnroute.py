@@ -4,8 +4,10 @@ mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``, which 
 ``mx.fast.scaled_dot_product_attention`` for an unquantized cache; some models (and
 mlx-vlm's) call ``mx.fast.scaled_dot_product_attention`` directly. Each model module imports
 mlx-lm's function by name, so replacing that function would miss the modules already
-imported; `install` replaces ``mx.fast.scaled_dot_product_attention`` itself, which both
-paths look up at call time.
+imported; `ATTENTION`, a `routes.ProcessRoute`, replaces
+``mx.fast.scaled_dot_product_attention`` itself, which both paths look up at call time, while
+a model holds it (the library's is back once the last one lets go). It applies only while
+mlx-lm's function is the body restated (it must still look ours up).
 
 A *routed* call is one our kernel (`mlx_nbengine.kernels.attention`) handles: float32
 queries, keys and values of 4 dimensions with grouped-query heads, on the CPU device, no
@@ -29,8 +31,9 @@ import mlx.core as mx
 
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import digest
+from mlx_nbengine.models.routes import Body, ProcessRoute, Routing
 
-__all__ = ["VARIANT_SOURCES", "install", "installed", "routable", "uninstall", "variant"]
+__all__ = ["ATTENTION", "VARIANT_SOURCES", "routable", "route", "variant"]
 
 # The files that decide a routed call's bits (`variant` is their digest): this module and the
 # attention kernels (the set's name comes from qkernels.h).
@@ -46,8 +49,6 @@ VARIANT_SOURCES = (
         "qkernels.h",
     ),
 )
-
-_original: dict[str, Any] = {}
 
 
 def _mask_fits(mask: Any, b: int, hq: int, length: int, keys: int) -> bool:
@@ -97,37 +98,58 @@ def _scaled_dot_product_attention(
         if isinstance(mask, str):
             return kernels.attention(q, k, v, scale=scale, causal=True)
         return kernels.attention(q, k, v, scale=scale, mask=mask)
-    return _original["sdpa"](q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs)
+    library = ATTENTION.library["scaled_dot_product_attention"]
+    return library(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs)
 
 
-def installed() -> bool:
-    """Whether attention routes to our kernel in this process."""
-    return bool(_original)
+# mlx-lm's attention function, which looks mx.fast's up at call time (the models that call
+# MLX directly do too).
+_MLX_LM_ATTENTION = """\
+if hasattr(cache, "bits"):
+    if sinks is not None:
+        raise ValueError("Quantized SDPA does not support attention sinks.")
+    return quantized_scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        scale=scale,
+        mask=mask,
+        group_size=cache.group_size,
+        bits=cache.bits,
+    )
+else:
+    return mx.fast.scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        scale=scale,
+        mask=mask,
+        sinks=sinks,
+    )"""
+
+ATTENTION = ProcessRoute(
+    name="attention",
+    bodies=(Body("mlx_lm.models.base", "scaled_dot_product_attention", _MLX_LM_ATTENTION),),
+    checked_with="mlx 0.32.4, mlx-lm 0.32.2",
+    refusal="the CPU attention kernel is not used",
+    fallback="attention runs MLX's own function",
+    namespace=mx.fast,
+    replacements={"scaled_dot_product_attention": _scaled_dot_product_attention},
+)
 
 
-def install() -> bool:
-    """Route CPU attention to our kernel (once) where the kernels are active; never raises.
-
-    Returns whether it is routed.
-    """
-    if _original:
-        return True
+def route(routing: Routing) -> bool:
+    """Route CPU attention to our kernel for a model (`ATTENTION` held by `routing`) where the
+    kernels are active; never raises. Returns whether it is routed."""
     if not kernels.status().active or kernels.attention_isa() is None:
         return False
-    _original["sdpa"] = mx.fast.scaled_dot_product_attention
-    mx.fast.scaled_dot_product_attention = _scaled_dot_product_attention
-    return True
-
-
-def uninstall() -> None:
-    """Give MLX its own attention back (tests compare both ways)."""
-    if _original:
-        mx.fast.scaled_dot_product_attention = _original.pop("sdpa")
+    return routing.hold(ATTENTION)
 
 
 def variant() -> str | None:
-    """What the fingerprint records while attention is routed (its kernel set, as the sets
-    differ in the last bits, and the digest of `VARIANT_SOURCES`), else None."""
-    if not _original:
+    """What the fingerprint records for a model whose attention is routed (its kernel set, as
+    the sets differ in the last bits, and the digest of `VARIANT_SOURCES`); None where the
+    kernels are not active."""
+    if not kernels.status().active or kernels.attention_isa() is None:
         return None
     return f"attn-{kernels.attention_isa()}-{digest.of_files(VARIANT_SOURCES)}"

@@ -15,9 +15,9 @@ minimax error); evaluated in float32 the error is at most 3.2e-7, a few float32 
 and a clip, ``mx.compile`` fuses it into one kernel (about 0.4 ns per operation and
 element here): about 3.5x faster than MLX's own GELU over a prefill step's activations.
 
-`speed_up(model)` swaps that GELU into the MLP modules of the families in `_GELU_MLPS`
-when the weights are float32 on the CPU, and only when the library's ``__call__`` is
-still the expression we restate (checked against its source), so an mlx-lm update that
+`speed_up(model, routing)` swaps that GELU into the MLP modules of the families in
+`GELU_MLPS` (one `routes.InstanceRoute` each) when the weights are float32 on the CPU, and
+only when the library's ``__call__`` is still the body we restate, so an mlx-lm update that
 changes the MLP leaves the model untouched. It changes outputs by float32 rounding
 only; `LoadedModel.fingerprint` records it (`variant`: a digest of the sources that decide
 its bits), so cached blocks are never shared with an unmodified model. Where the library's
@@ -26,9 +26,6 @@ its bits), so cached blocks are never shared with an unmodified model. Where the
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import sys
 from functools import partial
 from typing import Any
 
@@ -37,9 +34,10 @@ import mlx.nn as nn
 
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import digest, rowops
-from mlx_nbengine.models import fastops, patches, qroute
+from mlx_nbengine.models import fastops, qroute
+from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
-__all__ = ["VARIANT_SOURCES", "gelu_tanh", "runs_gelu_mlp", "speed_up", "variant"]
+__all__ = ["GELU_MLPS", "VARIANT_SOURCES", "gelu_tanh", "runs_gelu_mlp", "speed_up", "variant"]
 
 # The files that decide the swapped MLP's bits (`variant` is their digest): this module, the
 # row primitive of a prefill step's activation (fastops') and the fused gated MLP of a decode
@@ -87,15 +85,6 @@ def gelu_tanh(x: mx.array) -> mx.array:
     return 0.5 * x * (1.0 + tanh_rational(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
 
 
-# (module, class) of MLPs whose __call__ returns `_GELU_MLP_EXPRESSION`.
-_GELU_MLPS = (
-    ("mlx_lm.models.gemma3_text", "MLP"),
-    ("mlx_lm.models.gemma2", "MLP"),
-    ("mlx_vlm.models.gemma3.language", "MLP"),
-)
-_GELU_MLP_EXPRESSION = "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))"
-
-
 def _gelu_mlp_call(self, x: mx.array) -> mx.array:
     fused = qroute.routed_gated_mlp(self, x, "gelu_tanh")  # a quantized decode step
     if fused is not None:
@@ -114,79 +103,52 @@ def variant() -> str:
     return f"cpu-gelu-r44-{digest.of_files(VARIANT_SOURCES)}"
 
 
+# mlx-lm's and mlx-vlm's GELU MLPs (the module of each MLP class).
+GELU_MLPS = tuple(
+    InstanceRoute(
+        name=f"cpu-gelu-{family}",
+        bodies=(
+            Body(
+                module,
+                "MLP.__call__",
+                "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))",
+            ),
+        ),
+        checked_with="mlx-lm 0.32.2, mlx-vlm 0.7.10",
+        refusal=f"the CPU GELU is not used for {module}.MLP",
+        fallback="it runs the library's nn.gelu_approx (about 3.5x slower on the CPU)",
+        methods={"__call__": _gelu_mlp_call},
+        prefix="CpuGelu",
+    )
+    for family, module in (
+        ("gemma3_text", "mlx_lm.models.gemma3_text"),
+        ("gemma2", "mlx_lm.models.gemma2"),
+        ("vlm-gemma3", "mlx_vlm.models.gemma3.language"),
+    )
+)
+
+
 def runs_gelu_mlp(module: Any) -> bool:
     """Whether `module` is an MLP that `speed_up` swapped: its decode step runs
     ``kernels.gated_mlp(..., activation="gelu_tanh")`` where `qroute` routes its layers."""
-    return type(module).__call__ is _gelu_mlp_call
+    return any(each.routes(module) for each in GELU_MLPS)
 
 
-# library MLP class -> its subclass with `gelu_tanh`, or None where the library's differs
-_swapped: dict[type, type | None] = {}
+def _float32_gate(mlp: Any) -> bool:
+    gate = getattr(mlp, "gate_proj", None)
+    # A quantized gate computes in its scales' dtype (float32 after a float32 cast).
+    if isinstance(gate, nn.QuantizedLinear):
+        return gate.scales.dtype == mx.float32
+    return isinstance(gate, nn.Linear) and gate.weight.dtype == mx.float32
 
 
-def _fast_class(cls: type) -> type | None:
-    """The subclass of `cls` using `gelu_tanh`, or None when `cls` is not as expected (one
-    line on stderr says so, once per class)."""
-    if cls in _swapped:
-        return _swapped[cls]
-    try:
-        source = inspect.getsource(cls.__call__)
-    except (OSError, TypeError):
-        source = ""
-    if _GELU_MLP_EXPRESSION not in " ".join(source.split()):
-        print(
-            f"mlx_nbengine: the CPU GELU is not used for {cls.__module__}.{cls.__name__}: its "
-            "__call__ is not the expression restated (cpu_math._GELU_MLP_EXPRESSION); it runs "
-            "the library's nn.gelu_approx (about 3.5x slower on the CPU)",
-            file=sys.stderr,
-        )
-        _swapped[cls] = None
-        return None
-    fast = type(f"CpuGelu{cls.__name__}", (cls,), {"__call__": _gelu_mlp_call})
-    _swapped[cls] = fast
-    return fast
-
-
-def _mlp_classes() -> set[type]:
-    classes = set()
-    for module_name, class_name in _GELU_MLPS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        cls = getattr(module, class_name, None)
-        if isinstance(cls, type):
-            classes.add(cls)
-    return classes
-
-
-def speed_up(model: Any) -> int:
-    """Swap `gelu_tanh` into `model`'s GELU MLPs when it runs float32 on the CPU.
+def speed_up(model: Any, routing: Routing) -> int:
+    """Swap `gelu_tanh` into `model`'s GELU MLPs (`GELU_MLPS`, held by `routing`) when it runs
+    float32 on the CPU.
 
     Returns how many modules changed (0 on other devices, other dtypes, other
-    families, or when a library's MLP no longer matches `_GELU_MLP_EXPRESSION`).
+    families, or when a library's MLP is no longer the body restated).
     """
     if mx.default_device().type != mx.DeviceType.cpu:
         return 0
-    classes = _mlp_classes()
-    changed = 0
-    for _, module in model.named_modules():
-        cls = type(module)
-        if cls not in classes:
-            continue
-        gate = getattr(module, "gate_proj", None)
-        # A quantized gate computes in its scales' dtype (float32 after a float32 cast).
-        if isinstance(gate, nn.QuantizedLinear):
-            dtype = gate.scales.dtype
-        elif isinstance(gate, nn.Linear):
-            dtype = gate.weight.dtype
-        else:
-            continue
-        if dtype != mx.float32:
-            continue
-        fast = _fast_class(cls)
-        if fast is None:
-            continue
-        patches.subclass_instance(module, fast)
-        changed += 1
-    return changed
+    return sum(routing.swap(each, model, where=_float32_gate) for each in GELU_MLPS)

@@ -6,9 +6,9 @@ three reshapes, three transposes, the query and key norms, two RoPEs, the cache 
 attention, a transpose and a reshape, the output product, the post-attention norm, an add,
 the pre-MLP norm, the MLP, the post-MLP norm and another add: about 16 graph nodes per layer
 even with each operation on our kernels, each costing the Python that builds it and MLX's
-bookkeeping that runs it, while the step's products wait. While installed, the layer's
-``__call__`` (only where the library's layer and attention bodies are still
-`EXPECTED_BLOCK` and `EXPECTED_ATTENTION`) hands a *routed* step to
+bookkeeping that runs it, while the step's products wait. `LAYER`, a `routes.InstanceRoute`
+of a model's layers (only where the library's layer and attention bodies are still
+`EXPECTED_BLOCK` and `EXPECTED_ATTENTION`), hands a *routed* step to
 
 - `kernels.qkv_step`: the input norm, the q/k/v products, the heads' norms and RoPE;
 - the cache's own ``update_and_fetch`` and mlx-lm's attention function, as the library
@@ -34,7 +34,6 @@ same.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -46,15 +45,15 @@ from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
 from mlx_nbengine.kernels import digest
 from mlx_nbengine.models import cpu_math, fastops, qroute
+from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
 __all__ = [
     "EXPECTED_ATTENTION",
     "EXPECTED_BLOCK",
+    "LAYER",
     "VARIANT_SOURCES",
-    "install",
-    "installed",
     "plan_of",
-    "uninstall",
+    "route",
     "variant",
 ]
 
@@ -72,7 +71,7 @@ VARIANT_SOURCES = tuple(
     )
 )
 
-# The library's bodies we restate (as `qroute.method_body` gives them).
+# The library's bodies we restate.
 EXPECTED_BLOCK = """\
 r = self.self_attn(self.input_layernorm(x), mask, cache)
 h = clip_residual(x, self.post_attention_layernorm(r))
@@ -103,7 +102,6 @@ output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
 return self.o_proj(output)"""
 
 _MODULE = "mlx_lm.models.gemma3_text"
-_library: dict[type, Any] = {}  # the layer class -> its library __call__, while replaced
 # A layer's (arrays, plan), held on the layer itself (it goes with the model; not a parameter).
 _PLAN_ATTRIBUTE = "_mlx_nbengine_plan"
 
@@ -136,7 +134,7 @@ class _Plan:
 
 
 def _matrix(layer: Any) -> Matrix | None:
-    if not isinstance(layer, nn.QuantizedLinear) or layer.mode != "affine":
+    if not qroute.LINEAR.routes(layer) or layer.mode != "affine":
         return None
     if "biases" not in layer or "bias" in layer:
         return None
@@ -171,10 +169,11 @@ def _norms(block: Any) -> tuple[Any, ...]:
 
 
 def _arrays(block: Any) -> tuple[Any, ...]:
-    """The arrays a plan is made of (a plan is remade when any of them changes)."""
-    return tuple(
-        m.get(name) for m in _layers(block) + _norms(block) for name in ("weight", "scales")
-    )
+    """The arrays a plan is made of, and its modules' classes (routed or the library's): a
+    plan is remade when any of them changes."""
+    modules = (*_layers(block), *_norms(block), block.mlp)
+    arrays = tuple(m.get(name) for m in modules[:-1] for name in ("weight", "scales"))
+    return (*arrays, *map(type, modules))
 
 
 def _make_plan(block: Any) -> _Plan | None:
@@ -209,7 +208,7 @@ def _make_plan(block: Any) -> _Plan | None:
 
 def _plan(block: Any, x: mx.array, cache: Any) -> _Plan | None:
     """The plan of a routed step of `block` (see the module docstring), else None."""
-    if cache is None or not qroute.installed() or not fastops.installed():
+    if cache is None:
         return None
     if x.dtype != mx.float32 or x.ndim != 3 or not 1 <= x.shape[0] * x.shape[1] <= 8:
         return None
@@ -230,116 +229,78 @@ def plan_of(block: Any) -> _Plan | None:
     return None if held is None else held[1]
 
 
-def _call(library: Any, module: Any) -> Any:
-    def call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        plan = _plan(self, x, cache)
-        if plan is None:
-            return library(self, x, mask, cache)
-        note_kernel_products()  # the decode step's threads are our kernels'
-        rope = plan.rope
-        queries, keys, values = kernels.qkv_step(
-            x,
-            plan.q,
-            plan.k,
-            plan.v,
-            q_norm=plan.q_norm,
-            k_norm=plan.k_norm,
-            eps=plan.eps,
-            x_norm=plan.input_norm,
-            x_eps=plan.eps,
-            heads=plan.heads,
-            kv_heads=plan.kv_heads,
-            rope_dims=rope.dims,
-            traditional=rope.traditional,
-            base=rope.base,
-            scale=rope.scale,
-            offset=cache.offset,
-            group_size=plan.group_size,
-            bits=plan.bits,
-        )
-        keys, values = cache.update_and_fetch(keys, values)
-        output = module.scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
-        )
-        return kernels.block_tail(
-            output,
-            x,
-            plan.o,
-            plan.gate,
-            plan.up,
-            plan.down,
-            post_attn_norm=plan.post_attn_norm,
-            pre_ffn_norm=plan.pre_ffn_norm,
-            post_ffn_norm=plan.post_ffn_norm,
-            eps=plan.eps,
-            group_size=plan.group_size,
-            bits=plan.bits,
-            activation="gelu_tanh",
-        )
-
-    return call
+def _call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    plan = _plan(self, x, cache)
+    if plan is None:
+        return super(type(self), self).__call__(x, mask, cache)
+    note_kernel_products()  # the decode step's threads are our kernels'
+    rope = plan.rope
+    queries, keys, values = kernels.qkv_step(
+        x,
+        plan.q,
+        plan.k,
+        plan.v,
+        q_norm=plan.q_norm,
+        k_norm=plan.k_norm,
+        eps=plan.eps,
+        x_norm=plan.input_norm,
+        x_eps=plan.eps,
+        heads=plan.heads,
+        kv_heads=plan.kv_heads,
+        rope_dims=rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=cache.offset,
+        group_size=plan.group_size,
+        bits=plan.bits,
+    )
+    keys, values = cache.update_and_fetch(keys, values)
+    output = sys.modules[_MODULE].scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
+    )
+    return kernels.block_tail(
+        output,
+        x,
+        plan.o,
+        plan.gate,
+        plan.up,
+        plan.down,
+        post_attn_norm=plan.post_attn_norm,
+        pre_ffn_norm=plan.pre_ffn_norm,
+        post_ffn_norm=plan.post_ffn_norm,
+        eps=plan.eps,
+        group_size=plan.group_size,
+        bits=plan.bits,
+        activation="gelu_tanh",
+    )
 
 
-def installed() -> bool:
-    """Whether Gemma 3's decoder layer routes its decode steps to our primitives."""
-    return bool(_library)
+LAYER = InstanceRoute(
+    name="gemma3-decoder-layer",
+    bodies=(
+        Body(_MODULE, "TransformerBlock.__call__", EXPECTED_BLOCK),
+        Body(_MODULE, "Attention.__call__", EXPECTED_ATTENTION),
+    ),
+    checked_with="mlx-lm 0.32.2",
+    refusal="Gemma 3's decoder layer is not fused",
+    fallback="its decode steps run mlx-lm's unfused layer (about 16 graph nodes a layer)",
+    methods={"__call__": _call},
+)
 
 
-_refusal: list[str] = []  # why install refused, once said (it is not tried again)
-
-
-def _refuse(reason: str) -> bool:
-    if not _refusal:
-        _refusal.append(reason)
-        print(
-            f"mlx_nbengine: Gemma 3's decoder layer is not fused: {reason}; its decode steps "
-            "run mlx-lm's unfused layer (about 16 graph nodes a layer)",
-            file=sys.stderr,
-        )
-    return False
-
-
-def install() -> bool:
-    """Route (once) where the kernels are active and mlx-lm's layer and attention are still
-    `EXPECTED_BLOCK` and `EXPECTED_ATTENTION`; never raises. Returns whether it is routed.
-    A refusal for another library body is said on stderr in one line, once per process."""
-    if _library:
-        return True
-    if _refusal or not kernels.status().active:
+def route(model: Any, routing: Routing) -> bool:
+    """Route `model`'s Gemma 3 decoder layers (any it has) where the kernels are active and
+    mlx-lm's layer and attention are the bodies restated; never raises. Returns whether the
+    route is usable in this process, whatever the model's family: its variant names the
+    route on every model the kernels run (as it did when the route patched the class)."""
+    if not kernels.status().active or not routing.usable(LAYER):
         return False
-    try:
-        module = importlib.import_module(_MODULE)
-        cls = module.TransformerBlock
-        block = qroute.method_body(cls.__call__)
-        attention = qroute.method_body(module.Attention.__call__)
-    except (ImportError, AttributeError, OSError, TypeError, SyntaxError) as exc:
-        return _refuse(f"{_MODULE} cannot be read ({type(exc).__name__}: {exc})")
-    if block != EXPECTED_BLOCK:
-        return _refuse(
-            f"{_MODULE}.TransformerBlock.__call__ is not the body restated "
-            "(layerroute.EXPECTED_BLOCK)"
-        )
-    if attention != EXPECTED_ATTENTION:
-        return _refuse(
-            f"{_MODULE}.Attention.__call__ is not the body restated (layerroute.EXPECTED_ATTENTION)"
-        )
-    _library[cls] = cls.__call__
-    cls.__call__ = _call(cls.__call__, module)
+    routing.swap(LAYER, model)
     return True
 
 
-def variant() -> str | None:
-    """What the fingerprint records while the layer is routed (the digest of
-    `VARIANT_SOURCES`), else None."""
-    if not _library:
-        return None
+def variant() -> str:
+    """What the fingerprint records where the layer is routed (the digest of
+    `VARIANT_SOURCES`)."""
     return f"layer-{digest.of_files(VARIANT_SOURCES)}"
-
-
-def uninstall() -> None:
-    """Give the layer its library ``__call__`` back (tests compare both ways); a refusal is
-    forgotten, so the next `install` checks the library again."""
-    for cls, call in _library.items():
-        cls.__call__ = call
-    _library.clear()
-    _refusal.clear()

@@ -23,6 +23,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from mlx_nbengine.errors import InvalidRequestError, TokenizerError
+from mlx_nbengine.models.routes import Routing
 
 __all__ = ["LoadedModel"]
 
@@ -47,6 +48,15 @@ class LoadedModel:
     # What the fingerprint names beyond the files and dtype: the routes' variants joined by
     # "+" (e.g. "qmv-avx2-1f2e3d4c+attn-avx2-..."), None where the model runs as written.
     variant: str | None = None
+    # The routes this model holds (`models.routes`): its modules' routed classes and its holds
+    # on mx.fast's functions; `release_routes` gives them back.
+    routing: Routing = field(default_factory=Routing, repr=False)
+
+    def release_routes(self) -> None:
+        """Give back every route this model holds (Engine.close): its modules run the
+        library's classes again, and mx.fast has MLX's own functions once no other model holds
+        them. Idempotent."""
+        self.routing.release()
 
     @property
     def text_tokenizer(self) -> Any:

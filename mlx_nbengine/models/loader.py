@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from mlx_nbengine.models.architectures import model_kind
 from mlx_nbengine.models.default import default_model_dir
 from mlx_nbengine.models.gguf import convert
 from mlx_nbengine.models.loaded import LoadedModel
+from mlx_nbengine.models.routes import Routing
 from mlx_nbengine.models.sources import locate
 
 __all__ = ["fingerprint_directory", "load", "resolve"]
@@ -196,19 +198,32 @@ DEFAULT_CPU_BITS = 8
 DEFAULT_CPU_GROUP_SIZE = 32
 
 
-def _route_quantized(model: Any, *, requantize: bool) -> str | None:
+def _route_quantized(model: Any, routing: Routing, *, requantize: bool) -> str | None:
     """Put quantized layers on our CPU kernels; requantize the model first if asked and
     they run. Returns the variant the fingerprint records, or None."""
     if not _on_cpu():
         return None
-    if not (requantize or qroute.has_quantized_layers(model)) or not qroute.install():
+    if not (requantize or qroute.has_quantized_layers(model)) or not qroute.usable(routing):
         return None
-    if not requantize:
-        return qroute.variant()
-    weights = qroute.quantize_for_cpu(
-        model, bits=DEFAULT_CPU_BITS, group_size=DEFAULT_CPU_GROUP_SIZE
-    )
-    return f"{weights}+{qroute.variant()}"
+    weights = None
+    if requantize:
+        weights = qroute.quantize_for_cpu(
+            model, bits=DEFAULT_CPU_BITS, group_size=DEFAULT_CPU_GROUP_SIZE
+        )
+    qroute.route(model, routing)
+    return f"{weights}+{qroute.variant()}" if weights else qroute.variant()
+
+
+def _route(model: Any, routing: Routing, *, requantize: bool) -> str | None:
+    """Apply every route (`routes`) that fits `model` on this device, held by `routing`;
+    returns the variant the fingerprint records (their names and digests), or None."""
+    variants = [_route_quantized(model, routing, requantize=requantize)]
+    variants.append(cpu_math.variant() if cpu_math.speed_up(model, routing) else None)
+    if _on_cpu():
+        variants.append(attnroute.variant() if attnroute.route(routing) else None)
+        variants.append(fastops.variant() if fastops.route(model, routing) else None)
+        variants.append(layerroute.variant() if layerroute.route(model, routing) else None)
+    return "+".join(v for v in variants if v) or None
 
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -341,13 +356,9 @@ def load(
     if dtype is not None:
         _cast(model, dtype)
     # Each route's variant digests the sources that decide its bits (kernels.digest).
-    variants = [_route_quantized(model, requantize=requantize)]
-    variants.append(cpu_math.variant() if cpu_math.speed_up(model) else None)
-    variants.append(attnroute.variant() if _on_cpu() and attnroute.install() else None)
-    variants.append(fastops.variant() if _on_cpu() and fastops.install() else None)
-    variants.append(layerroute.variant() if _on_cpu() and layerroute.install() else None)
-    variant = "+".join(v for v in variants if v) or None
-    return LoadedModel(
+    routing = Routing()
+    variant = _route(model, routing, requantize=requantize)
+    lm = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         processor=processor,
@@ -359,4 +370,8 @@ def load(
         path=path,
         dtype=dtype,
         context_length=_context_length(config),
+        routing=routing,
     )
+    # A model dropped without Engine.close gives its routes back when it is collected.
+    weakref.finalize(lm, routing.release)
+    return lm

@@ -1,15 +1,15 @@
-"""Route MLX's quantized layers to our kernels on the CPU: the one module that patches them.
+"""Route MLX's quantized layers to our kernels on the CPU: the routes of quantized products.
 
-`install` replaces two methods of mlx.nn's quantized layers, for every model in the process:
+Three kinds of `routes.InstanceRoute`, applied to one model's modules (`route`), never to
+the library's classes:
 
-- ``QuantizedLinear.__call__``: every projection of an MLX-quantized model;
-- ``QuantizedEmbedding.as_linear``: the output head of a model whose head is tied to its
-  quantized embedding (Gemma's).
-
-and the ``__call__`` of mlx-lm's SwiGLU MLPs (`_SWIGLU_MLPS`, while their body is still
-`_SWIGLU_BODY`): a decode step's MLP of quantized projections is then one primitive
-(`routed_gated_mlp`: the gate and up products, the activation and the down product, in one
-graph node); Gemma's GELU MLPs reach it through `cpu_math`.
+- `LINEAR` (``QuantizedLinear.__call__``): every projection of an MLX-quantized model;
+- `EMBEDDING_HEAD` (``QuantizedEmbedding.as_linear``): the output head of a model whose head
+  is tied to its quantized embedding (Gemma's);
+- `SWIGLU_MLPS` (mlx-lm's llama / qwen2 / qwen3 ``MLP.__call__``): a decode step's MLP of
+  quantized projections as one primitive (`routed_gated_mlp`: the gate and up products, the
+  activation and the down product, in one graph node); Gemma's GELU MLPs reach it through
+  `cpu_math`.
 
 A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
 32, 64 or 128) on the CPU device, with any number of rows where the kernel set has its GEMM
@@ -19,18 +19,13 @@ rows ran 2-8x faster than MLX's dequantize + matmul); a long prefill step with t
 dequantized by our kernels a tile at a time onto the BLAS. A longer step of the portable set
 dequantizes with MLX and multiplies on the BLAS, about ten times faster on the CPU than
 ``mx.quantized_matmul``; anything else (other modes, the GPU) calls the library's own method.
-Both methods are patched only while their source is the expression we restate
-(`EXPECTED_SOURCE`), so an MLX that changes them keeps its own and one line says so;
-tests/test_qkernels.py fails loudly on such an MLX.
+Each route applies only while the library's body is the one restated (`routes.Body`); an
+MLX that changes them keeps its own and one line says so; tests/test_qkernels.py fails
+loudly on such an MLX.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import inspect
-import sys
-import textwrap
 from typing import Any
 
 import mlx.core as mx
@@ -40,20 +35,20 @@ import numpy as np
 from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
 from mlx_nbengine.kernels import digest
+from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
 __all__ = [
-    "EXPECTED_SOURCE",
+    "EMBEDDING_HEAD",
+    "LINEAR",
+    "SWIGLU_MLPS",
     "VARIANT_SOURCES",
     "has_quantized_layers",
-    "install",
-    "installed",
-    "matches_library",
-    "method_body",
     "product_arrays",
     "quantize_for_cpu",
+    "route",
     "routed_gated_mlp",
     "routed_matmul",
-    "uninstall",
+    "usable",
     "variant",
 ]
 
@@ -80,6 +75,8 @@ VARIANT_SOURCES = (
     ),
 )
 
+CHECKED_WITH = "mlx 0.32.4, mlx-lm 0.32.2"
+
 _QUANTIZED_MATMUL = """\
 mx.quantized_matmul(
     x,
@@ -91,41 +88,6 @@ mx.quantized_matmul(
     bits=self.bits,
     mode=self.mode,
 )"""
-
-# The library's bodies we restate, as `inspect.getsource` gives them (dedented, no docstring).
-EXPECTED_SOURCE = {
-    (nn.QuantizedLinear, "__call__"): (
-        "x = " + _QUANTIZED_MATMUL + '\nif "bias" in self:\n    x = x + self["bias"]\nreturn x'
-    ),
-    (nn.QuantizedEmbedding, "as_linear"): "return " + _QUANTIZED_MATMUL,
-}
-
-_originals: dict[tuple[type, str], Any] = {}
-
-
-def method_body(function: Any) -> str:
-    """A method's body without its signature (one line or several) and docstring, dedented,
-    blank lines dropped; comments inside the body kept."""
-    source = textwrap.dedent(inspect.getsource(function))
-    node = ast.parse(source).body[0]
-    assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-    statements = node.body
-    if (
-        len(statements) > 1
-        and isinstance(statements[0], ast.Expr)
-        and isinstance(statements[0].value, ast.Constant)
-        and isinstance(statements[0].value.value, str)
-    ):
-        statements = statements[1:]  # the docstring
-    lines = source.splitlines()[statements[0].lineno - 1 :]
-    body = textwrap.dedent("\n".join(lines)).strip()
-    return "\n".join(line for line in body.splitlines() if line.strip())
-
-
-def matches_library(cls: type, name: str) -> bool:
-    """Whether the library's method is still the one `EXPECTED_SOURCE` restates."""
-    original = _originals.get((cls, name), getattr(cls, name))
-    return method_body(original) == EXPECTED_SOURCE[(cls, name)]
 
 
 # A quantized layer's scales and biases as float16, where that holds them exactly (every
@@ -167,12 +129,12 @@ def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
 
 def routed_gated_mlp(mlp: Any, x: mx.array, activation: str) -> mx.array | None:
     """``down(act(gate(x)) * up(x))`` of an MLP whose three projections are routed quantized
-    layers without biases, as one kernel call (`kernels.gated_mlp`) for a decode step's 1
-    to 8 rows of float32 x; None where the MLP's own code should run."""
+    layers (`LINEAR`) without biases, as one kernel call (`kernels.gated_mlp`) for a decode
+    step's 1 to 8 rows of float32 x; None where the MLP's own code should run."""
     layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not _originals or x.dtype != mx.float32 or not x.ndim:
+    if x.dtype != mx.float32 or not x.ndim:
         return None
-    if not all(isinstance(layer, nn.QuantizedLinear) for layer in layers):
+    if not all(LINEAR.routes(layer) for layer in layers):
         return None
     first = layers[0]
     if any(
@@ -198,7 +160,7 @@ def routed_gated_mlp(mlp: Any, x: mx.array, activation: str) -> mx.array | None:
 def _linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     y = routed_matmul(self, x)
     if y is None:
-        return _originals[(nn.QuantizedLinear, "__call__")](self, x)
+        return nn.QuantizedLinear.__call__(self, x)
     if "bias" in self:
         y = y + self["bias"]
     return y
@@ -207,101 +169,87 @@ def _linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 def _embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     y = routed_matmul(self, x)
     if y is None:
-        return _originals[(nn.QuantizedEmbedding, "as_linear")](self, x)
+        return nn.QuantizedEmbedding.as_linear(self, x)
     return y
 
 
-_REPLACEMENTS = {
-    # Decode steps of every quantized projection: MLX's CPU kernel is scalar on x86.
-    (nn.QuantizedLinear, "__call__"): _linear_call,
-    # The tied output head of a quantized embedding: the largest matrix of a small model.
-    (nn.QuantizedEmbedding, "as_linear"): _embedding_as_linear,
-}
+_REFUSAL = "quantized kernels not used"
+_FALLBACK = "quantized layers run MLX's own products"
+
+# Decode steps of every quantized projection: MLX's CPU kernel is scalar on x86.
+LINEAR = InstanceRoute(
+    name="quantized-linear",
+    bodies=(
+        Body(
+            "mlx.nn",
+            "QuantizedLinear.__call__",
+            "x = " + _QUANTIZED_MATMUL + '\nif "bias" in self:\n    x = x + self["bias"]\nreturn x',
+        ),
+    ),
+    checked_with=CHECKED_WITH,
+    refusal=_REFUSAL,
+    fallback=_FALLBACK,
+    methods={"__call__": _linear_call},
+)
+# The tied output head of a quantized embedding: the largest matrix of a small model.
+EMBEDDING_HEAD = InstanceRoute(
+    name="quantized-embedding-head",
+    bodies=(Body("mlx.nn", "QuantizedEmbedding.as_linear", "return " + _QUANTIZED_MATMUL),),
+    checked_with=CHECKED_WITH,
+    refusal=_REFUSAL,
+    fallback=_FALLBACK,
+    methods={"as_linear": _embedding_as_linear},
+)
 
 
-# mlx-lm's SwiGLU MLPs (module of mlx_lm.models) whose __call__ is `_SWIGLU_BODY`: while
-# routed, a decode step's MLP is one `routed_gated_mlp` call.
-_SWIGLU_MLPS = ("llama", "qwen2", "qwen3")
-_SWIGLU_BODY = "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"
+def _swiglu_call(self: Any, x: mx.array) -> mx.array:
+    fused = routed_gated_mlp(self, x, "silu")
+    return fused if fused is not None else super(type(self), self).__call__(x)
 
 
-def _swiglu_call(library: Any) -> Any:
-    def call(self: Any, x: mx.array) -> mx.array:
-        fused = routed_gated_mlp(self, x, "silu")
-        return fused if fused is not None else library(self, x)
-
-    return call
-
-
-def _swiglu_classes() -> list[type]:
-    """mlx-lm's SwiGLU MLP classes whose ``__call__`` is still `_SWIGLU_BODY`; one line on
-    stderr names those that changed (their decode steps keep the library's three products)."""
-    found: list[type] = []
-    changed: list[str] = []
-    for name in _SWIGLU_MLPS:
-        try:
-            cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
-            body = method_body(_originals.get((cls, "__call__"), cls.__call__))
-        except (ImportError, AttributeError, OSError, TypeError):
-            continue
-        if body == _SWIGLU_BODY:
-            found.append(cls)
-        else:
-            changed.append(name)
-    if changed:
-        print(
-            f"mlx_nbengine: the fused SwiGLU MLP is not used for {', '.join(changed)}: mlx-lm's "
-            "MLP.__call__ there is not the body restated (qroute._SWIGLU_BODY); its decode "
-            "steps run the library's MLP (three products, not one)",
-            file=sys.stderr,
-        )
-    return found
+# mlx-lm's SwiGLU MLPs: while routed, a decode step's MLP is one `routed_gated_mlp` call.
+SWIGLU_MLPS = tuple(
+    InstanceRoute(
+        name=f"swiglu-mlp-{family}",
+        bodies=(
+            Body(
+                f"mlx_lm.models.{family}",
+                "MLP.__call__",
+                "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))",
+            ),
+        ),
+        checked_with=CHECKED_WITH,
+        refusal=f"the fused SwiGLU MLP is not used for {family}",
+        fallback="its decode steps run the library's MLP (three products, not one)",
+        methods={"__call__": _swiglu_call},
+    )
+    for family in ("llama", "qwen2", "qwen3")
+)
 
 
-def installed() -> bool:
-    """Whether the quantized layers route to our kernels in this process."""
-    return bool(_originals)
+def usable(routing: Routing) -> bool:
+    """Whether quantized layers can route to our kernels here (the kernels are active and
+    MLX's bodies are the ones restated; a refusal is said once)."""
+    return kernels.status().active and all(routing.usable(r) for r in (LINEAR, EMBEDDING_HEAD))
 
 
-def install() -> bool:
-    """Route the quantized layers to our kernels (once) where they are active; never raises.
-
-    Returns whether they are routed.
-    """
-    if _originals:
-        return True
-    if not kernels.status().active:
+def route(model: Any, routing: Routing) -> bool:
+    """Route `model`'s quantized layers (and its SwiGLU MLPs) to our kernels where `usable`;
+    never raises. Returns whether they are routed."""
+    if not usable(routing):
         return False
-    changed = [key for key in _REPLACEMENTS if not matches_library(*key)]
-    if changed:
-        names = ", ".join(f"{cls.__name__}.{name}" for cls, name in changed)
-        print(
-            f"mlx_nbengine: quantized kernels not used: this MLX changed {names}",
-            file=sys.stderr,
-        )
-        return False
-    for (cls, name), replacement in _REPLACEMENTS.items():
-        _originals[(cls, name)] = getattr(cls, name)
-        setattr(cls, name, replacement)
-    for cls in _swiglu_classes():
-        _originals[(cls, "__call__")] = cls.__call__
-        cls.__call__ = _swiglu_call(cls.__call__)
+    for each in (LINEAR, EMBEDDING_HEAD, *SWIGLU_MLPS):
+        routing.swap(each, model)
     return True
 
 
 def variant() -> str | None:
-    """What the fingerprint records while quantized layers are routed (the kernel set, as the
-    sets differ in the last bits, and the digest of `VARIANT_SOURCES`), else None."""
-    if not _originals:
+    """What the fingerprint records for a model whose quantized layers are routed (the kernel
+    set, as the sets differ in the last bits, and the digest of `VARIANT_SOURCES`); None where
+    the kernels are not active."""
+    if not kernels.status().active:
         return None
     return f"qmv-{kernels.status().isa}-{digest.of_files(VARIANT_SOURCES)}"
-
-
-def uninstall() -> None:
-    """Give the quantized layers their library methods back (tests compare both ways)."""
-    for (cls, name), original in _originals.items():
-        setattr(cls, name, original)
-    _originals.clear()
 
 
 def has_quantized_layers(model: Any) -> bool:
