@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -48,8 +49,9 @@ def _stop_all() -> None:
 
 class _IdleTimeoutH11(H11Protocol):
     """Uvicorn's h11 protocol whose idle timer (its keep-alive timeout) also runs before the
-    first request and while a request's head is coming: a connection that sends nothing for
-    that long is closed, not only one kept alive after a response."""
+    first request, while a request's head is coming and while its body is: a connection
+    that sends nothing for that long is closed, not only one kept alive after a response.
+    A body that stops coming is a client gone (the app journals it as 499)."""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -57,8 +59,19 @@ class _IdleTimeoutH11(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.cycle is None or self.cycle.response_complete:  # no request being answered
+        if (
+            self.cycle is None
+            or self.cycle.response_complete  # no request being answered
+            or self.conn.their_state is h11.SEND_BODY  # its body still coming
+        ):
             self._arm_idle_timer()
+
+    def timeout_keep_alive_handler(self) -> None:
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if answering and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()  # the app's read of the body sees a disconnect
+            return
+        super().timeout_keep_alive_handler()
 
     def _arm_idle_timer(self) -> None:
         self._unset_keepalive_if_required()
