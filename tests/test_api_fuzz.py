@@ -860,6 +860,48 @@ def test_a_client_gone_mid_body_holds_no_place(client, server, path):
     still_serving(client, server)
 
 
+IDLE_S = 3  # the idle timeout of `impatient`: a body that stops this long is dropped
+
+
+@pytest.fixture(scope="module")
+def impatient(engine):
+    srv = ApiServer(engine, port=0, idle_timeout_s=IDLE_S, max_pending=MAX_PENDING).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("path", (CHAT, MESSAGES))
+def test_a_body_that_stops_coming_is_dropped_after_the_idle_timeout(impatient, path):
+    """The idle timer runs while a body comes: a client that sends part of its body and
+    then nothing is disconnected (journalled 499); one whose bytes come more often than
+    that is answered."""
+    body = json.dumps(GOOD[path]).encode()
+    before = {e.number for e in impatient.journal.entries()}
+    with socket.create_connection(("127.0.0.1", impatient.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head(impatient, path, len(body)) + body[:10])
+        try:
+            closed = sock.recv(65536)  # blocks until the server gives up on the body
+        except ConnectionResetError:
+            closed = b""
+    assert closed == b"", closed
+    deadline = time.monotonic() + 30
+    gone = []
+    while not gone and time.monotonic() < deadline:
+        new = [e for e in impatient.journal.entries() if e.number not in before]
+        gone = [e for e in new if e.status == 499 and e.finish is not None]
+        time.sleep(0.05)
+    assert gone, [e.as_dict() for e in impatient.journal.entries() if e.number not in before]
+    settled(impatient)
+    with socket.create_connection(("127.0.0.1", impatient.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head(impatient, path, len(body)) + body[:-20])
+        for byte in body[-20:]:  # a gap far under the timeout: some 2 s in all
+            time.sleep(0.1)
+            sock.sendall(bytes([byte]))
+        status, answer = read_response(sock)
+    assert status == 200 and answer["usage"], answer
+    settled(impatient)
+
+
 # -- a thousand at once -------------------------------------------------------------------------
 
 
