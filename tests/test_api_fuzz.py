@@ -636,11 +636,6 @@ ANTHROPIC_TOOLS = {  # what Anthropic's API refuses with a 400 and this server t
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="anthropic_shapes._tools takes a tool name twice (chat completions refuse it) "
-    "and skips a description that is no string; reported to the Messages API's owner",
-)
 @pytest.mark.parametrize("path", (MESSAGES, COUNT))
 @pytest.mark.parametrize("name", sorted(ANTHROPIC_TOOLS))
 def test_messages_tools_anthropic_refuses_are_a_400(client, server, path, name):

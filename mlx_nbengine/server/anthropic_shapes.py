@@ -419,7 +419,8 @@ def _tools(body: dict, referenced: set[str]) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise _bad(f"tools: must be a list of tools, got {type(tools).__name__}")
-    out = []
+    out: list[dict] = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise _bad(f"tools.{i}: must be an object")
@@ -431,11 +432,17 @@ def _tools(body: dict, referenced: set[str]) -> list[dict] | None:
             raise _bad(f"tools.{i}.name: must be a non-empty string")
         if not isinstance(schema, dict):
             raise _bad(f"tools.{i}.input_schema: must be a JSON schema object")
+        if name in names:
+            raise _bad(f"tools.{i}.name: the tool name {name!r} is given twice")
+        names.add(name)
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _bad(f"tools.{i}.description: must be a string")
         if tool.get("defer_loading") is True and name not in referenced:
             continue
         function = {"name": name, "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
+        if description is not None:
+            function["description"] = description
         out.append({"type": "function", "function": function})
     return out or None
 
