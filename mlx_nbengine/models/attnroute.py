@@ -1,4 +1,4 @@
-"""Route attention on the CPU to our kernel: the one module that patches it.
+"""Route attention on the CPU to our kernel: the route of attention.
 
 mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``, which calls
 ``mx.fast.scaled_dot_product_attention`` for an unquantized cache; some models (and

@@ -1,4 +1,4 @@
-"""Route RMS norm and RoPE on the CPU to our kernels: the one module that patches them.
+"""Route RMS norm and RoPE on the CPU to our kernels: the routes of norms and RoPE.
 
 Every model family calls ``mx.fast.rms_norm`` (``nn.RMSNorm`` and the families' own norms)
 and ``mx.fast.rope`` (``nn.RoPE`` and the scaled variants in mlx-lm's ``rope_utils``),

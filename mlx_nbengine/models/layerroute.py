@@ -1,5 +1,5 @@
 """Route a decode step of Gemma 3's decoder layer to two primitives around its cache and
-attention: the one module that patches mlx-lm's ``gemma3_text.TransformerBlock``.
+attention: the route of mlx-lm's ``gemma3_text.TransformerBlock``.
 
 Per layer and decode step, mlx-lm's layer builds the input norm, three quantized products,
 three reshapes, three transposes, the query and key norms, two RoPEs, the cache update,
@@ -293,7 +293,7 @@ def route(model: Any, routing: Routing) -> bool:
     """Route `model`'s Gemma 3 decoder layers (any it has) where the kernels are active and
     mlx-lm's layer and attention are the bodies restated; never raises. Returns whether the
     route is usable in this process, whatever the model's family: its variant names the
-    route on every model the kernels run (as it did when the route patched the class)."""
+    route on every model the kernels run (as when the route replaced the class's method)."""
     if not kernels.status().active or not routing.usable(LAYER):
         return False
     routing.swap(LAYER, model)

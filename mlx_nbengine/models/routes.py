@@ -212,15 +212,16 @@ class ProcessRoute(Route):
 
     def probe_fails(self) -> str | None:
         """What disagrees with the library (`probe`, once per process), else None."""
-        if self.probe is not None and not self._probed:
-            try:
-                wrong = self.probe()
-            except Exception as e:  # noqa: BLE001 - a kernel problem must never stop a model
-                wrong = f"{type(e).__name__}: {e}"
-            self._probed.append(wrong)
-            if wrong is not None:
-                print(f"mlx_nbengine: {self.refusal} ({wrong} disagrees)", file=sys.stderr)
-        return self._probed[0] if self._probed else None
+        with self._lock:
+            if self.probe is not None and not self._probed:
+                try:
+                    wrong = self.probe()
+                except Exception as e:  # noqa: BLE001 - a kernel problem must never stop a model
+                    wrong = f"{type(e).__name__}: {e}"
+                self._probed.append(wrong)
+                if wrong is not None:
+                    print(f"mlx_nbengine: {self.refusal} ({wrong} disagrees)", file=sys.stderr)
+            return self._probed[0] if self._probed else None
 
     def held(self) -> bool:
         """Whether a model holds the route now (the namespace has our functions)."""
