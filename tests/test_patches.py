@@ -76,6 +76,21 @@ def test_an_instance_takes_a_subclass_s_behaviour_and_keeps_its_weights():
         patches.subclass_instance(layer, nn.Embedding)
 
 
+def test_an_instance_gets_its_library_class_back():
+    layer = nn.Linear(2, 2)
+    weight = layer.weight
+
+    class Doubled(nn.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    patches.subclass_instance(layer, Doubled)
+    patches.unsubclass_instance(layer, nn.Linear)
+    assert type(layer) is nn.Linear and layer.weight is weight
+    with pytest.raises(TypeError):
+        patches.unsubclass_instance(layer, nn.Embedding)
+
+
 def test_gemma4_s_text_model_still_builds_its_masks_where_the_image_overlay_hooks_in():
     language = pytest.importorskip("mlx_vlm.models.gemma4.language")
     make_masks = getattr(language.Gemma4TextModel, "_make_masks", None)
