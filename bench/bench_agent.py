@@ -26,10 +26,12 @@ short warm-up request), prompt caches on as their users run them:
   block store; ``persist_dir`` in shape c).
 - *llama-server*: llama.cpp's server built by `bench.llama_tools` (skipped and said so where
   not built), on the default model's GGUF (the one our default model is converted from),
-  ``-t``/``-tb`` the same thread count as ours, ``-np`` slots (one per agent, at least
-  two), and of the flags its ``--help`` lists: ``--kv-unified``, ``--swa-full`` (Gemma 3's
-  sliding-window layers keep every position, so a prefix can be reused), ``--cache-reuse
-  256``, ``--cache-ram`` (its host-memory prompt cache) and ``--slot-save-path`` (shape c).
+  ``-t``/``-tb`` the same thread count as ours, ``-np`` one slot per agent, ``-c`` the
+  model's context per slot, and of the flags its ``--help`` lists: ``--kv-unified`` (the
+  slots share one KV buffer), ``--swa-full`` (Gemma 3's sliding-window layers keep every
+  position, so a prefix can be reused), ``--cache-reuse 256``, ``--cache-ram 8192`` (its
+  host-memory prompt cache, which also keeps idle slots' states) and ``--slot-save-path``
+  (shape c).
 - *mlx_lm.server*: ``python -m mlx_lm server --model DIR`` on our converted MLX copy of the
   model (its own LRU prompt cache, MLX's own CPU path). A shape it cannot finish within
   ``--peer-deadline`` seconds is cut there and said so.
@@ -65,6 +67,7 @@ server that is here, seconds; it writes only ``--json PATH``. Results:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -100,6 +103,7 @@ SIZES = {  # the README's run
     "max_tokens": 32,
     "tool_tokens": (200, 800),
     "codex_chars": None,  # Codex's messages whole
+    "warm_up_tokens": 256,
 }
 SMOKE_SIZES = {
     "turns": 2,
@@ -109,7 +113,8 @@ SMOKE_SIZES = {
     "after_restart": 1,
     "max_tokens": 4,
     "tool_tokens": (20, 60),
-    "codex_chars": 600,  # each of Codex's messages cut to this many characters
+    "codex_chars": 300,  # each of Codex's messages cut to this many characters
+    "warm_up_tokens": 24,
 }
 ROUTES = ("completions", "responses", "chat")  # ours; peers: completions
 TASKS = (  # the user's first message of each agent (agent 0: Codex's captured one)
@@ -136,6 +141,7 @@ FILLER = (
 # -- the trace ---------------------------------------------------------------------------------
 
 
+@functools.cache
 def source_files() -> list[Path]:
     """This repository's own sources the tool results quote (sorted: deterministic)."""
     files = sorted((ROOT / "mlx_nbengine").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
@@ -183,6 +189,7 @@ class Tokens:
         return self.tok.decode(ids)
 
 
+@functools.cache
 def tool_output(tokens: Tokens, agent: int, turn: int, size: tuple[int, int]) -> tuple[str, str]:
     """The command an agent ran at `turn` and its output: lines of one of this repository's
     files, about a seeded number of tokens in `size`."""
@@ -489,7 +496,7 @@ def slot_action(server: Server, action: str, filename: str) -> dict:
 
 def start_llama(cfg: Config, slots: int) -> Server:
     port = free_port()
-    cmd = llama_command(cfg, port, max(2, slots))
+    cmd = llama_command(cfg, port, slots)
     return Server("llama-server", cmd, "gguf", cfg.tmp / "llama-server.log", "/health")
 
 
@@ -621,19 +628,22 @@ class Config:
     codex_chars: int | None
     deadline_s: float
     tokens: Tokens
+    warm_up_tokens: int = 256
     llama_flags: dict[str, bool] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)  # every tool output and question, digested
 
 
 def warm_up(server: Server, cfg: Config, route: str) -> None:
-    """One short request of its own (first-call set-up: kernels, threads), nothing shared
-    with the trace."""
+    """One request of its own, nothing shared with the trace: a cold prompt of
+    ``warm_up_tokens`` (the first prefill of that size costs several seconds of set-up on our
+    server and on others: kernels, buffers), answered in two tokens."""
+    text = cfg.tokens.filler(cfg.warm_up_tokens, 999)
     if route == "responses":
-        payload = {"input": "Say hello.", "max_output_tokens": 2}
+        payload = {"input": text, "max_output_tokens": 2}
     elif route == "chat":
-        payload = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2}
+        payload = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
     else:
-        payload = {"prompt": cfg.tokens.filler(24, 999), "max_tokens": 2}
+        payload = {"prompt": text, "max_tokens": 2}
     stream(server, route, payload)
 
 
@@ -679,8 +689,11 @@ def trace(cfg: Config, server: Server, route: str, order: list[int], deadline=No
             cut = f"cut after {len(rows)} of {len(order)} turns: past --peer-deadline"
             break
         print(f"  {server.name} {route} agent {a} turn {agent.turn}: {brief(rows[-1])}", flush=True)
-    whole = time.perf_counter() - started
-    out = {"route": route, "whole_s": whole, "turns": rows}
+    wall = time.perf_counter() - started
+    # The whole trace: the time the agent waited on the server (its requests, one after
+    # another); the wall time adds this script's own work between them (building turns).
+    out = {"route": route, "whole_s": sum(r["total_s"] for r in rows), "wall_s": wall}
+    out["turns"] = rows
     if cut:
         out["cut"] = cut
     return out
@@ -1106,6 +1119,7 @@ def run(args: argparse.Namespace, sizes: dict, tmp: Path) -> int:
         codex_chars=sizes["codex_chars"],
         deadline_s=args.peer_deadline,
         tokens=Tokens(model_dir),
+        warm_up_tokens=sizes["warm_up_tokens"],
     )
     wanted = [p for p in args.peers.split(",") if p]
     peers, skipped = peers_here(cfg, wanted)
