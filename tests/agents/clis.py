@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -28,6 +31,7 @@ INSTALL_HINT = "cd tests/agents && npm ci (what .ci/run does)"
 # A port nothing listens on: the CLIs' proxy for every host but loopback (NO_PROXY), so a
 # request meant for the internet fails at once instead of leaving the machine.
 CLOSED_PROXY = "http://127.0.0.1:9"
+UNREACHABLE_AFTER = 3  # Codex's "Reconnecting..." events before a run is ended
 KEY_ENV = "MNB_AGENT_KEY"  # the variable Codex's provider reads its key from (env_key)
 
 # Claude Code: no traffic but the model's requests (telemetry, error reports, update
@@ -152,6 +156,7 @@ class CodexRun:
     stderr: str
     timed_out: bool = False
     unparsed: list[str] = field(default_factory=list)
+    unreachable: bool = False  # ended by us: Codex kept failing to connect
 
     def of_type(self, kind: str) -> list[dict]:
         return [e for e in self.events if e.get("type") == kind]
@@ -177,6 +182,8 @@ class CodexRun:
     def describe(self) -> str:
         """What happened, for a failure message: the exit, the errors, stderr's tail."""
         why = "timed out" if self.timed_out else f"exit {self.returncode}"
+        if self.unreachable:
+            why = f"stopped: no connection after {UNREACHABLE_AFTER} tries"
         errs = [json.dumps(e)[:600] for e in self.errors()]
         tail = "\n".join(self.stderr.strip().splitlines()[-15:])
         types = [e.get("type") for e in self.events]
@@ -208,14 +215,24 @@ def run_codex(
     work = workdir or root / "work"
     work.mkdir(exist_ok=True)
     cmd = [str(path("codex")), "exec", "--json", "--skip-git-repo-check", "--color", "never"]
-    out, err, code, timed_out = _run([*cmd, prompt], env, work, timeout)
+    reconnects = 0
+
+    def unreachable(line: str) -> bool:
+        # Codex waits for the network without end when a connection fails ("Reconnecting...
+        # waiting for network"), whatever its retry settings: the third such event ends it.
+        nonlocal reconnects
+        reconnects += '"type":"error"' in line and "Reconnecting" in line
+        return reconnects >= UNREACHABLE_AFTER
+
+    out, err, code, killed = _run([*cmd, prompt], env, work, timeout, unreachable)
     events, unparsed = [], []
     for line in out.splitlines():
         try:
             events.append(json.loads(line))
         except ValueError:
             unparsed.append(line)
-    return CodexRun(code, events, out, err, timed_out, unparsed)
+    gave_up = killed and reconnects >= UNREACHABLE_AFTER
+    return CodexRun(code, events, out, err, killed and not gave_up, unparsed, gave_up)
 
 
 # -- Claude Code ------------------------------------------------------------------------------
@@ -260,7 +277,13 @@ class ClaudeRun:
     def describe(self) -> str:
         why = "timed out" if self.timed_out else f"exit {self.returncode}"
         tail = "\n".join(self.stderr.strip().splitlines()[-15:])
-        return f"claude {why}; stdout: {self.stdout[-1500:]!r}; stderr:\n{tail}"
+        result = self.result()
+        if result is not None:
+            keys = ("is_error", "result", "api_error_status", "api_error", "terminal_reason")
+            said = {k: result.get(k) for k in keys} | {"turns": result.get("num_turns")}
+        else:
+            said = self.stdout[-1500:]
+        return f"claude {why}; result: {said!r}; stderr:\n{tail}"
 
 
 def run_claude(
@@ -290,9 +313,16 @@ def run_claude(
 # -- running ----------------------------------------------------------------------------------
 
 
-def _run(cmd: list[str], env: dict, cwd: Path, timeout: float) -> tuple[str, str, int | None, bool]:
-    """Run `cmd` with stdin from /dev/null in a session of its own; at `timeout` the whole
-    session is killed (a CLI's children too)."""
+def _run(
+    cmd: list[str],
+    env: dict,
+    cwd: Path,
+    timeout: float,
+    give_up: Callable[[str], bool] | None = None,
+) -> tuple[str, str, int | None, bool]:
+    """Run `cmd` with stdin from /dev/null in a session of its own. At `timeout`, or at the
+    first stdout line `give_up` says yes to, the whole session is killed (a CLI's children
+    too); the last value says whether it was killed."""
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -303,13 +333,34 @@ def _run(cmd: list[str], env: dict, cwd: Path, timeout: float) -> tuple[str, str
         text=True,
         start_new_session=True,
     )
+    out: list[str] = []
+    err: list[str] = []
+    stop = threading.Event()
+
+    def read_out() -> None:
+        for line in proc.stdout:
+            out.append(line)
+            if give_up is not None and give_up(line):
+                stop.set()
+        stop.set()
+
+    def read_err() -> None:
+        err.append(proc.stderr.read())
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (read_out, read_err)]
+    for t in readers:
+        t.start()
+    stop.wait(timeout)
+    killed = False
     try:
-        out, err = proc.communicate(timeout=timeout)
-        return out, err, proc.returncode, False
+        proc.wait(timeout=5 if stop.is_set() else 0.01)
     except subprocess.TimeoutExpired:
+        killed = True
         try:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        out, err = proc.communicate()
-        return out, err, None, True
+        proc.wait()
+    for t in readers:
+        t.join(timeout=10)
+    return "".join(out), "".join(err), None if killed else proc.returncode, killed
