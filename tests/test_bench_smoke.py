@@ -4,13 +4,22 @@ its JSON.
 Each runs as ``python -m bench.NAME --quick [--model DIR] --json PATH`` in a subprocess of
 this interpreter, from the repository root, on tiny random models (the `tiny_model_dir`
 fixture; never the default model), with a timeout. Figures are not checked: a quick run
-measures milliseconds on a machine shared with other work. A peer that needs an optional
-package (llama.cpp's) is skipped by the benchmark itself, which says so and still finishes.
+measures milliseconds on a machine shared with other work.
+
+llama.cpp: every path of a benchmark that runs it (llama-cpp-python's `Llama` with its prompt
+cache on, its server, the ``[server]`` extra, and llama.cpp's own ``llama-bench``,
+`bench.llama_tools`) runs on a GGUF of the tiny model. Where a side is here (llama-cpp-python
+installed, its server's extra, ``llama-bench`` built), its paths must have run (not
+skipped). Where one is missing the benchmark skips that peer alone and says so, and the test
+checks that it did; under ``CI=true`` a missing one fails the test instead (`.ci/run`
+installs llama-cpp-python with its server and builds llama-bench).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +27,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 300
+TIMEOUT_S = 600  # a busy 2-core machine: the api case with its llama.cpp server takes minutes
+IN_CI = os.environ.get("CI") == "true"
 
 # name: (module, extra arguments, the tiny model passed with --model or None)
 CASES = {
@@ -67,8 +77,89 @@ def test_quick_run_writes_its_json(case, tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert isinstance(data, dict) and data, tail
     assert out.with_suffix(".txt").is_file(), "no table written beside the JSON"
-    if module == "bench_peers" and not extra:
-        # llama.cpp is optional: where it is missing the run says so and skips it alone.
-        skipped = data.get("skipped", {})
-        if "llama.cpp" in skipped:
-            assert "llama.cpp skipped" in done.stdout
+    if module in LLAMA_PATHS and not extra:
+        check_llama_paths(module, data, done.stdout + done.stderr)
+
+
+# The benchmarks with llama.cpp paths: where each records (in its JSON) the outcome of each
+# path, a dict holding "skipped" (the reason) where the path did not run.
+LLAMA_PATHS = {
+    "bench_peers": {
+        "binding": lambda d: (
+            {"skipped": d["skipped"]["llama.cpp"]}
+            if "llama.cpp" in d["skipped"]
+            else d["four"]["llama.cpp"]
+        ),
+    },
+    "bench_cpu_prefill": {
+        "binding": lambda d: d["llama_cpp"],
+        "llama-bench": lambda d: d["llama_bench"],
+    },
+    "bench_cpu_decode": {
+        "binding": lambda d: d["llama_cpp"]["binding"],
+        "answers": lambda d: d["whole_answers"].get("llama.cpp", d["whole_answers"]),
+        "llama-bench": lambda d: d["llama_cpp"]["llama_bench"],
+    },
+    "bench_api": {
+        "server": lambda d: (
+            d["servers"].get("llama.cpp")
+            or {"skipped": d["skipped"].get("llama.cpp") or d["skipped"].get("llama_cpp")}
+        ),
+    },
+}
+SIDES = {"llama-bench": "llama-bench", "server": "server"}  # every other path: the binding
+
+
+def llama_missing() -> dict[str, str | None]:
+    """Why each llama.cpp side cannot run here (None where it can): llama-cpp-python (the
+    binding), its server extra and llama-bench (`python -m bench.llama_tools path
+    llama-bench`)."""
+    binding = server = None
+    if importlib.util.find_spec("llama_cpp") is None:
+        binding = server = "llama-cpp-python is not installed (pip install -e '.[peers]')"
+    else:  # in a child: this process loads no llama.cpp
+        done = subprocess.run(
+            [sys.executable, "-c", "import llama_cpp.server.app"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            server = f"llama-cpp-python[server] is not installed ({last})"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.llama_tools", "path", "llama-bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    tool = None if done.returncode == 0 else (done.stdout.strip() or done.stderr[-300:])
+    return {"binding": binding, "llama-bench": tool, "server": server}
+
+
+def check_llama_paths(module: str, data: dict, output: str) -> None:
+    """Every llama.cpp path of `module` ran where its side is here; else it was skipped and
+    said so; under CI=true a missing side fails."""
+    missing = llama_missing()
+    for path, outcome in LLAMA_PATHS[module].items():
+        why = missing[SIDES.get(path, "binding")]
+        result = outcome(data)
+        if why is None:
+            assert "skipped" not in result, f"{module}: llama.cpp's {path} did not run: {result}"
+            continue
+        if IN_CI:
+            pytest.fail(f"CI=true and {why}", pytrace=False)
+        assert "skipped" in result, f"{module}: {path} ran though {why}?"
+        assert "skipped" in output, f"{module}: {path} skipped but not said so"
+
+
+def test_llama_cpp_is_here_under_ci():
+    """Under CI=true llama-cpp-python and llama-bench are there (.ci/run puts them there), so
+    no llama.cpp path of the benchmarks is skipped."""
+    missing = {k: v for k, v in llama_missing().items() if v}
+    if not IN_CI:
+        pytest.skip(f"not CI; missing here: {missing or 'nothing'}")
+    assert not missing, f"CI=true and {missing}"
