@@ -1104,7 +1104,7 @@ def run(args: argparse.Namespace, sizes: dict, tmp: Path) -> int:
     else:
         gguf = tiny_gguf(model_dir, tmp) if args.quick else None
     config = json.loads((model_dir / "config.json").read_text())
-    ctx = 512 if args.quick else 32768
+    ctx = 4096 if args.quick else 32768
     ctx = min(ctx, int(config.get("max_position_embeddings") or ctx))
     cfg = Config(
         model=model,
