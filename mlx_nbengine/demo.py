@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_nbengine.engine import Engine
+from mlx_nbengine.engine.results import Report
 from mlx_nbengine.models.loader import resolve
 from mlx_nbengine.notebook.export import notebook_to_html
 from mlx_nbengine.notebook.render import ANSWER_METADATA_KEY, answer_facts, summary_line
@@ -445,13 +446,11 @@ def _story_cells(notebook: Path) -> tuple[dict[str, Any], list[tuple[str, str]]]
 _LETTERS = {"memory": "M", "disk": "D", "computed": "C"}
 
 
-def block_letters(report: Any, *, n_prompt: int, block_size: int) -> str:
-    """One letter a block: M(emory), D(isk), C(omputed), T(ail, the last block)."""
+def block_letters(report: Report, *, n_prompt: int) -> str:
+    """One letter a block: M(emory), D(isk), C(omputed), T(ail, `BlockReport.is_tail`)."""
     letters = []
-    n_blocks = -(-n_prompt // block_size)
     for block in report.blocks:
-        tail = block.source == "computed" and block.index == n_blocks - 1
-        letters.append("T" if tail else _LETTERS.get(block.source, "?"))
+        letters.append("T" if block.is_tail(n_prompt) else _LETTERS.get(block.source, "?"))
     return "".join(letters)
 
 
@@ -479,9 +478,7 @@ def run_quick(*, model: str = "default", notebook: Path | None = None, echo=prin
             done = engine.submit(prompt, **sampling_options(args)).result()
             row = Row.from_metadata(args.output or f"answer {index + 1}", answer_facts(done))
             rows.append(row)
-            letters = block_letters(
-                done.report, n_prompt=row.prompt_tokens, block_size=engine.block_size
-            )
+            letters = block_letters(done.report, n_prompt=row.prompt_tokens)
             echo(f"{row.label:<10} {letters}  {summary_line(done)}")
     echo("blocks: M from memory, D from disk, C computed, T the tail (always computed)")
     return add_speedups(rows)

@@ -44,6 +44,21 @@ class BlockReport:
     restored: int = 0
     images: tuple[int, ...] = ()
 
+    def split(self) -> tuple[int, int]:
+        """(restored, computed) tokens of this block: the one count of its restored tokens."""
+        length = max(0, self.end - self.start)
+        restored = min(length, max(0, int(self.restored)))
+        return restored, length - restored
+
+    def is_tail(self, n_prompt: int | None = None) -> bool:
+        """Whether this is the *tail*: the computed block holding the prompt's last token
+        (its logits start the answer). The engine names it with reason ``"tail"``; with
+        `n_prompt` (the prompt's length) a computed block ending there counts too. The one
+        tail rule of the faces (the strip's ``"tail"`` kind, the demo's ``T``)."""
+        if self.source != "computed":
+            return False
+        return self.reason == "tail" or (n_prompt is not None and self.end >= n_prompt)
+
 
 @dataclass
 class Report:
@@ -72,6 +87,29 @@ class Report:
     edit_at: int | None = None
     kept_boundary: str | None = None
     images: list[Any] = field(default_factory=list)
+
+    def restored_split(self) -> tuple[int, int]:
+        """(from memory, from disk) restored prompt tokens: the one count the faces use.
+
+        Each block's restored tokens (`BlockReport.split`) count toward its source; a block
+        a token-exact restore ended inside (source ``"computed"``) toward `restore_source`.
+        Where blocks are missing from the report, its `restored_tokens` total wins.
+        """
+        memory = disk = 0
+        for block in self.blocks:
+            source = block.source if block.source != "computed" else self.restore_source
+            restored, _ = block.split()
+            if source == "memory":
+                memory += restored
+            elif source == "disk":
+                disk += restored
+        total = self.restored_tokens
+        if memory + disk != total:  # blocks missing from the report: trust its total
+            if self.restore_source == "memory":
+                memory = total - disk
+            else:
+                disk = total - memory
+        return memory, disk
 
 
 @dataclass

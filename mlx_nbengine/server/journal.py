@@ -94,28 +94,6 @@ class Entry:
         }
 
 
-def restored_split(report: Any) -> tuple[int, int]:
-    """(from memory, from disk) restored prompt tokens of an engine `Report`.
-
-    A block a token-exact restore ended inside (source ``"computed"``, ``restored`` > 0)
-    counts toward the report's ``restore_source``.
-    """
-    memory = disk = 0
-    for block in getattr(report, "blocks", ()):
-        source = block.source if block.source != "computed" else report.restore_source
-        if source == "memory":
-            memory += block.restored
-        elif source == "disk":
-            disk += block.restored
-    total = getattr(report, "restored_tokens", memory + disk)
-    if memory + disk != total:  # blocks missing from the report: trust its total
-        if report.restore_source == "memory":
-            memory = total - disk
-        else:
-            disk = total - memory
-    return memory, disk
-
-
 class Journal:
     """The last `keep` entries, newest last; thread-safe. `log_prompts`: entries' `as_dict`
     may hold the decoded text around a miss."""
@@ -196,7 +174,7 @@ class Journal:
         entry.report = report
         entry.completion_tokens = len(completion.tokens)
         entry.prompt_tokens = len(completion.prompt_tokens)
-        entry.restored_memory, entry.restored_disk = restored_split(report)
+        entry.restored_memory, entry.restored_disk = report.restored_split()
         entry.computed = report.computed_tokens
         entry.ttft_s = report.ttft_s
         entry.tokens_per_s = report.tokens_per_s
