@@ -76,11 +76,12 @@ def test_blas_reports_what_this_machine_should_have(tmp_path):
 
 def test_html_exports_the_static_block_pictures_even_with_widget_state(tmp_path):
     import nbformat
+    from fakes import block
 
     from mlx_nbengine.notebook.widgets import BlockStrip
 
     strip = BlockStrip(n_blocks=2, block_size=16, prompt_tokens=20)
-    strip.add_block({"index": 0, "start": 0, "end": 16, "source": "disk", "reason": "kv"})
+    strip.add_block(block(0))
     bundle = {k: v for k, v in strip._repr_mimebundle_()[0].items()}
     model_id = bundle["application/vnd.jupyter.widget-view+json"]["model_id"]
     nb = nbformat.v4.new_notebook()

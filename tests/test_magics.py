@@ -17,14 +17,18 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fakes import block_report
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mlx_nbengine import _blas
+from mlx_nbengine.engine.events import Progress, TextDelta
+from mlx_nbengine.engine.results import BlockReport, Completion, Finished
+from mlx_nbengine.engine.results import Report as EngineReport
 from mlx_nbengine.errors import ImageError, ModelDownloadError, ModelNotFoundError
 from mlx_nbengine.notebook import magics as magics_mod
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
@@ -39,71 +43,34 @@ from mlx_nbengine.notebook.render import (
 )
 from mlx_nbengine.notebook.streaming import GenerationInterrupted
 
-# -- a fake engine with the public shape of mlx_nbengine.engine (events by class name) ------
+# -- a fake engine speaking the engine's own types (mlx_nbengine.engine.results, events) ----
 
 
-@dataclass
-class TextDelta:
-    text: str
+def BlockEvent(index, start, end, source, seconds, **fields) -> BlockReport:  # noqa: N802
+    """A block's event (a real `BlockReport`), positional as the engine's."""
+    return block_report(index, source, start=start, end=end, seconds=seconds, **fields)
 
 
-@dataclass
-class BlockEvent:
-    index: int
-    start: int
-    end: int
-    source: str
-    seconds: float
-    reason: str = "new"
-    records: tuple = ()
-    edit_at: int | None = None
-    images: tuple = ()
+def Block(index, start, end, source, seconds=0.01, **fields) -> BlockReport:  # noqa: N802
+    """A report's block (a real `BlockReport`), as the engine fills one for `source`."""
+    return block_report(index, source, start=start, end=end, seconds=seconds, **fields)
 
 
-@dataclass
-class Progress:
-    phase: str
-    done: int
-    total: int
-
-
-@dataclass
-class Finished:
-    completion: object
-
-
-@dataclass
-class Block:
-    index: int
-    start: int
-    end: int
-    source: str
-    seconds: float = 0.01
-    reason: str = "new"
-    records: tuple = ()
-    images: tuple = ()
-
-
-@dataclass
-class Report:
-    blocks: list = field(default_factory=list)
-    restored_tokens: int = 0
-    computed_tokens: int = 10
-    ttft_s: float | None = 0.5
-    tokens_per_s: float | None = 40.0
-    restore_source: str | None = None
-    edit_at: int | None = None
-    kept_boundary: str | None = None
-
-
-@dataclass
-class Completion:
-    text: str
-    tokens: list
-    prompt_tokens: list
-    finish_reason: str
-    report: Report
-    stop_reason: str | None = None
+def Report(  # noqa: N802
+    blocks=(),
+    restored_tokens=0,
+    computed_tokens=10,
+    ttft_s=0.5,
+    tokens_per_s=40.0,
+    restore_source=None,
+    edit_at=None,
+    kept_boundary=None,
+) -> EngineReport:
+    """A real `Report`, with these tests' defaults (ten computed tokens, 40 tok/s)."""
+    return EngineReport(
+        list(blocks), restored_tokens, computed_tokens, ttft_s, tokens_per_s,
+        restore_source=restore_source, edit_at=edit_at, kept_boundary=kept_boundary,
+    )  # fmt: skip
 
 
 @dataclass

@@ -20,7 +20,9 @@ from types import SimpleNamespace
 
 import needs  # tests/ is on sys.path
 import pytest
+from fakes import block, block_report
 
+from mlx_nbengine.engine.results import Report
 from mlx_nbengine.notebook import widgets
 from mlx_nbengine.notebook.blockinfo import (
     block_dict,
@@ -120,24 +122,6 @@ def parse(html: str) -> list[Element]:
 
 def select(elements: list[Element], cls: str, *, within: str | None = None) -> list[Element]:
     return [e for e in elements if cls in e.classes and (within is None or e.within(within))]
-
-
-def block(index, source="disk", *, kind=None, reason="kv", records=("kv",), **extra):
-    bs = 16
-    out = {
-        "index": index,
-        "start": index * bs,
-        "end": index * bs + bs,
-        "source": source,
-        "kind": kind or source,
-        "reason": reason,
-        "records": list(records),
-        "seconds": 0.004,
-        "head": f"first words {index}",
-        "last": f"last words {index}",
-    }
-    out.update(extra)
-    return out
 
 
 def rerun_blocks() -> list[dict]:
@@ -249,7 +233,7 @@ def test_block_dict_reads_an_engine_block_event():
 
     event = BlockEvent(
         index=2, start=32, end=48, source="disk", seconds=0.5, reason="kv+window",
-        records=("kv", "window"),
+        records=("kv", "window"), restored=16,
     )  # fmt: skip
     d = block_dict(event)
     assert d == {
@@ -269,14 +253,6 @@ def test_block_dict_reads_an_engine_block_event():
     json.dumps(d)  # JSON-ready: it syncs to the browser and saves with the notebook
 
 
-def test_block_dict_accepts_events_without_reasons():
-    old = SimpleNamespace(index=0, start=0, end=16, source="memory", seconds=0.1)
-    assert block_dict(old)["reason"] == "hot"
-    assert block_dict(old)["records"] == []
-    computed = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0.1)
-    assert block_dict(computed)["reason"] == ""
-
-
 def test_block_dict_counts_the_restored_tokens_of_a_partly_restored_block():
     from mlx_nbengine.engine.events import BlockEvent
 
@@ -286,24 +262,17 @@ def test_block_dict_counts_the_restored_tokens_of_a_partly_restored_block():
     )  # fmt: skip
     assert block_dict(cut)["restored"] == 84
     assert block_dict(cut)["kind"] == "tail"  # still computed: its last tokens were
-    new = SimpleNamespace(index=4, start=64, end=80, source="computed", seconds=0, reason="new")
+    new = block_report(4, "computed")
     assert block_dict(new)["restored"] == 0
-
-
-def test_block_dict_counts_a_restored_block_whole_when_the_engine_does_not_say():
-    for source in ("memory", "disk"):
-        old = SimpleNamespace(index=1, start=16, end=32, source=source, seconds=0)
-        assert block_dict(old)["restored"] == 16
-        assert block_dict(SimpleNamespace(**vars(old), restored=0))["restored"] == 16
 
 
 def test_block_dict_kind_is_tail_for_the_last_computed_block():
     tokens = list(range(40))
-    tail = SimpleNamespace(index=2, start=32, end=40, source="computed", seconds=0.0)
+    tail = block_report(2, "computed", end=40)
     assert block_dict(tail, tokens=tokens)["kind"] == "tail"
-    named = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0, reason="tail")
+    named = block_report(1, "computed", reason="tail")
     assert block_dict(named)["kind"] == "tail"
-    middle = SimpleNamespace(index=1, start=16, end=32, source="computed", seconds=0, reason="new")
+    middle = block_report(1, "computed")
     assert block_dict(middle, tokens=tokens)["kind"] == "computed"
 
 
@@ -314,10 +283,10 @@ def test_block_dict_holds_the_first_and_last_words_of_the_block_text():
     def decode(ids):
         return " ".join(text[i] for i in ids)
 
-    event = SimpleNamespace(index=0, start=0, end=12, source="disk", seconds=0, reason="kv")
+    event = block_report(0, end=12)
     d = block_dict(event, decode=decode, tokens=tokens)
     assert (d["head"], d["last"]) == ("zero one two three", "eight nine ten eleven")
-    short = SimpleNamespace(index=0, start=0, end=3, source="disk", seconds=0, reason="kv")
+    short = block_report(0, end=3)
     d = block_dict(short, decode=decode, tokens=tokens)
     assert (d["head"], d["last"]) == ("zero one", "two")
 
@@ -326,7 +295,7 @@ def test_block_words_never_fail_and_cut_long_words():
     def broken(ids):
         raise ValueError("no such token")
 
-    event = SimpleNamespace(index=0, start=0, end=2, source="disk", seconds=0, reason="kv")
+    event = block_report(0, end=2)
     assert block_dict(event, decode=broken, tokens=[1, 2])["head"] == ""
     assert first_words("x" * 100).endswith("…") and len(first_words("x" * 100)) <= 25
     assert last_words("\ufffd end of it") == "end of it"
@@ -343,7 +312,7 @@ def decode_vocab(ids):
 
 def test_block_words_leave_out_the_special_tokens_the_caller_names():
     tokens = [0, 1, 3, 4, 5, 6, 7, 8, 2]
-    event = SimpleNamespace(index=0, start=0, end=9, source="disk", seconds=0, reason="kv")
+    event = block_report(0, end=9)
     kept = block_dict(event, decode=decode_vocab, tokens=tokens)
     assert "<bos>" in kept["head"]  # without `special`: what decode gives
     d = block_dict(event, decode=decode_vocab, tokens=tokens, special=SPECIAL)
@@ -353,7 +322,7 @@ def test_block_words_leave_out_the_special_tokens_the_caller_names():
 
 
 def test_a_block_of_special_tokens_only_has_no_words():
-    event = SimpleNamespace(index=0, start=0, end=2, source="disk", seconds=0, reason="kv")
+    event = block_report(0, end=2)
     d = block_dict(event, decode=decode_vocab, tokens=[0, 1], special=SPECIAL)
     assert (d["head"], d["last"]) == ("", "")
 
@@ -362,7 +331,7 @@ def test_edit_words_leave_out_special_tokens():
     tokens = [0, 1, 3, 4, 5, 2, 1, 6, 7, 8, 2]
     edit = edit_dict(7, tokens, decode=decode_vocab, block_size=4, special=SPECIAL)
     assert edit == {"position": 7, "block": 1, "before": "user The", "after": "quick brown fox"}
-    report = SimpleNamespace(edit_at=7)
+    report = Report(edit_at=7)
     assert report_edit(report, tokens, decode=decode_vocab, block_size=4, special=SPECIAL) == edit
 
 
@@ -378,7 +347,7 @@ def test_block_words_leave_out_a_real_tokenizers_special_tokens(tmp_path):
     def decode(ids):
         return tok.decode(ids, skip_special_tokens=False)
 
-    event = SimpleNamespace(index=0, start=0, end=len(tokens), source="disk", seconds=0)
+    event = block_report(0, end=len(tokens))
     assert "<bos>" in block_dict(event, decode=decode, tokens=tokens)["head"]
     d = block_dict(event, decode=decode, tokens=tokens, special=special)
     words = f"{d['head']} {d['last']}"
@@ -386,10 +355,7 @@ def test_block_words_leave_out_a_real_tokenizers_special_tokens(tmp_path):
 
 
 def test_block_dicts_are_in_index_order():
-    events = [
-        SimpleNamespace(index=i, start=16 * i, end=16 * i + 16, source="disk", seconds=0)
-        for i in (2, 0, 1)
-    ]
+    events = [block_report(i) for i in (2, 0, 1)]
     assert [b["index"] for b in block_dicts(events)] == [0, 1, 2]
 
 
@@ -409,8 +375,8 @@ def test_edit_dict_names_the_block_and_the_words_around_the_change():
 
 
 def test_report_edit_is_none_without_a_change():
-    assert report_edit(SimpleNamespace(), [1, 2], decode=None, block_size=16) is None
-    edit = report_edit(SimpleNamespace(edit_at=17), [1] * 40, decode=None, block_size=16)
+    assert report_edit(Report(), [1, 2], decode=None, block_size=16) is None
+    edit = report_edit(Report(edit_at=17), [1] * 40, decode=None, block_size=16)
     assert edit == {"position": 17, "block": 1, "before": "", "after": ""}
 
 
@@ -568,10 +534,10 @@ def test_map_shows_which_layer_kinds_each_restored_block_read():
 
 
 def test_reason_phrases_are_words():
-    assert reason_phrase({"reason": "kv+window", "source": "disk"}) == "read kv + window"
-    assert reason_phrase({"reason": "edited", "index": 3}, EDIT) == "edited at token 53"
-    assert reason_phrase({"reason": "edited", "index": 4}, EDIT) == "edited"
-    assert reason_phrase({"reason": "after_miss"}) == "after a computed block"
+    assert reason_phrase(block(0, records=("kv", "window"))) == "read kv + window"
+    assert reason_phrase(block(3, "computed", reason="edited"), EDIT) == "edited at token 53"
+    assert reason_phrase(block(4, "computed", reason="edited"), EDIT) == "edited"
+    assert reason_phrase(block(4, "computed", reason="after_miss")) == "after a computed block"
 
 
 def test_reason_phrase_of_a_partly_restored_block_says_how_much_was_restored():
@@ -598,12 +564,12 @@ def test_strip_fills_a_partly_restored_cell_with_its_restored_share():
     assert [c.attrs.get("data-part") for c in cells] == [None, None, "disk", None]
 
 
-def test_blocks_saved_without_restored_counts_draw_restored_blocks_whole():
-    # Dicts from before token-exact restore: memory and disk whole, computed none.
+def test_restored_blocks_draw_whole_and_computed_blocks_empty():
+    # Memory and disk blocks are restored whole, computed ones not at all (none cut).
     cells = select(parse(strip_html(rerun_blocks(), n_blocks=6)), "mnb-block")
     assert [c.attrs["data-restored"] for c in cells] == ["16", "16", "16", "0", "0", "0"]
     assert not [c for c in cells if "data-part" in c.attrs]
-    assert widgets.token_split(block(1, restored=0)) == (16, 0)
+    assert widgets.token_split(block(1)) == (16, 0)
 
 
 def test_a_partly_restored_cell_takes_the_colour_of_the_restore_before_it():
@@ -656,7 +622,7 @@ def test_reason_phrases_are_the_engines_own():
     from mlx_nbengine.engine.events import REASONS
 
     for reason, phrase in REASONS.items():
-        assert reason_phrase({"index": 0, "source": "computed", "reason": reason}) == phrase
+        assert reason_phrase(block(0, "computed", reason=reason)) == phrase
 
 
 def test_store_html_shows_each_figure_under_a_word_label():
@@ -991,10 +957,8 @@ def test_block_dict_reads_the_images_of_an_image_block():
 
     event = BlockEvent(index=1, start=16, end=32, source="computed", seconds=0.1, reason="new")
     assert block_dict(event)["images"] == []
-    # Any engine object with `images` (a BlockEvent or a BlockReport), sorted, each once.
-    image_block = SimpleNamespace(
-        index=1, start=16, end=32, source="computed", seconds=0.1, images=(2, 0, 2)
-    )
+    # A block's `images` (a BlockEvent is a BlockReport), sorted, each once.
+    image_block = block_report(1, "computed", images=(2, 0, 2))
     assert block_dict(image_block)["images"] == [0, 2]
 
 

@@ -1,7 +1,7 @@
 """Block dicts: what the widgets draw for each prompt block, as JSON-ready dicts.
 
-The engine describes each prompt block with a `BlockEvent` (while the prompt streams in)
-or a `BlockReport` (in the finished report); both carry the same fields. The widgets get
+The engine describes each prompt block with a `BlockReport` (the stream's `BlockEvent` is
+the same class, and the finished report keeps it). The widgets get
 plain dicts instead, so that they sync to the browser, save with the notebook and render
 to static HTML without the engine at hand.
 
@@ -33,8 +33,9 @@ Terms:
   prompt token that differs from the stored continuation, the block holding it, and the
   words just before and from it.
 
-Engine objects are read by field name with defaults (`getattr`), so this module imports
-neither MLX nor the engine and accepts events from engines with or without `reason`.
+Blocks are the engine's own `BlockReport`s (`mlx_nbengine.engine.results`): their fields,
+and their one rule for the tail and for the restored count, are read as they are, with no
+guess for engines of other versions.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
+
+from mlx_nbengine.engine.results import BlockReport
 
 __all__ = [
     "block_dict",
@@ -157,58 +160,43 @@ def _head_last(words: list[Word]) -> tuple[str, str]:
 
 
 def block_dict(
-    event_or_report: Any,
+    block: BlockReport,
     *,
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
     special: Collection[int] = frozenset(),
     spans: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """The block dict of an engine `BlockEvent` or `BlockReport`.
+    """The block dict of an engine `BlockReport` (a `BlockEvent` is one).
 
     `tokens` are the prompt's token ids and `decode` turns ids into text (the tokenizer's
     ``decode``); with both, `head`/`last` hold the block's first and last words (without
     the `special` token ids; the tokens of image *i*, ``spans[i]`` = (start, end), as its
-    picture label), and a computed block ending at the prompt's end counts as the tail
-    even when the engine names no reason.
+    picture label). `kind` and `restored` follow the engine's one rule for each
+    (`BlockReport.is_tail`, `BlockReport.split`).
     """
-    block = event_or_report
     start, end = int(block.start), int(block.end)
-    source = str(block.source)
-    records = [str(r) for r in (getattr(block, "records", None) or ())]
-    reason = getattr(block, "reason", None)
-    if not reason:
-        # Engines before block reasons: say what is certain from the source alone.
-        reason = {"memory": "hot", "disk": "+".join(records)}.get(source, "")
-    reason = str(reason)
-    length = max(0, end - start)
-    restored = getattr(block, "restored", None)
-    if source in ("memory", "disk") and not restored:
-        # Engines before token-exact restore (and a field left at its default): a
-        # restored block is restored whole.
-        restored = length
-    restored = min(length, max(0, int(restored or 0)))
-    is_last = tokens is not None and end >= len(tokens)
-    kind = "tail" if source == "computed" and (reason == "tail" or is_last) else source
+    restored, _ = block.split()
+    kind = "tail" if block.is_tail(None if tokens is None else len(tokens)) else block.source
     head, last = _head_last(_words(decode, tokens, start, end, frozenset(special), spans))
     return {
         "index": int(block.index),
         "start": start,
         "end": end,
-        "source": source,
+        "source": str(block.source),
         "kind": kind,
-        "reason": reason,
-        "records": records,
+        "reason": str(block.reason),
+        "records": [str(r) for r in block.records],
         "restored": restored,
-        "seconds": float(getattr(block, "seconds", 0.0) or 0.0),
+        "seconds": float(block.seconds),
         "head": head,
         "last": last,
-        "images": sorted({int(i) for i in (getattr(block, "images", None) or ())}),
+        "images": sorted({int(i) for i in block.images}),
     }
 
 
 def block_dicts(
-    blocks: Iterable[Any],
+    blocks: Iterable[BlockReport],
     *,
     decode: Decode | None = None,
     tokens: Sequence[int] | None = None,
@@ -234,7 +222,7 @@ THUMB_SIDE = 64
 
 def thumbnail_uri(image: Any, *, max_side: int = THUMB_SIDE) -> str:
     """A ``data:image/png;base64,...`` URI of `image` (a PIL image) scaled to `max_side`."""
-    # Lazy: blockinfo imports no MLX, and the models package does.
+    # Lazy: only thumbnails need the models package.
     from mlx_nbengine.models.images import thumbnail_png
 
     data = base64.b64encode(thumbnail_png(image, max_side=max_side)).decode("ascii")

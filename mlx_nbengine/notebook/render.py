@@ -47,6 +47,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from mlx_nbengine.engine.events import Event, Progress, TextDelta
+from mlx_nbengine.engine.results import BlockReport, Completion, Finished
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_spans, thumbnail_uri
 from mlx_nbengine.notebook.words import format_bytes, kept_boundary_phrase
 from mlx_nbengine.notebook.words import plural as _plural
@@ -217,7 +219,7 @@ def _escape_md(text: str) -> str:
 ANSWER_METADATA_KEY = "mlx_nbengine"
 
 
-def answer_facts(completion: Any) -> dict[str, Any]:
+def answer_facts(completion: Completion) -> dict[str, Any]:
     """What a finished answer's display carries as metadata (under `ANSWER_METADATA_KEY`):
     prompt tokens, tokens restored from memory and from disk, tokens computed, time to first
     token, and `document`, a digest of the prompt's first block (answers that share it are
@@ -227,8 +229,7 @@ def answer_facts(completion: Any) -> dict[str, Any]:
     # The prompt's ids (a bare count is accepted too, as in `summary_line`).
     ids = completion.prompt_tokens
     prompt = [] if isinstance(ids, int) else list(ids)
-    source = getattr(report, "restore_source", None)
-    restored = report.restored_tokens
+    from_memory, from_disk = report.restored_split()
     blocks = report.blocks
     block_size = blocks[0].end - blocks[0].start if blocks else 0
     document = None
@@ -237,8 +238,8 @@ def answer_facts(completion: Any) -> dict[str, Any]:
         document = hashlib.sha256(head).hexdigest()[:16]
     return {
         "prompt_tokens": ids if isinstance(ids, int) else len(prompt),
-        "restored_memory": restored if source == "memory" else 0,
-        "restored_disk": restored if source == "disk" else 0,
+        "restored_memory": from_memory,
+        "restored_disk": from_disk,
         "computed": report.computed_tokens,
         "ttft_s": report.ttft_s,
         "document": document,
@@ -285,27 +286,27 @@ class AnswerView:
 
     # -- events ---------------------------------------------------------------------------
 
-    def apply(self, event: Any) -> None:
+    def apply(self, event: Event) -> None:
         """Fold one engine event into the view (no output until the next `refresh`)."""
-        kind = type(event).__name__
-        if kind == "TextDelta":
-            self.text += event.text
-            self.state = "running"
-            self.progress = ""
-        elif kind in ("BlockReport", "BlockEvent"):  # a block's event is its report
-            # The strip shows the blocks (and stays); the status line keeps the progress.
-            if self.strip is not None:
-                self.strip.add(event)
-            self.state = "running"
-        elif kind == "Progress":
-            self.state = "running"
-            if not self.text:
-                self.progress = _progress_phrase(event)
-        elif kind == "Finished":
-            self.finish(event.completion)
-            return
-        else:
-            return
+        match event:
+            case TextDelta():
+                self.text += event.text
+                self.state = "running"
+                self.progress = ""
+            case BlockReport():  # a block's event (`BlockEvent`) is its report
+                # The strip shows the blocks (and stays); the status line keeps the progress.
+                if self.strip is not None:
+                    self.strip.add(event)
+                self.state = "running"
+            case Progress():
+                self.state = "running"
+                if not self.text:
+                    self.progress = _progress_phrase(event)
+            case Finished():
+                self.finish(event.completion)
+                return
+            case _:
+                return
         self._dirty = True
 
     def finish(self, completion: Any, *, interrupted: bool = False) -> None:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mlx_nbengine.engine.results import Finished
 from mlx_nbengine.errors import EngineError
 from mlx_nbengine.notebook.render import AnswerView, prefill_stop_phrase, stopped_in_prefill
 
@@ -127,7 +128,7 @@ def _consume(events: queue.Queue, view: AnswerView, *, deadline: float | None = 
             return completion
         if isinstance(item, _Failure):
             raise item.error
-        if type(item).__name__ == "Finished":
+        if isinstance(item, Finished):
             completion = item.completion
         view.apply(item)
         view.refresh()

@@ -65,13 +65,10 @@ def kept_boundary_phrase(kept: str) -> str:
 
 
 def token_split(block: Mapping[str, Any]) -> tuple[int, int]:
-    """(restored, computed) tokens of `block`; a memory or disk block without a count (a
-    dict saved before token-exact restore) is restored whole."""
-    length = max(0, int(block.get("end", 0)) - int(block.get("start", 0)))
-    restored = block.get("restored")
-    if not restored:
-        restored = length if block.get("source") in ("memory", "disk") else 0
-    restored = min(length, max(0, int(restored)))
+    """(restored, computed) tokens of a block dict: its ``restored``, as `block_dict` wrote
+    it from the engine's one count (`BlockReport.split`), and the rest of its tokens."""
+    length = int(block["end"]) - int(block["start"])
+    restored = int(block["restored"])
     return restored, length - restored
 
 
