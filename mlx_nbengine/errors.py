@@ -10,6 +10,8 @@ what to do next. Internal bugs stay ordinary exceptions.
   in the caller by `Engine.submit` (and `Engine.load`'s options) for problems the caller can fix.
 - `GrammarError`: a request's grammar (`Engine.submit(grammar=...)`) failed mid-way; that
   request ends with it.
+- `SessionError`: a notebook session's operation the user can fix (no model loaded, an empty
+  cell, a load that failed); the magics show its message as one line.
 """
 
 from __future__ import annotations
@@ -88,3 +90,8 @@ class AmbiguousModelError(ModelError):
 
 class ModelDownloadError(ModelError):
     """The Hugging Face hub refused or failed a download (gated repository, HTTP error)."""
+
+
+class SessionError(EngineError):
+    """A notebook session (`mlx_nbengine.notebook.session`) cannot do what was asked; the
+    message is one line that says what to do next."""

@@ -1,8 +1,8 @@
 """The block widgets' models after real requests on a tiny random-weight llama.
 
 Each request's `stream()` feeds a `StripFeed` into a `BlockStrip`, as `%llm` does (see
-`magics._strip_feed`), and a finished report builds a `BlockMap` (see
-`magics._show_block_map`); the tests read the widgets' traitlets. Prompts are text
+`cellview.strip_feed`), and a finished report builds a `BlockMap` (see
+`cellview.show_block_map`); the tests read the widgets' traitlets. Prompts are text
 (tokenized with BOS); blocks are 16 tokens.
 """
 

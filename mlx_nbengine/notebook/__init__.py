@@ -1,6 +1,8 @@
 """The notebook face: magics, prompt building, streaming into cells, rendering, chats, widgets.
 
-`magics` declares the magics (thin); `prompting` reads options and builds prompts;
+`magics` declares the magics (argument tables and one-line calls); `session` holds the
+session's state and operations without IPython, and `cellview` what a cell shows around its
+answer; `prompting` reads options and builds prompts;
 `streaming` follows a request and feeds its events to a view; `render` turns a request's
 state into display bundles; `chat` keeps named conversations; `widgets` holds the
 anywidget classes (their ES modules and CSS ship in `mlx_nbengine/notebook/static`, built

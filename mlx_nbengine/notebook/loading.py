@@ -15,9 +15,7 @@ import threading
 import time
 from typing import Any
 
-from IPython.core.error import UsageError
-
-from mlx_nbengine.errors import EngineError
+from mlx_nbengine.errors import EngineError, SessionError
 from mlx_nbengine.models import sources
 from mlx_nbengine.notebook.render import format_bytes, progress_bundle
 from mlx_nbengine.notebook.streaming import short_error
@@ -140,7 +138,7 @@ def load_with_progress(
     live: bool,
 ) -> Any:
     """``factory(model, **options)`` on a helper thread, showing its progress through
-    `display` (redrawn in place when `live`); returns the engine or raises `UsageError`."""
+    `display` (redrawn in place when `live`); returns the engine or raises `SessionError`."""
     loading = _Loading(factory, model, options)
     downloads = starts_with_download(model, revision)
     started = time.monotonic()
@@ -158,13 +156,13 @@ def load_with_progress(
     except KeyboardInterrupt:
         loading.discard()
         handle.update({"text/plain": f"loading {model} interrupted"}, raw=True)
-        raise UsageError(f"loading {model} was interrupted; no model is loaded") from None
+        raise SessionError(f"loading {model} was interrupted; no model is loaded") from None
     elapsed = time.monotonic() - started
     error = loading.result.get("error")
     if error is not None:
         handle.update({"text/plain": f"loading {model} failed"}, raw=True)
         if isinstance(error, EngineError | OSError | ValueError):
-            raise UsageError(f"could not load {model}: {short_error(error)}") from None
+            raise SessionError(f"could not load {model}: {short_error(error)}") from None
         raise error
     engine = loading.result["engine"]
     loaded = getattr(engine, "model", None)
