@@ -57,7 +57,7 @@ from mlx_nbengine.engine import (
     TextDelta,
 )
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.server import messages, responses
+from mlx_nbengine.server import messages, responses, transport
 from mlx_nbengine.server.agentio import OutputSplitter, Reasoning, Text, ToolCall, template_messages
 from mlx_nbengine.server.anthropic_shapes import error_body as anthropic_error_body
 from mlx_nbengine.server.conversations import client_name, reader_of, request_facts
@@ -386,12 +386,11 @@ class _App:
             admitted = await self.admit(request, entry, check)
         except APIError as err:
             return _error(err)
-        pump, call = admitted.pump, admitted.call
-        if call.stream:
+        if admitted.call.stream:
             if endpoint == "chat":
                 body = self.chat_stream(admitted)
             else:
-                body = self.stream(pump, call, entry, endpoint)
+                body = self.completion_stream(admitted)
             return EventStream(body, admitted.release)
         try:
             return await self.whole(request, admitted, endpoint)
@@ -474,13 +473,37 @@ class _App:
         if self.log_prompts:
             log.info("request %d answer: %r", entry.number, text)
 
+    async def answer_events(
+        self, admitted: Admitted, every: float | None = None
+    ) -> AsyncIterator[Any]:
+        """A streamed answer as every API's stream reads it: `IDLE` after each `every`
+        seconds without an event (default `transport.KEEPALIVE_S`, read now: a keep-alive is
+        due), each piece of text (a str), and last the `Completion`, with the journal
+        filled in. Block reports go to the journal as they come."""
+        entry = admitted.entry
+        every = transport.KEEPALIVE_S if every is None else every
+        async for event in keepalive(admitted.pump, every):
+            if event is IDLE:
+                yield IDLE
+            elif isinstance(event, TextDelta):
+                if event.text:
+                    yield event.text
+            elif isinstance(event, BlockReport):
+                entry.blocks.append(event)
+                self.journal.changed(entry)
+            elif isinstance(event, Finished):
+                completion = event.completion
+                self.journal.finish(entry, completion)
+                self._log_answer(entry, completion.text)
+                yield completion
+
     async def chat_stream(self, admitted: Admitted) -> AsyncIterator[bytes]:
         """A chat answer as server-sent events in OpenAI's chunk format, ``data: [DONE]``
         last: ``delta.reasoning_content``, ``delta.content`` and each tool call whole as
         ``delta.tool_calls`` (with its ``index``), in the order the model wrote them. A
         client that goes away cancels this iterator; `EventStream`'s cleanup then cancels
         the call."""
-        pump, call, entry = admitted.pump, admitted.call, admitted.entry
+        call, entry = admitted.call, admitted.entry
         id_, created, model = new_id("chatcmpl"), int(entry.started), self.model_name
         splitter = self.splitter(call, admitted.handle)
         calls = 0
@@ -501,19 +524,14 @@ class _App:
 
         yield sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
         try:
-            async for event in keepalive(pump):
-                if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
+            async for item in self.answer_events(admitted):
+                if item is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield b": keep-alive\n\n"
-                elif isinstance(event, TextDelta) and event.text:
-                    for chunk in chunks(splitter.feed(event.text)):
+                elif isinstance(item, str):
+                    for chunk in chunks(splitter.feed(item)):
                         yield chunk
-                elif isinstance(event, BlockReport):
-                    entry.blocks.append(event)
-                    self.journal.changed(entry)
-                elif isinstance(event, Finished):
-                    completion = event.completion
-                    self.journal.finish(entry, completion)
-                    self._log_answer(entry, completion.text)
+                else:
+                    completion = item
                     for chunk in chunks(splitter.close()):
                         yield chunk
                     finish = _finish_reason(completion.finish_reason, called=calls > 0)
@@ -527,45 +545,26 @@ class _App:
             yield sse(error_body(self.failed(entry, exc), type="server_error"))
         yield b"data: [DONE]\n\n"
 
-    async def stream(
-        self, pump: Pump, call: Call, entry: Entry, endpoint: str
-    ) -> AsyncIterator[bytes]:
-        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last. A client
-        that goes away cancels this iterator; `EventStream`'s cleanup then cancels the call."""
-        chat = endpoint == "chat"
-        id_ = new_id("chatcmpl" if chat else "cmpl")
-        created = int(entry.started)
-        model = self.model_name
-        if chat:
-            yield sse(chat_chunk(id_, created, model, {"role": "assistant", "content": ""}))
+    async def completion_stream(self, admitted: Admitted) -> AsyncIterator[bytes]:
+        """A text completion as server-sent events in OpenAI's chunk format, ``data:
+        [DONE]`` last. A client that goes away cancels this iterator; `EventStream`'s
+        cleanup then cancels the call."""
+        call, entry = admitted.call, admitted.entry
+        id_, created, model = new_id("cmpl"), int(entry.started), self.model_name
         try:
-            async for event in keepalive(pump):
-                if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
+            async for item in self.answer_events(admitted):
+                if item is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield b": keep-alive\n\n"
-                elif isinstance(event, TextDelta) and event.text:
-                    if chat:
-                        chunk = chat_chunk(id_, created, model, {"content": event.text})
-                    else:
-                        chunk = completion_chunk(id_, created, model, event.text)
-                    yield sse(chunk)
-                elif isinstance(event, BlockReport):
-                    entry.blocks.append(event)
-                    self.journal.changed(entry)
-                elif isinstance(event, Finished):
-                    completion = event.completion
-                    self.journal.finish(entry, completion)
-                    self._log_answer(entry, completion.text)
-                    finish = _finish_reason(completion.finish_reason)
-                    if chat:
-                        yield sse(chat_chunk(id_, created, model, {}, finish))
-                    else:
-                        yield sse(completion_chunk(id_, created, model, "", finish))
+                elif isinstance(item, str):
+                    yield sse(completion_chunk(id_, created, model, item))
+                else:
+                    finish = _finish_reason(item.finish_reason)
+                    yield sse(completion_chunk(id_, created, model, "", finish))
                     if call.include_usage:
                         use = usage(
                             entry.prompt_tokens, entry.completion_tokens, entry.cached_tokens
                         )
-                        maker = chat_chunk if chat else completion_chunk
-                        yield sse(maker(id_, created, model, None, None, use))
+                        yield sse(completion_chunk(id_, created, model, None, None, use))
         except Exception as exc:
             yield sse(error_body(self.failed(entry, exc), type="server_error"))
         yield b"data: [DONE]\n\n"

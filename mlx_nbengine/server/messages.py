@@ -29,7 +29,6 @@ status the app gives (400 invalid_request_error, 401 authentication_error, 403, 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -38,15 +37,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mlx_nbengine.engine import (
-    BlockReport,
-    Finished,
     InvalidRequestError,
     PromptTooLongError,
-    TextDelta,
 )
 from mlx_nbengine.engine.prompts import prompt_tokens
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.server import transport
 from mlx_nbengine.server.anthropic_shapes import (
     Blocks,
     check_messages,
@@ -58,11 +53,10 @@ from mlx_nbengine.server.anthropic_shapes import (
     usage,
 )
 from mlx_nbengine.server.openai_shapes import APIError, Call, check_model
-from mlx_nbengine.server.transport import IDLE, EventStream, keepalive, sse
+from mlx_nbengine.server.transport import IDLE, EventStream, sse
 
 __all__ = ["routes"]
 
-log = logging.getLogger("mlx_nbengine.server")
 
 PING = sse({"type": "ping"}, event="ping")
 
@@ -147,21 +141,14 @@ class MessagesAPI:
         try:
             splitter = app.splitter(call, admitted.handle)
             blocks = Blocks()
-            # The interval read now (a module setting, e.g. shortened by a test).
-            async for event in keepalive(admitted.pump, transport.KEEPALIVE_S):
-                if event is IDLE:  # a long prompt is read
+            async for item in app.answer_events(admitted):
+                if item is IDLE:  # a long prompt is read
                     yield PING
-                elif isinstance(event, TextDelta) and event.text:
-                    for name, payload in blocks.feed(splitter.feed(event.text)):
+                elif isinstance(item, str):
+                    for name, payload in blocks.feed(splitter.feed(item)):
                         yield sse(payload, event=name)
-                elif isinstance(event, BlockReport):
-                    entry.blocks.append(event)
-                    app.journal.changed(entry)
-                elif isinstance(event, Finished):
-                    completion = event.completion
-                    app.journal.finish(entry, completion)
-                    if app.log_prompts:
-                        log.info("request %d answer: %r", entry.number, completion.text)
+                else:
+                    completion = item
                     for name, payload in [*blocks.feed(splitter.close()), *blocks.close()]:
                         yield sse(payload, event=name)
                     reason, sequence = stop_reason(completion, blocks.tool_calls, call.stop)

@@ -33,7 +33,6 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from mlx_nbengine.engine import BlockReport, Finished, TextDelta
 from mlx_nbengine.server import agentio
 from mlx_nbengine.server.openai_shapes import APIError, Call, error_body
 from mlx_nbengine.server.responses_shapes import (
@@ -44,7 +43,7 @@ from mlx_nbengine.server.responses_shapes import (
     response_object,
     response_usage,
 )
-from mlx_nbengine.server.transport import IDLE, KEEPALIVE_S, EventStream, keepalive, sse
+from mlx_nbengine.server.transport import IDLE, KEEPALIVE_S, EventStream, sse
 
 __all__ = ["KEEP_RESPONSES", "ResponseStore", "routes"]
 
@@ -405,7 +404,7 @@ class _Responses:
         return JSONResponse(body)
 
     async def _stream(self, admitted: Any, req: ResponsesRequest, id_: str) -> AsyncIterator[bytes]:
-        app, entry, pump = self.app, admitted.entry, admitted.pump
+        app, entry = self.app, admitted.entry
         model, started = app.model_name, entry.started
         events = _Sequence()
         head = response_object(id_, started, model, req, status="in_progress")
@@ -413,19 +412,14 @@ class _Responses:
         yield events.sse({"type": "response.in_progress", "response": head})
         try:
             out = _Output(self.app.splitter(admitted.call, admitted.handle), req)
-            async for event in keepalive(pump, self.keepalive_s):
-                if event is IDLE:  # a long prompt is read: an SSE comment keeps it alive
+            async for item in app.answer_events(admitted, self.keepalive_s):
+                if item is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield KEEPALIVE
-                elif isinstance(event, TextDelta) and event.text:
-                    for payload in out.feed(event.text):
+                elif isinstance(item, str):
+                    for payload in out.feed(item):
                         yield events.sse(payload)
-                elif isinstance(event, BlockReport):
-                    entry.blocks.append(event)
-                    app.journal.changed(entry)
-                elif isinstance(event, Finished):
-                    completion = event.completion
-                    app.journal.finish(entry, completion)
-                    app._log_answer(entry, completion.text)
+                else:
+                    completion = item
                     length = completion.finish_reason == "length"
                     for payload in out.close("incomplete" if length else "completed"):
                         yield events.sse(payload)
