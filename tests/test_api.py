@@ -772,6 +772,24 @@ def test_a_base_model_without_a_chat_template_reads_the_messages_as_plain_lines(
         assert plain_chat(msgs) == (
             "system: You answer briefly.\nuser: What is two plus two?\nassistant:"
         )
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+        called = [
+            *msgs,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "4"},
+        ]
+        assert plain_chat(called, tools) == (
+            'tools: [{"type":"function","function":{"name":"add","parameters":{}}}]\n'
+            "system: You answer briefly.\nuser: What is two plus two?\n"
+            'assistant: <tool_call>{"name": "add", "arguments": {}}</tool_call>\n'
+            "tool: 4\nassistant:"
+        )
         want = base.submit(plain_chat(msgs), max_tokens=8).result(timeout=60)
         with ApiServer(base, port=0).start() as srv:
             client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0)

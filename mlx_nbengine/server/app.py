@@ -279,7 +279,8 @@ class _App:
         if _is_chat(prompt):
             prompt = template_messages(prompt)
             if not getattr(self.engine.model, "has_chat_template", True):
-                prompt = plain_chat(prompt)  # a base model: no template to render them
+                # A base model: no template to render them (the tools as a line of JSON).
+                prompt = plain_chat(prompt, call.offered_tools)
         return prompt
 
     def submit(self, call: Call) -> Any:
@@ -574,14 +575,28 @@ def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-def plain_chat(messages: list[dict]) -> str:
+def plain_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
     """Chat messages as plain text for a model without a chat template (a base model):
-    one ``role: content`` line each, then ``assistant:`` for the answer to follow."""
+    a ``tools:`` line with the offered tools' JSON first (never dropped unseen), one
+    ``role: content`` line each, an assistant's calls in the JSON ``<tool_call>`` form the
+    answer's splitter reads, then ``assistant:`` for the answer to follow."""
     lines = []
+    if tools:
+        lines.append("tools: " + json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
     for m in messages:
         content = m.get("content") or ""
         if isinstance(content, list):  # parts (images are refused for text models)
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        for called in m.get("tool_calls") or ():
+            function = called.get("function") or {}
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):  # JSON text, as the chat form holds it
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass
+            call = {"name": function.get("name"), "arguments": arguments}
+            content += "<tool_call>" + json.dumps(call, ensure_ascii=False) + "</tool_call>"
         lines.append(f"{m.get('role', 'user')}: {content}")
     return "\n".join([*lines, "assistant:"])
 
