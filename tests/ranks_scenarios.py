@@ -93,7 +93,9 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
 
 def kernels_in_use(pids: list[int], routes: tuple[str, ...]) -> dict:
     """Rank 0's kernel set and routes (quantized products, attention: of `routes`, its
-    model's), and whether each worker process has our kernels' module loaded."""
+    model's), and whether each worker process has our kernels' module loaded. Rank 0's
+    quantized products are routed where any quantized layer is (a tensor-sharded model's
+    projections are mlx's sharded layers; its head is ours)."""
     from mlx_nbengine import kernels
     from mlx_nbengine.kernels.build import MODULE_NAME
 
@@ -102,7 +104,11 @@ def kernels_in_use(pids: list[int], routes: tuple[str, ...]) -> dict:
             return MODULE_NAME in maps.read()
 
     return {
-        "rank0": [kernels.status().isa, "quantized-linear" in routes, "attention" in routes],
+        "rank0": [
+            kernels.status().isa,
+            any(name.startswith("quantized-") for name in routes),
+            "attention" in routes,
+        ],
         "workers": [loaded(pid) for pid in pids],
     }
 
