@@ -471,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="llama.cpp's threads in the whole answers (default: every usable CPU)",
     )
+    ap.add_argument(
+        "--no-mlx-kernels",
+        action="store_true",
+        help="skip the 'mlx q8' / 'mlx q4' variants (MLX's quantized kernels take most of a "
+        "run's time on the CPU: tens of minutes)",
+    )
     args = ap.parse_args(argv)
     if args.quick and args.model is None:
         from mlx_nbengine.testing import make_tiny_model
@@ -505,10 +511,17 @@ def run(args, model: str) -> int:
         lm = load(model, dtype="float32")
         qroute.quantize_for_cpu(lm.model, bits=bits, group_size=DEFAULT_CPU_GROUP_SIZE)
         if status.active:
+            # Quantized after the load, so the load's routing saw float32 layers only: put
+            # the new quantized layers on our kernels as the loader does (held by the model's
+            # own routing; `use(lm, False)` suspends it for MLX's variant).
+            qroute.route(lm.model, lm.routing)
             variants[f"ours q{bits}"] = (lm, True)
         else:
             skipped[f"ours q{bits}"] = status.reason
-        variants[f"mlx q{bits}"] = (lm, False)
+        if args.no_mlx_kernels:
+            skipped[f"mlx q{bits}"] = "--no-mlx-kernels"
+        else:
+            variants[f"mlx q{bits}"] = (lm, False)
     tokenizer = variants["float32"][0].tokenizer
     ids = (tokenizer.encode(TEXT * (prompt_tokens // 8 + 1)))[:prompt_tokens]
     round_steps = min(ROUND_STEPS, steps + 1)  # a short run: one round
@@ -578,6 +591,12 @@ def run(args, model: str) -> int:
     results = {}
     base = 1 / seconds["1"]["float32"]
     for name, (lm, routed) in variants.items():
+        use(lm, routed)
+        on_ours = sum(
+            1
+            for _, m in lm.model.named_modules()
+            if qroute.LINEAR.routes(m) or qroute.EMBEDDING_HEAD.routes(m)
+        )
         nbytes = weight_bytes(lm.model, routed=routed)
         floor_s = nbytes / bandwidth
         tok1, tok4 = 1 / seconds["1"][name], 4 / seconds["4"][name]
@@ -594,7 +613,9 @@ def run(args, model: str) -> int:
             "threads_4": best_threads["4"][name],
             "threads_1_serial": best_threads["1_serial"][name],
             "floor_ratio_1": seconds["1"][name] / floor_s,
+            "layers_on_our_kernels": on_ours,
         }
+    _SUSPENDED.close()
     lines = [
         f"decode at each variant's best of {blas_thread_counts() or [1]} threads "
         f"(chosen: th 1 / th 4), kernels: {status.reason}; "

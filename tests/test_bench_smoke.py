@@ -84,6 +84,18 @@ def test_quick_run_writes_its_json(case, tiny_model_dir, tmp_path):
     assert out.with_suffix(".txt").is_file(), "no table written beside the JSON"
     if module in LLAMA_PATHS and not extra:
         check_llama_paths(module, data, done.stdout + done.stderr)
+    if module == "bench_cpu_decode" and data["kernels"]["active"]:
+        check_decode_variants(data["variants"])
+
+
+def check_decode_variants(variants: dict) -> None:
+    """Our variants ran their quantized layers on our kernels and MLX's on MLX's (a model
+    quantized after its load is routed by the benchmark itself: once it was not, and "ours"
+    measured MLX's kernels)."""
+    for bits in (8, 4):
+        assert variants[f"ours q{bits}"]["layers_on_our_kernels"] > 0, variants
+        if f"mlx q{bits}" in variants:
+            assert variants[f"mlx q{bits}"]["layers_on_our_kernels"] == 0, variants
 
 
 # The benchmarks with llama.cpp paths: where each records (in its JSON) the outcome of each
