@@ -20,6 +20,7 @@ from mlx_nbengine._blas import ensure_fast_blas
 # Before the modules below import MLX: its matmuls bind to a BLAS on first import.
 ensure_fast_blas()
 
+from mlx_nbengine.engine.config import EngineConfig  # noqa: E402
 from mlx_nbengine.engine.engine import Engine  # noqa: E402
 from mlx_nbengine.engine.events import (  # noqa: E402
     KEPT_BOUNDARY,
@@ -46,6 +47,7 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineClosedError",
+    "EngineConfig",
     "Event",
     "Finished",
     "InvalidRequestError",

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from mlx_nbengine import _blas
 from mlx_nbengine.engine.blockstore import open_prefix_cache
 from mlx_nbengine.engine.cacheio import CacheIO
+from mlx_nbengine.engine.config import EngineConfig
 from mlx_nbengine.engine.constraint import Constraint, GrammarTokenizer, compile_constraint
 from mlx_nbengine.engine.generation import GenerationThread
 from mlx_nbengine.engine.internals import EngineInternals
@@ -58,9 +59,6 @@ from mlx_nbengine.models import load as load_model
 
 T = TypeVar("T")
 
-RESTORE_MODES = ("token", "block")
-"""`Engine.load(restore=...)`: to the first changed token, or whole blocks only."""
-
 # How long close() lets a persistent store write the saves still queued.
 PERSIST_DRAIN_S = 10.0
 
@@ -78,67 +76,30 @@ def _close_all() -> None:
         engine.close()
 
 
-class Engine(StoreFace):
+class Engine:
     """A loaded model with continuous batching and a block-level prefix cache.
 
     Use `Engine.load(...)`; see `submit` for requests, `stats`, `close`. Also a context
     manager (closes on exit).
     """
 
-    def __init__(
-        self,
-        loader: Any,
-        *,
-        parallel: int = 4,
-        block_size: int = 256,
-        disk_budget: int | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        max_prefill_step: int = 1024,
-        name: str = "model",
-        store: bool = True,
-        restore: str = "token",
-        persist_dir: str | os.PathLike | None = None,
-        sharded: Any = None,
-    ) -> None:
-        persist_dir = _check_options(
-            restore=restore,
-            parallel=parallel,
-            block_size=block_size,
-            cache_dir=cache_dir,
-            persist_dir=persist_dir,
-            store=store,
-            disk_budget=disk_budget,
-        )
-        self.persist_dir = persist_dir
-        self.parallel = parallel
-        self.block_size = block_size
-        self.restore = restore
+    def __init__(self, loader: Any, config: EngineConfig, *, sharded: Any = None) -> None:
+        """Start an engine on `loader` (called on the generation thread, returns the model)
+        with `config`; `sharded` is a `ranks.ShardedModel` (its loader is used), or None.
+        Use `Engine.load`."""
+        self.config = config
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
         keep_large_buffers_mapped()
         self._io = CacheIO()
         self._ledger = CacheLedger()
-        self._saving_warned = False
         self._grammar_tokenizer: GrammarTokenizer | None = None  # at the first grammar
         self.sharded = sharded  # a `ranks.ShardedModel`, or None: one process
         if sharded is not None:
             loader = sharded.load
             sharded.group.on_fault = self._rank_fault
-        self._gen = _generation_thread(
-            loader,
-            self._io,
-            self._ledger,
-            store=store,
-            parallel=parallel,
-            block_size=block_size,
-            disk_budget=disk_budget,
-            cache_dir=cache_dir,
-            persist_dir=persist_dir,
-            max_prefill_step=max_prefill_step,
-            restore=restore,
-            sharded=sharded,
-        )
+        self._gen = _generation_thread(loader, self._io, self._ledger, config, sharded)
         self.internals = EngineInternals(self._gen, self._io, closed=lambda: self._closed)
         try:
             self.model = self._gen.start()
@@ -148,29 +109,54 @@ class Engine(StoreFace):
             if sharded is not None:
                 sharded.close()
             raise
-        self.model_name = name
+        self.model_name = config.name
+        self._store = StoreFace(
+            self.internals,
+            self._gen,
+            self._io,
+            self._ledger,
+            model_name=config.name,
+            block_size=config.block_size,
+            model=lambda: self.model,
+            closed=lambda: self._closed,
+            sharded=sharded,
+        )
         self._ledger.start_clock()
         _open_engines.add(self)
+
+    # The options as attributes (read by the faces and tests).
+    parallel = property(lambda self: self.config.parallel)
+    block_size = property(lambda self: self.config.block_size)
+    restore = property(lambda self: self.config.restore)
+    persist_dir = property(lambda self: self.config.persist_dir)
+
+    # The block store's face (`StoreFace`): its note and warning, the store view, clearing.
+    store_note = property(lambda self: self._store.store_note, doc=StoreFace.store_note.__doc__)
+
+    def store_warning(self) -> str | None:
+        return self._store.store_warning()
+
+    def cache_view(self) -> dict[str, Any]:
+        return self._store.cache_view()
+
+    def clear_cache(self) -> None:
+        self._store.clear_cache()
+
+    def drop_hot_cache(self) -> None:
+        self._store.drop_hot_cache()
+
+    store_warning.__doc__ = StoreFace.store_warning.__doc__
+    cache_view.__doc__ = StoreFace.cache_view.__doc__
+    clear_cache.__doc__ = StoreFace.clear_cache.__doc__
+    drop_hot_cache.__doc__ = StoreFace.drop_hot_cache.__doc__
 
     @classmethod
     def load(
         cls,
         model: str | os.PathLike = "default",
         *,
-        parallel: int = 4,
-        block_size: int = 256,
-        disk_budget: int | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        dtype: str | None = None,
-        max_prefill_step: int = 1024,
         progress: Callable[[int, int], None] | None = None,
-        store: bool = True,
-        restore: str = "token",
-        revision: str | None = None,
-        persist_dir: str | os.PathLike | None = None,
-        ranks: int | None = None,
-        hosts: SequenceABC[str] | None = None,
-        shard: str | None = None,
+        **options: Any,
     ) -> Engine:
         """Load `model` and start serving.
 
@@ -209,41 +195,15 @@ class Engine(StoreFace):
         matmuls on the reference BLAS, about 40x slower) one line on stderr says so and how
         to fix it, once per process.
         """
+        config = EngineConfig.of(model, **options)
         _blas.say_reference_blas()
 
         def loader() -> Any:
-            return load_model(model, dtype=dtype, progress=progress, revision=revision)
-
-        sharded = None
-        if ranks is not None or hosts is not None:
-            sharded = _sharded(
-                model,
-                ranks=ranks,
-                hosts=hosts,
-                shard=shard,
-                dtype=dtype,
-                revision=revision,
-                store=store,
-                restore=restore,
-                block_size=block_size,
-                disk_budget=disk_budget,
-                cache_dir=cache_dir,
-                persist_dir=persist_dir,
+            return load_model(
+                config.model, dtype=config.dtype, progress=progress, revision=config.revision
             )
-        name = os.path.basename(os.fspath(model).rstrip("/\\")) or os.fspath(model)
-        return cls(
-            loader,
-            parallel=parallel,
-            block_size=block_size,
-            disk_budget=disk_budget,
-            cache_dir=cache_dir,
-            max_prefill_step=max_prefill_step,
-            name=name,
-            store=store,
-            restore=restore,
-            persist_dir=persist_dir,
-            sharded=sharded,
-        )
+
+        return cls(loader, config, sharded=_sharded(config) if config.sharded else None)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -466,112 +426,34 @@ class Engine(StoreFace):
 
 
 def _generation_thread(
-    loader: Any,
-    io: CacheIO,
-    ledger: CacheLedger,
-    *,
-    store: bool,
-    parallel: int,
-    block_size: int,
-    disk_budget: int | None,
-    cache_dir: Any,
-    persist_dir: str | None,
-    max_prefill_step: int,
-    restore: str,
-    sharded: Any = None,
+    loader: Any, io: CacheIO, ledger: CacheLedger, config: EngineConfig, sharded: Any
 ) -> GenerationThread:
-    """An engine's generation thread, not started; with `store`, its prefix factory (run
+    """An engine's generation thread, not started; with a store, its prefix factory (run
     on the cache-I/O thread `io`) opens the block store."""
-    prefix_factory = functools.partial(
-        open_prefix_cache,
-        ledger=ledger,
-        block_size=block_size,
-        disk_budget=disk_budget,
-        cache_dir=cache_dir,
-        persist_dir=persist_dir,
-    )
+    prefix_factory = functools.partial(open_prefix_cache, ledger=ledger, **config.store_options())
+    factories = {}
+    if sharded is not None:
+        factories = {"runner_factory": sharded.runner, "checkpoints_factory": sharded.checkpoints}
     return GenerationThread(
         loader=loader,
         io=io,
-        prefix_factory=prefix_factory if store else None,
-        parallel=parallel,
-        block_size=block_size,
-        max_prefill_step=max_prefill_step,
-        restore=restore,
-        **(
-            {}
-            if sharded is None
-            else {"runner_factory": sharded.runner, "checkpoints_factory": sharded.checkpoints}
-        ),
+        prefix_factory=prefix_factory if config.store else None,
+        config=config,
+        **factories,
     )
 
 
-def _sharded(
-    model: Any,
-    *,
-    ranks: Any,
-    hosts: Any,
-    store: bool,
-    restore: str,
-    persist_dir: Any,
-    **options: Any,
-) -> Any:
+def _sharded(config: EngineConfig) -> Any:
     """The `ranks.ShardedModel` of `Engine.load(ranks=..., hosts=...)`."""
     from mlx_nbengine.engine.ranks import ShardedModel  # lazy: sharded engines only
 
-    if persist_dir is not None:
-        raise InvalidRequestError("persist_dir is not supported with ranks or hosts")
-    block_size, disk_budget, cache_dir = (
-        options.pop("block_size"),
-        options.pop("disk_budget"),
-        options.pop("cache_dir"),
-    )
-    store_options = None
-    if store:
-        store_options = {
-            "block_size": block_size,
-            "disk_budget": disk_budget,
-            "cache_dir": cache_dir,
-            "persist_dir": None,
-        }
     return ShardedModel(
-        os.fspath(model),
-        ranks=ranks,
-        hosts=list(hosts) if hosts is not None else None,
-        store=store_options,
-        to_token=restore == "token",
-        **options,
+        config.model,
+        ranks=config.ranks,
+        hosts=list(config.hosts) if config.hosts is not None else None,
+        shard=config.shard,
+        dtype=config.dtype,
+        revision=config.revision,
+        store=config.store_options() if config.store else None,
+        to_token=config.restore == "token",
     )
-
-
-def _check_options(
-    *,
-    restore: str,
-    parallel: Any,
-    block_size: Any,
-    cache_dir: Any,
-    persist_dir: Any,
-    store: bool,
-    disk_budget: int | None,
-) -> str | None:
-    """Raise `InvalidRequestError`, saying what to pass, for options `Engine` cannot use;
-    return `persist_dir` as a path string (`~` expanded), None without one."""
-    if restore not in RESTORE_MODES:
-        raise InvalidRequestError(
-            f"restore must be one of {', '.join(map(repr, RESTORE_MODES))}, got {restore!r}"
-        )
-    if not isinstance(parallel, int) or parallel < 1:
-        raise InvalidRequestError(f"parallel must be an integer >= 1, got {parallel!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise InvalidRequestError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if cache_dir is not None and not os.path.isdir(cache_dir):
-        raise InvalidRequestError(
-            f"cache_dir {os.fspath(cache_dir)!r} is not a directory; create it or pass None "
-            "for the system temp folder"
-        )
-    if persist_dir is not None and (not store or disk_budget == 0):
-        raise InvalidRequestError(
-            "persist_dir keeps the block store on disk; it needs store=True and a disk "
-            "budget other than 0"
-        )
-    return None if persist_dir is None else os.path.expanduser(os.fspath(persist_dir))

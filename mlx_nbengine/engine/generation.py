@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_nbengine.cache import layer_kinds
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.checkpoints import Checkpoints
+from mlx_nbengine.engine.config import EngineConfig
 from mlx_nbengine.engine.request import EngineClosedError
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.scheduler import Scheduler
@@ -48,10 +49,7 @@ class GenerationThread:
         loader: Callable[[], Any],
         io: CacheIO,
         prefix_factory: Callable[[Any], Any] | None,
-        parallel: int,
-        block_size: int,
-        max_prefill_step: int,
-        restore: str = "token",
+        config: EngineConfig,
         name: str = "mlx-nbengine-generation",
         runner_factory: Callable[..., Runner] = Runner,
         checkpoints_factory: Callable[..., Checkpoints] = Checkpoints,
@@ -62,10 +60,7 @@ class GenerationThread:
         self._checkpoints_factory = checkpoints_factory
         self._io = io
         self._prefix_factory = prefix_factory
-        self._options = dict(
-            parallel=parallel, block_size=block_size, max_prefill_step=max_prefill_step
-        )
-        self._to_token = restore == "token"
+        self._config = config
         self.lm: Any = None
         self.runner: Runner | None = None
         self.scheduler: Scheduler | None = None
@@ -222,8 +217,8 @@ class GenerationThread:
             checkpoints = self._checkpoints_factory(
                 self._io,
                 fingerprint=lm.fingerprint,
-                block_size=self._options["block_size"],
-                to_token=self._to_token,
+                block_size=self._config.block_size,
+                to_token=self._config.restore == "token",
                 uncuttable_kind=prefix.uncuttable_kind,
                 recurrent="state" in self.layer_kinds,
                 store_off=prefix.store.budget_bytes == 0,
@@ -234,7 +229,9 @@ class GenerationThread:
             runner,
             checkpoints=checkpoints,
             on_restored=lambda seq: self._inbox.put(("restored", seq)),
-            **self._options,
+            parallel=self._config.parallel,
+            block_size=self._config.block_size,
+            max_prefill_step=self._config.max_prefill_step,
         )
 
     def _loop(self) -> None:

@@ -1,8 +1,9 @@
 """An engine's block-store face: its note, the saving warning, the store view's figures
 (`Engine.cache_view`), and emptying the store and the hot cache.
 
-`StoreFace` is a part of `Engine` (which sets what it reads: `internals`, `model`,
-`model_name`, `block_size`, `_gen`, `_io`, `_closed`, `_ledger`, `_lock`, `_saving_warned`).
+`StoreFace` is a part the `Engine` holds (and delegates to), given what it reads: the
+engine's internals, generation and cache-I/O threads, ledger, model name, block size, and
+two callables for the engine's model and whether it is closed.
 The views are cheap and safe from any thread: they read the store's own locked snapshots
 and the `CacheLedger`; clearing runs on the threads that own the store and the hot cache.
 """
@@ -10,6 +11,7 @@ and the `CacheLedger`; clearing runs on the threads that own the store and the h
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mlx_nbengine.engine.blockstore import store_figures
@@ -25,16 +27,34 @@ class StoreFace:
     """The store's note, the one-time saving warning, the store view, clearing (see the
     module)."""
 
-    internals: EngineInternals
-    model: Any
-    model_name: str
-    block_size: int
-    _gen: GenerationThread
-    _io: CacheIO
-    _closed: bool
-    _ledger: CacheLedger
-    _lock: threading.Lock
-    _saving_warned: bool
+    def __init__(
+        self,
+        internals: EngineInternals,
+        gen: GenerationThread,
+        io: CacheIO,
+        ledger: CacheLedger,
+        *,
+        model_name: str,
+        block_size: int,
+        model: Callable[[], Any],
+        closed: Callable[[], bool],
+        sharded: Any = None,
+    ) -> None:
+        self.internals = internals
+        self.model_name = model_name
+        self.block_size = block_size
+        self.sharded = sharded
+        self._gen = gen
+        self._io = io
+        self._ledger = ledger
+        self._model = model
+        self._is_closed = closed
+        self._lock = threading.Lock()
+        self._saving_warned = False
+
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()
 
     def _block_store(self) -> Any:
         prefix = self.internals.prefix_cache
@@ -90,7 +110,7 @@ class StoreFace:
 
     def _words(self, tokens: list[int] | None, *, words: int = 8) -> str:
         """The first `words` words of `tokens` decoded ("" when unknown or not decodable)."""
-        lm = self.model
+        lm = self._model()
         if not tokens or lm is None:
             return ""
         try:
@@ -112,9 +132,8 @@ class StoreFace:
         self.drop_hot_cache()
         if self._gen.has_store:
             self._io.clear().result(timeout=60)
-            sharded = getattr(self, "sharded", None)
-            if sharded is not None:
-                sharded.clear_stores()  # every worker's own store too
+            if self.sharded is not None:
+                self.sharded.clear_stores()  # every worker's own store too
 
     def drop_hot_cache(self) -> None:
         """Forget the hot in-memory cache and the image features, keeping the block store

@@ -46,7 +46,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
-from mlx_nbengine.errors import ImageError
+from mlx_nbengine.engine.config import EngineConfig
+from mlx_nbengine.errors import ImageError, InvalidRequestError
 from mlx_nbengine.models.images import load_image
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, Turn
 
@@ -125,10 +126,21 @@ def interpolate(text: str, namespace: dict[str, Any]) -> str:
         raise UsageError(f"--interpolate: {exc}; write {{{{ and }}}} for literal braces") from None
 
 
+# The engine options' names as `%load_model`'s flags, for its one-line errors.
+_FLAGS = {
+    "persist_dir": "--persist",
+    "store=True": "no --no-store",
+    "block_size": "--block-size",
+    "disk_budget": "--disk-budget",
+    "cache_dir": "--cache-dir",
+    "parallel": "--parallel",
+}
+
+
 def engine_options(args: Any) -> dict[str, Any]:
-    """The keyword arguments for ``Engine.load`` from `%load_model`'s parsed `args`."""
-    if args.parallel < 1 or args.block_size < 1:
-        raise UsageError("--parallel and --block-size must be at least 1")
+    """The keyword arguments for ``Engine.load`` from `%load_model`'s parsed `args`, checked
+    by the engine's own `EngineConfig` (its one-line error, in the flags' names, is a
+    `UsageError`)."""
     options: dict[str, Any] = {"parallel": args.parallel, "block_size": args.block_size}
     if args.disk_budget is not None:
         options["disk_budget"] = parse_size(args.disk_budget)
@@ -143,10 +155,15 @@ def engine_options(args: Any) -> dict[str, Any]:
     if getattr(args, "restore", None) is not None:
         options["restore"] = args.restore
     if getattr(args, "persist", None) is not None:
-        if options.get("store") is False or options.get("disk_budget") == 0:
-            raise UsageError("--persist keeps the block store on disk; drop --no-store")
         options["persist_dir"] = os.path.expanduser(args.persist)
     options.update(rank_options(args))
+    try:
+        EngineConfig.of(**options)
+    except InvalidRequestError as exc:
+        message = str(exc)
+        for name, flag in _FLAGS.items():
+            message = message.replace(name, flag)
+        raise UsageError(message) from None
     return options
 
 
