@@ -96,6 +96,7 @@ from pathlib import Path
 
 from mlx_nbengine import _blaslib
 from mlx_nbengine._blaslib import BlasBuildError
+from mlx_nbengine.compiler import c_compiler
 
 __all__ = [
     "BlasStatus",
@@ -397,7 +398,7 @@ def _prepare(choice: str) -> tuple[Path, str, Path | None]:
     source = _blaslib.scipy_openblas()
     if source is None:
         raise BlasBuildError("scipy-openblas32 is not installed")
-    compiler = _blaslib.find_compiler() if choice != "renamed" else None
+    compiler = c_compiler() if choice != "renamed" else None
     if choice == "shim" and compiler is None:
         raise BlasBuildError("no C compiler to build the BLAS shim with")
     if compiler is not None:

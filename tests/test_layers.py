@@ -43,3 +43,9 @@ def test_cache_types_is_a_leaf():
     cache = ROOT / "mlx_nbengine" / "cache"
     assert _package_imports(cache / "types.py") <= {"mlx_nbengine.cache.records"}
     assert _package_imports(cache / "records.py") == set()
+
+
+def test_the_cache_home_and_the_compiler_finder_import_nothing_of_the_package():
+    package = ROOT / "mlx_nbengine"
+    assert _package_imports(package / "home.py") == set()
+    assert _package_imports(package / "compiler.py") == set()
