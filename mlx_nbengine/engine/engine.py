@@ -37,6 +37,7 @@ from collections.abc import Sequence as SequenceABC
 from typing import Any, TypeVar
 
 from mlx_nbengine import _blas
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.blockstore import open_prefix_cache
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.constraint import Constraint, GrammarTokenizer, compile_constraint
@@ -498,6 +499,7 @@ def _generation_thread(
         block_size=block_size,
         max_prefill_step=max_prefill_step,
         restore=restore,
+        thread_policy=ThreadPolicy(),
         **(
             {}
             if sharded is None

@@ -20,6 +20,7 @@ import os
 import time
 from typing import Any
 
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.ranks.group import (
     HANG_TIMEOUT_S,
     RankGroup,
@@ -112,8 +113,8 @@ class ShardedModel:
             raise
         return lm
 
-    def runner(self, lm: Any) -> RankRunner:
-        return RankRunner(lm, self.group)
+    def runner(self, lm: Any, *, thread_policy: ThreadPolicy | None = None) -> RankRunner:
+        return RankRunner(lm, self.group, thread_policy=thread_policy)
 
     def checkpoints(self, *args: Any, **kwargs: Any) -> RankCheckpoints:
         return RankCheckpoints(self.group, *args, **kwargs)
