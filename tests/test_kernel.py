@@ -80,12 +80,12 @@ class Cell:
         """text/plain of the answer's last display or display update."""
         return self.final_data().get("text/plain", "")
 
-    def widgets(self, kind: str) -> list[dict]:
-        """comm_open messages of this cell's widgets of `kind` ("strip", "map", "store")."""
+    def widgets(self, behaviour: str) -> list[dict]:
+        """comm_open messages of this cell's widgets of `behaviour` ("strip", "map", "store")."""
         return [
             m
             for m in self.of_type("comm_open")
-            if m["content"]["data"]["state"].get("_kind") == kind
+            if m["content"]["data"]["state"].get("_behaviour") == behaviour
         ]
 
     def widget_displays(self) -> list[dict]:

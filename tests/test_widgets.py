@@ -834,8 +834,8 @@ def test_every_widget_bundle_has_the_live_view_static_html_and_text(make):
     assert data[WIDGET_VIEW]["model_id"] == widget.model_id
     assert data["text/html"] == widget.html()
     assert data["text/plain"].strip()
-    assert widget._kind in {"strip", "map", "store"}
-    assert widget.get_state()["_kind"] == widget._kind  # the front end's dispatch
+    assert widget._behaviour in {"strip", "map", "store"}
+    assert widget.get_state()["_behaviour"] == widget._behaviour  # the front end's dispatch
 
 
 def test_live_markup_is_the_static_picture_without_its_style():

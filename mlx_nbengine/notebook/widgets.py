@@ -70,7 +70,7 @@ class _Widget(anywidget.AnyWidget):
     _esm = STATIC / "blocks.js"
     _css = STATIC / "blocks.css"
     # Which behaviour the shared ES module adds.
-    _kind = traitlets.Unicode("").tag(sync=True)
+    _behaviour = traitlets.Unicode("").tag(sync=True)
     # The picture's live HTML (no style block: the widget has `_css`).
     markup = traitlets.Unicode("").tag(sync=True)
     # The traitlets the picture is drawn from: a change to one redraws it.
@@ -118,7 +118,7 @@ class BlockStrip(_Widget):
     mark but drops the edit's banner, for when a `BlockMap` (which shows it) follows.
     """
 
-    _kind = traitlets.Unicode("strip").tag(sync=True)
+    _behaviour = traitlets.Unicode("strip").tag(sync=True)
     n_blocks = traitlets.Int(0).tag(sync=True)
     block_size = traitlets.Int(0).tag(sync=True)
     prompt_tokens = traitlets.Int(0).tag(sync=True)
@@ -222,7 +222,7 @@ class BlockStrip(_Widget):
 class BlockMap(_Widget):
     """Every prompt block with its range, words, source, reason, time and records."""
 
-    _kind = traitlets.Unicode("map").tag(sync=True)
+    _behaviour = traitlets.Unicode("map").tag(sync=True)
     blocks = traitlets.List(traitlets.Dict()).tag(sync=True)
     edit = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     block_size = traitlets.Int(0).tag(sync=True)
@@ -276,7 +276,7 @@ class BlockMap(_Widget):
 class StoreView(_Widget):
     """What the block store holds and how requests used it (`engine.cache_view()`)."""
 
-    _kind = traitlets.Unicode("store").tag(sync=True)
+    _behaviour = traitlets.Unicode("store").tag(sync=True)
     view = traitlets.Dict().tag(sync=True)
 
     _drawn_from = ("view",)
