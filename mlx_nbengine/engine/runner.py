@@ -39,12 +39,12 @@ class Runner:
         self.lm = lm
         # Each step's thread count (None: a policy of its own, as a test's runner needs).
         self.thread_policy = thread_policy if thread_policy is not None else ThreadPolicy()
-        self.vision = VisionRunner(lm) if lm.kind == "vision" else None
+        self.vision = VisionRunner(lm) if lm.modality == "vision" else None
         # A final prefill step's logits for its last row only (see `models.head`); its
         # check calls the model, which a sharded model (`ranks`) must not do on one rank.
         self.split = (
             split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
-            if split and lm.kind == "text"
+            if split and lm.modality == "text"
             else None
         )
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
@@ -174,7 +174,7 @@ class Runner:
         dtypes and state shapes of every record the model will ever make."""
         cache = self.lm.make_cache()
         token = mx.array([[self.lm.bos_token_id or 0]], dtype=mx.uint32)
-        model = self.lm.language_model if self.lm.kind == "vision" else self.lm.model
+        model = self.lm.language_model if self.lm.modality == "vision" else self.lm.model
         model(token, cache=cache)
         mx.eval([c.state for c in cache])
         return extract_block_records(cache, block=0, block_size=1)

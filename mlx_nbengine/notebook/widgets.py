@@ -28,14 +28,14 @@ import anywidget
 import traitlets
 
 from mlx_nbengine.notebook.pictures import (
-    KINDS,
+    DISPLAYS,
     STATIC,
     TALL_ROWS,
     by_index,
     controls_html,
+    display_counts,
     image_ids,
     image_label,
-    kind_counts,
     map_details,
     map_html,
     previews,
@@ -47,7 +47,7 @@ from mlx_nbengine.notebook.storepicture import request_ticks, store_html
 from mlx_nbengine.notebook.words import format_bytes, plural, reason_phrase, token_split
 
 __all__ = [
-    "KINDS",
+    "DISPLAYS",
     "STATIC",
     "TALL_ROWS",
     "BlockMap",
@@ -212,8 +212,8 @@ class BlockStrip(_Widget):
         return self._picture(live=False)
 
     def text(self) -> str:
-        counts = kind_counts(self.blocks, self.n_blocks)
-        parts = [f"{counts[k]} {label}" for k, (_, label) in KINDS.items() if counts[k]]
+        counts = display_counts(self.blocks, self.n_blocks)
+        parts = [f"{counts[k]} {label}" for k, (_, label) in DISPLAYS.items() if counts[k]]
         n = max(self.n_blocks, len(self.blocks))
         images = _images_text(self.blocks, self.images)
         return f"{plural(n, 'prompt block')}: {', '.join(parts) or 'none'}{images}"
