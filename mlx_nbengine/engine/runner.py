@@ -42,11 +42,13 @@ class Runner:
         self.vision = VisionRunner(lm) if lm.modality == "vision" else None
         # A final prefill step's logits for its last row only (see `models.head`); its
         # check calls the model, which a sharded model (`ranks`) must not do on one rank.
-        self.split = (
-            split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
-            if split and lm.modality == "text"
-            else None
-        )
+        # Its products, as the record probe's, count for this engine's policy.
+        with self.thread_policy.running():
+            self.split = (
+                split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
+                if split and lm.modality == "text"
+                else None
+            )
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
         self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
         # Called with every set of logits a token is sampled from (rows = sequences).
@@ -175,8 +177,9 @@ class Runner:
         cache = self.lm.make_cache()
         token = mx.array([[self.lm.bos_token_id or 0]], dtype=mx.uint32)
         model = self.lm.language_model if self.lm.modality == "vision" else self.lm.model
-        model(token, cache=cache)
-        mx.eval([c.state for c in cache])
+        with self.thread_policy.running():
+            model(token, cache=cache)
+            mx.eval([c.state for c in cache])
         return extract_block_records(cache, block=0, block_size=1)
 
 
