@@ -3,11 +3,11 @@
 Each set-up runs in its own subprocess (a process's BLAS is fixed once MLX is imported):
 
 - ``default``: what a user gets. `mlx_nbengine` binds scipy-openblas32 (runtime-dispatched
-  OpenBLAS) through the compiled shim (``_blas.py``) and runs each step in
-  `blas_step(tokens)`: the faster (measured) of all threads and one thread, for prefill and
-  decode separately.
+  OpenBLAS) through the compiled shim (``_blas.py``) and runs each step in a
+  `ThreadPolicy.step(tokens)`: the faster (measured) of all threads and one thread, for
+  prefill and decode separately.
 - ``renamed``: what a machine without a C compiler gets: the renamed copy of the same
-  library (``MLX_NBENGINE_BLAS=renamed``), with `blas_step`.
+  library (``MLX_NBENGINE_BLAS=renamed``), with `ThreadPolicy.step`.
 - ``haswell``: what a CPU without AVX-512 gets, on any x86-64 machine: the default set-up
   with ``OPENBLAS_CORETYPE=Haswell`` (AVX2 + FMA kernels).
 - ``all-threads``: the shim, every step on all the cores this process may use.
@@ -45,7 +45,7 @@ from bench.common import add_run_args, cpu_name, usable_cpus, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("default", "renamed", "haswell", "all-threads", "one-thread", "reference")
-TUNED = {"default", "renamed", "haswell"}  # the set-ups that run each step in blas_step
+TUNED = {"default", "renamed", "haswell"}  # the set-ups that run each step in policy.step
 PROMPT_TEXT = (
     "The Eiffel Tower is located in the city of Paris. It was built for the 1889 World's Fair "
     "and was at first criticised by artists and intellectuals, yet it became a global icon. "
@@ -56,13 +56,13 @@ def child(args: argparse.Namespace) -> None:
     """Measure in this process; print one JSON line."""
     from contextlib import nullcontext
 
-    from mlx_nbengine import _blas
-    from mlx_nbengine._blas import blas_status, blas_step, ensure_fast_blas
+    from mlx_nbengine._blas import ThreadPolicy, blas_status, ensure_fast_blas
 
     ensure_fast_blas()
+    policy = ThreadPolicy()
 
     def step(n: int):
-        return blas_step(n) if args.mode in TUNED else nullcontext()
+        return policy.step(n) if args.mode in TUNED else nullcontext()
 
     import mlx.core as mx
 
@@ -125,8 +125,8 @@ def child(args: argparse.Namespace) -> None:
                 "prefill_tok_s": len(ids) / prefill_s,
                 "decode_tokens": args.decode_tokens,
                 "decode_tok_s": args.decode_tokens / decode_s,
-                # The decode thread count `blas_step` ended on (tuned set-ups only).
-                "decode_threads": _blas._decode.preferred if _blas._decode else None,
+                # The decode thread count the policy ended on (tuned set-ups only).
+                "decode_threads": policy.decode.preferred if args.mode in TUNED else None,
             }
         )
     )

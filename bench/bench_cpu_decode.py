@@ -75,7 +75,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlx_nbengine._blas import ensure_fast_blas, set_step_threads
+from mlx_nbengine._blas import ThreadPolicy, ensure_fast_blas
 
 ensure_fast_blas()  # before MLX is imported
 
@@ -143,7 +143,7 @@ def decode_steps(
     """Median seconds of a decode step of `rows` sequences, per variant: ``pipelined`` (and,
     with `serial`, ``serial``), in rounds of `round_steps` steps (the first of each
     discarded; see the module docstring), about `steps` measured in all, on `threads`
-    threads as the engine runs a decode step (`_blas.set_step_threads`, before each round):
+    threads as the engine runs a decode step (`ThreadPolicy.set_step_threads`, before each round):
     our kernels' for a routed variant (OpenBLAS on one), OpenBLAS's for the others."""
     state = {}
     for name, (lm, _) in variants.items():
@@ -153,6 +153,7 @@ def decode_steps(
         token = mx.argmax(logits[:, -1:, :], axis=-1)
         mx.eval(token)
         state[name] = [cache, token]
+    policy = ThreadPolicy()
     rounds = -(-steps // (round_steps - 1))
     modes = ("pipelined", "serial") if serial else ("pipelined",)
     times: dict[str, dict[str, list[float]]] = {
@@ -161,33 +162,34 @@ def decode_steps(
     for _ in range(rounds):
         for name, (lm, routed) in variants.items():
             use(lm, routed)
-            set_step_threads(threads, decode=routed)
+            policy.set_step_threads(threads, decode=routed)
             cache, token = state[name]
 
             def step(token, lm=lm, cache=cache):
                 return mx.argmax(lm.model(token, cache=cache)[:, -1:, :], axis=-1)
 
-            for mode in modes:
-                if mode == "serial":
-                    marks = [time.perf_counter()]
-                    for _ in range(round_steps):
-                        token = step(token)
-                        mx.eval(token)
-                        marks.append(time.perf_counter())
-                else:
-                    pending = step(token)
-                    mx.async_eval(pending)
-                    marks = [time.perf_counter()]
-                    for _ in range(round_steps):
-                        following = step(pending)  # built while `pending` is computed
-                        mx.async_eval(following)
-                        pending.tolist()  # read as the engine reads its tokens
-                        marks.append(time.perf_counter())
-                        pending = following
-                    mx.eval(pending)  # settle the pipeline (untimed) before the next
-                    token = pending
-                # the first step: a warm-up, paying for the previous variant's leftovers
-                times[name][mode] += np.diff(marks)[1:].tolist()
+            with policy.running():  # the routes ask it for our kernels' count
+                for mode in modes:
+                    if mode == "serial":
+                        marks = [time.perf_counter()]
+                        for _ in range(round_steps):
+                            token = step(token)
+                            mx.eval(token)
+                            marks.append(time.perf_counter())
+                    else:
+                        pending = step(token)
+                        mx.async_eval(pending)
+                        marks = [time.perf_counter()]
+                        for _ in range(round_steps):
+                            following = step(pending)  # built while `pending` is computed
+                            mx.async_eval(following)
+                            pending.tolist()  # read as the engine reads its tokens
+                            marks.append(time.perf_counter())
+                            pending = following
+                        mx.eval(pending)  # settle the pipeline (untimed) before the next
+                        token = pending
+                    # the first step: a warm-up, paying for the previous variant's leftovers
+                    times[name][mode] += np.diff(marks)[1:].tolist()
             state[name] = [cache, token]
     return {
         name: {mode: statistics.median(ts) for mode, ts in by_mode.items()}

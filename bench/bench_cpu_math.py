@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlx_nbengine._blas import blas_step, ensure_fast_blas
+from mlx_nbengine._blas import ThreadPolicy, ensure_fast_blas
 
 ensure_fast_blas()  # before MLX is imported
 
@@ -43,6 +43,7 @@ from mlx_nbengine.models import cpu_math, load  # noqa: E402
 
 TEXT = "The river stone sat under seven green lamps by the ocean window. "
 VARIANTS = ("mlx gelu_approx", "fused rational")
+POLICY = ThreadPolicy()  # each step's threads, as an engine's
 
 
 def set_variant(mlps: list, fast_class: type, library_class: type, variant: str) -> None:
@@ -64,7 +65,7 @@ def prefill_s(lm, ids: list[int]) -> float:
     start = time.perf_counter()
     for s in range(0, len(ids), 256):
         chunk = mx.array(ids[s : s + 256])[None]
-        with blas_step(chunk.shape[1]):
+        with POLICY.step(chunk.shape[1]):
             mx.eval(lm.model(chunk, cache=cache)[:, -1, :], [c.state for c in cache])
     return time.perf_counter() - start
 
@@ -84,7 +85,7 @@ def decode_ms(lm, set_to, steps: int) -> dict[tuple[str, int], float]:
         for combo in combos[i % 4 :] + combos[: i % 4]:
             set_to(combo[0])
             start = time.perf_counter()
-            with blas_step(combo[1]):
+            with POLICY.step(combo[1]):
                 token = mx.argmax(lm.model(tokens[combo], cache=caches[combo])[:, -1:, :], axis=-1)
                 mx.eval(token)
             if i:  # the first step of each pays one-off costs

@@ -101,7 +101,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from mlx_nbengine import Engine  # noqa: E402
-from mlx_nbengine._blas import blas_step, blas_threads_for  # noqa: E402
+from mlx_nbengine._blas import ThreadPolicy  # noqa: E402
 
 
 def mlx_lm_name(threads: int | None) -> str:
@@ -271,8 +271,9 @@ class TailFloor:
         self.split = split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
         self.keep = len(edit) - question_tokens
         self.cache = lm.make_cache()
+        self.policy = ThreadPolicy()  # each step's threads, as the engine's
         for s in range(0, self.keep, 1024):  # not timed: the cached context
-            with blas_step(min(self.keep, s + 1024) - s):
+            with self.policy.step(min(self.keep, s + 1024) - s):
                 lm.model(mx.array(edit[s : min(self.keep, s + 1024)])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
         self.quiet_s = min(self.measure() for _ in range(3))
@@ -287,25 +288,29 @@ class TailFloor:
     def measure(self) -> float:
         """The fastest of the three ways, once each, now."""
         model, edit, keep, n = self.lm.model, self.edit, self.keep, self.n
+        policy = self.policy
 
         def two_calls(trial):
             # As the engine: the prefill step evaluates the cache only (no logits), the
             # last token's step its greedy token.
-            blas_threads_for(n - 1)
-            model(mx.array(edit[keep:-1])[None], cache=trial)
-            mx.eval([c.state for c in trial])
-            blas_threads_for(1)
-            mx.eval(mx.argmax(model(mx.array(edit[-1:])[None], cache=trial)[0, -1]))
+            with policy.running():
+                policy.threads_for(n - 1)
+                model(mx.array(edit[keep:-1])[None], cache=trial)
+                mx.eval([c.state for c in trial])
+                policy.threads_for(1)
+                mx.eval(mx.argmax(model(mx.array(edit[-1:])[None], cache=trial)[0, -1]))
 
         def one_call(trial):
-            blas_threads_for(n)
-            logits = model(mx.array(edit[keep:])[None], cache=trial)
-            mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
+            with policy.running():
+                policy.threads_for(n)
+                logits = model(mx.array(edit[keep:])[None], cache=trial)
+                mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
 
         def last_row(trial):
-            blas_threads_for(n)
-            logits = self.split.last_logits(mx.array(edit[keep:])[None], trial)
-            mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
+            with policy.running():
+                policy.threads_for(n)
+                logits = self.split.last_logits(mx.array(edit[keep:])[None], trial)
+                mx.eval(mx.argmax(logits[0, -1]), [c.state for c in trial])
 
         ways = [two_calls, one_call] + ([last_row] if self.split is not None else [])
         return min(self._timed(way) for way in ways)

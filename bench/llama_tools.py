@@ -57,7 +57,7 @@ CMAKE_ARGS = (
 
 
 def home() -> Path:
-    """The cache home (as `mlx_nbengine._blaslib.home`, without importing the package)."""
+    """The cache home (as `mlx_nbengine.home.home`, without importing the package)."""
     return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
 
 

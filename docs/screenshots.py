@@ -125,7 +125,7 @@ def wait_answer(page, index: int, *, block_map: bool = False) -> None:
         """([index, map]) => {
           const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
           const blocks = [...c.querySelectorAll('.mnb-strip .mnb-block')];
-          const done = blocks.length > 0 && blocks.every(b => b.dataset.kind !== 'pending');
+          const done = blocks.length > 0 && blocks.every(b => b.dataset.display !== 'pending');
           return done && (!map || c.querySelectorAll('.mnb-map .mnb-block').length > 0);
         }""",
         arg=[index, block_map],

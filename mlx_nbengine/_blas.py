@@ -29,8 +29,10 @@ threads waiting for a core. Even prefill loses when other processes hold the
 cores: OpenBLAS splits each matmul evenly and waits for its slowest thread (the
 README gives both machines' figures).
 
-So a *step* (one model call and its evaluation) is wrapped in
-``with blas_step(n_tokens):``. *Prefill* steps (at least `PARALLEL_MIN_TOKENS`
+The choice is a *thread policy* (`ThreadPolicy`): one object per engine, which creates it
+and gives it to its runner, holding everything the choice learns (the timings below), so two
+engines in one process never share it. A *step* (one model call and its evaluation) is
+wrapped in ``with policy.step(n_tokens):``. *Prefill* steps (at least `PARALLEL_MIN_TOKENS`
 tokens) get whichever of {all threads, one thread} has the lower recent seconds
 per token: each is tried once, then the better one is kept, and the other is
 re-tried every `PROBE_EVERY` prefill steps so a change in the machine's load is
@@ -60,16 +62,19 @@ cached ones on the idle 2-core machine: 0.52 s on two threads, 0.74 s on one), w
 probing the other (a probe would cost a whole step of an edited re-run), and the decode
 preference until both counts have been timed on prefill.
 
-`blas_threads_for(n_tokens)` only sets the count (no timing) for callers that
-cannot wrap their steps.
+`ThreadPolicy.prefill(n_tokens)` is a prompt step's: `step` for a long one, else the count
+only (`threads_for`: no timing), as the short prefill steps above.
 
 A *decode* step of a model whose products run on our quantized kernels gives the chosen
-count to our kernels only (`current_threads`: the quantized products and attention's
-softmax split their work over it) while OpenBLAS runs on one thread: the step's only BLAS
+count to our kernels only while OpenBLAS runs on one thread: the step's only BLAS
 calls are attention's small products, too small to split, and an OpenBLAS thread spinning
-for its next call takes a core from our kernels' workers (`set_step_threads`). Whether they
-do is what the steps since the last decode step said (`note_kernel_products`, called as a
-product is routed to them); a float32 model's decode products are OpenBLAS's, on the count.
+for its next call takes a core from our kernels' workers (`ThreadPolicy.set_step_threads`).
+Whether they do is what the steps since the last decode step said (`note_kernel_products`,
+called as a product is routed to them); a float32 model's decode products are OpenBLAS's,
+on the count. The kernels are called while the model's graph is built, inside the step's
+block: the policy of the step in progress (kept per thread, in a context variable, while
+its block runs) answers them (`current_threads`: the quantized products and attention's
+softmax split their work over it).
 
 *Idle threads*: after a call OpenBLAS's threads spin for ``2**28`` cycles (about 0.1 s)
 before they sleep, and a prefill step calls the BLAS between our kernels' work (attention's
@@ -89,26 +94,27 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_nbengine import _blaslib
 from mlx_nbengine._blaslib import BlasBuildError
+from mlx_nbengine.compiler import c_compiler
 
 __all__ = [
     "BlasStatus",
+    "ThreadPolicy",
     "blas_identity",
     "blas_status",
-    "blas_step",
-    "blas_threads_for",
     "current_threads",
     "ensure_fast_blas",
     "note_kernel_products",
     "reference_blas_line",
     "say_reference_blas",
-    "set_step_threads",
 ]
 
 _ENV = "MLX_NBENGINE_BLAS"
@@ -161,17 +167,12 @@ _status: BlasStatus | None = None
 _handles: list[ctypes.CDLL] = []  # kept alive: unloading would break bound symbols
 _openblas: ctypes.CDLL | None = None
 _max_threads = 1
-_kernel_threads: int | None = None  # our kernels' count in a decode step; None: OpenBLAS's
-_kernel_products = False  # a product was routed to our kernels since the last decode step
 
 # Steps with fewer tokens than this are decode or short prefill steps (module docstring).
 PARALLEL_MIN_TOKENS = 32
 # Prefill steps between two tries of the thread count not currently preferred.
 PROBE_EVERY = 16
 _SMOOTHING = 0.5  # weight of the newest measurement in the seconds-per-token average
-
-_seconds_per_token: dict[int, float] = {}  # prefill thread count -> smoothed s/token
-_prefill_steps = 0
 
 # Decode steps on the preferred count between probes of the other one, at first.
 DECODE_PROBE_WAIT = 16
@@ -243,16 +244,6 @@ class _DecodeTuner:
         self.until_probe = self.wait
 
 
-_decode: _DecodeTuner | None = None
-
-
-def _decode_tuner() -> _DecodeTuner:
-    global _decode
-    if _decode is None or _decode.max_threads != _max_threads:
-        _decode = _DecodeTuner(_max_threads)
-    return _decode
-
-
 def _load_global(path: Path | str) -> ctypes.CDLL:
     handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     _handles.append(handle)
@@ -290,95 +281,179 @@ def affinity_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _short_step_choice() -> int:
-    """The count of a short prefill step: the faster on prefill, once both are timed."""
-    candidates = [_max_threads, 1] if _max_threads > 1 else [1]
-    if any(c not in _seconds_per_token for c in candidates):
-        return _decode_tuner().preferred
-    return min(candidates, key=lambda c: _seconds_per_token[c])
+# The policy whose step is in progress on this thread (its block is running), which our
+# kernels and the routes ask; None outside any step.
+_stepping: ContextVar[ThreadPolicy | None] = ContextVar("mlx_nbengine_blas_step", default=None)
 
 
-def _prefill_choice() -> int:
-    candidates = [_max_threads, 1] if _max_threads > 1 else [1]
-    untried = [c for c in candidates if c not in _seconds_per_token]
-    if untried:
-        return untried[0]
-    best = min(candidates, key=lambda c: _seconds_per_token[c])
-    if _prefill_steps % PROBE_EVERY == 0:
-        return next(c for c in candidates if c != best)
-    return best
+class ThreadPolicy:
+    """One engine's choice of each step's thread count (see the module docstring).
 
-
-@contextmanager
-def blas_step(n_tokens: int) -> Iterator[int]:
-    """Run one model step over `n_tokens` tokens with the BLAS thread count chosen for it.
-
-    Wrap the model call and the `mx.eval` (or `mx.async_eval`) that runs it;
-    yields the thread count. Prefill steps are timed to steer later choices,
-    decode steps by the time between consecutive ones. Use on one thread.
+    `library` is the OpenBLAS handle it sets the count of and `max_threads` its count
+    (None: the process's own, bound by `ensure_fast_blas`; without OpenBLAS every step runs
+    on one thread and nothing is learned). `clock` times decode steps (injectable for
+    tests). Use it on one thread: the engine's generation thread.
     """
-    global _prefill_steps
-    if _openblas is None:
-        yield 1
-        return
-    if n_tokens < PARALLEL_MIN_TOKENS:
-        threads = _decode_tuner().step()
-        set_step_threads(threads, decode=_take_kernel_products())
-        yield threads
-        return
-    _decode_tuner().interrupt()
-    threads = _prefill_choice()
-    set_step_threads(threads, decode=False)
-    start = time.perf_counter()
-    yield threads
-    per_token = (time.perf_counter() - start) / n_tokens
-    old = _seconds_per_token.get(threads)
-    _seconds_per_token[threads] = (
-        per_token if old is None else _SMOOTHING * per_token + (1 - _SMOOTHING) * old
-    )
-    _prefill_steps += 1
 
+    def __init__(
+        self,
+        *,
+        library: Any = None,
+        max_threads: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._library = library
+        self._max_threads = max_threads
+        self.clock = clock
+        self.seconds_per_token: dict[int, float] = {}  # prefill count -> smoothed s/token
+        self.prefill_steps = 0
+        self.kernel_threads: int | None = None  # our kernels' count in a decode step
+        self.kernel_products = False  # a product went to our kernels since the last decode
+        self._decode: _DecodeTuner | None = None
 
-def blas_threads_for(n_tokens: int) -> int:
-    """Set OpenBLAS's thread count for a step over `n_tokens` tokens; return it.
+    @property
+    def library(self) -> Any:
+        return self._library if self._library is not None else _openblas
 
-    Call it on the thread that evaluates the step, before evaluating it. A no-op
-    (returning 1) where OpenBLAS is not in use.
-    """
-    if _openblas is None:
-        return 1
-    if n_tokens >= PARALLEL_MIN_TOKENS:
-        threads = _prefill_choice()
-    elif n_tokens > 1:
-        threads = _short_step_choice()
-    else:
-        threads = _decode_tuner().preferred
-    # Set every time (it is cheap): other code in the process may have changed it.
-    set_step_threads(threads, decode=n_tokens == 1 and _kernel_products)
-    return threads
+    @property
+    def max_threads(self) -> int:
+        return self._max_threads if self._max_threads is not None else _max_threads
+
+    @property
+    def decode(self) -> _DecodeTuner:
+        """The decode steps' tuner (made anew if the thread count changed)."""
+        if self._decode is None or self._decode.max_threads != self.max_threads:
+            self._decode = _DecodeTuner(self.max_threads, self.clock)
+        return self._decode
+
+    @decode.setter
+    def decode(self, tuner: _DecodeTuner) -> None:
+        self._decode = tuner
+
+    def _candidates(self) -> list[int]:
+        return [self.max_threads, 1] if self.max_threads > 1 else [1]
+
+    def _short_step_choice(self) -> int:
+        """The count of a short prefill step: the faster on prefill, once both are timed."""
+        candidates = self._candidates()
+        if any(c not in self.seconds_per_token for c in candidates):
+            return self.decode.preferred
+        return min(candidates, key=lambda c: self.seconds_per_token[c])
+
+    def _prefill_choice(self) -> int:
+        candidates = self._candidates()
+        untried = [c for c in candidates if c not in self.seconds_per_token]
+        if untried:
+            return untried[0]
+        best = min(candidates, key=lambda c: self.seconds_per_token[c])
+        if self.prefill_steps % PROBE_EVERY == 0:
+            return next(c for c in candidates if c != best)
+        return best
+
+    @contextmanager
+    def running(self) -> Iterator[ThreadPolicy]:
+        """Make this the policy our kernels ask (`current_threads`) while the block runs."""
+        token = _stepping.set(self)
+        try:
+            yield self
+        finally:
+            _stepping.reset(token)
+
+    @contextmanager
+    def step(self, n_tokens: int) -> Iterator[int]:
+        """Run one model step over `n_tokens` tokens with the thread count chosen for it.
+
+        Wrap the model call and the `mx.eval` (or `mx.async_eval`) that runs it;
+        yields the thread count. Prefill steps are timed to steer later choices,
+        decode steps by the time between consecutive ones.
+        """
+        with self.running():
+            if self.library is None:
+                yield 1
+                return
+            if n_tokens < PARALLEL_MIN_TOKENS:
+                threads = self.decode.step()
+                self.set_step_threads(threads, decode=self._take_kernel_products())
+                yield threads
+                return
+            self.decode.interrupt()
+            threads = self._prefill_choice()
+            self.set_step_threads(threads, decode=False)
+            start = time.perf_counter()
+            yield threads
+            per_token = (time.perf_counter() - start) / n_tokens
+            old = self.seconds_per_token.get(threads)
+            self.seconds_per_token[threads] = (
+                per_token if old is None else _SMOOTHING * per_token + (1 - _SMOOTHING) * old
+            )
+            self.prefill_steps += 1
+
+    @contextmanager
+    def prefill(self, n_tokens: int) -> Iterator[int]:
+        """A prompt step over `n_tokens` tokens: `step` for one long enough to be a prefill
+        step; a shorter one (an edit's few changed tokens) runs on the count prefill steps
+        run faster on, without being counted or timed (`threads_for`): a tuning probe of the
+        other count would otherwise land on it and cost a whole step of the edited re-run.
+        Yields the thread count."""
+        if n_tokens >= PARALLEL_MIN_TOKENS:
+            with self.step(n_tokens) as threads:
+                yield threads
+            return
+        with self.running():
+            yield self.threads_for(n_tokens)
+
+    def threads_for(self, n_tokens: int) -> int:
+        """Set OpenBLAS's thread count for a step over `n_tokens` tokens; return it.
+
+        Call it on the thread that evaluates the step, before evaluating it. A no-op
+        (returning 1) where OpenBLAS is not in use.
+        """
+        if self.library is None:
+            return 1
+        if n_tokens >= PARALLEL_MIN_TOKENS:
+            threads = self._prefill_choice()
+        elif n_tokens > 1:
+            threads = self._short_step_choice()
+        else:
+            threads = self.decode.preferred
+        # Set every time (it is cheap): other code in the process may have changed it.
+        self.set_step_threads(threads, decode=n_tokens == 1 and self.kernel_products)
+        return threads
+
+    def note_kernel_products(self) -> None:
+        """A product of the step being built runs on our kernels."""
+        self.kernel_products = True
+
+    def _take_kernel_products(self) -> bool:
+        seen, self.kernel_products = self.kernel_products, False
+        return seen
+
+    def set_step_threads(self, threads: int, *, decode: bool) -> None:
+        """Set the thread count of the step about to run: OpenBLAS's and our kernels' alike,
+        or, for a `decode` step, our kernels' only, with OpenBLAS on one thread (the module
+        docstring says why). A no-op where OpenBLAS is not in use."""
+        library = self.library
+        if library is None:
+            return
+        library.openblas_set_num_threads(1 if decode else int(threads))
+        self.kernel_threads = max(1, int(threads)) if decode else None
+
+    def current_threads(self) -> int:
+        """The thread count set for this policy's step; 1 without OpenBLAS."""
+        library = self.library
+        if library is None:
+            return 1
+        if self.kernel_threads is not None:
+            return self.kernel_threads
+        return max(1, int(library.openblas_get_num_threads()))
 
 
 def note_kernel_products() -> None:
-    """A product of the step being built runs on our kernels (`models.qroute` says so)."""
-    global _kernel_products
-    _kernel_products = True
-
-
-def _take_kernel_products() -> bool:
-    global _kernel_products
-    seen, _kernel_products = _kernel_products, False
-    return seen
-
-
-def set_step_threads(threads: int, *, decode: bool) -> None:
-    """Set the thread count of the step about to run: OpenBLAS's and our kernels' alike, or,
-    for a `decode` step, our kernels' only, with OpenBLAS on one thread (the module
-    docstring says why). A no-op where OpenBLAS is not in use."""
-    global _kernel_threads
-    if _openblas is None:
-        return
-    _openblas.openblas_set_num_threads(1 if decode else int(threads))
-    _kernel_threads = max(1, int(threads)) if decode else None
+    """A product of the step being built runs on our kernels (`models.qroute` says so): the
+    policy of the step in progress notes it; outside any step, nothing to note."""
+    policy = _stepping.get()
+    if policy is not None:
+        policy.note_kernel_products()
 
 
 _REFERENCE_WORDS = {"reference", "off", "0", "none"}
@@ -397,7 +472,7 @@ def _prepare(choice: str) -> tuple[Path, str, Path | None]:
     source = _blaslib.scipy_openblas()
     if source is None:
         raise BlasBuildError("scipy-openblas32 is not installed")
-    compiler = _blaslib.find_compiler() if choice != "renamed" else None
+    compiler = c_compiler() if choice != "renamed" else None
     if choice == "shim" and compiler is None:
         raise BlasBuildError("no C compiler to build the BLAS shim with")
     if compiler is not None:
@@ -460,14 +535,16 @@ def _ensure() -> BlasStatus:
 
 
 def current_threads() -> int:
-    """The BLAS thread count set now (for the step in progress); 1 without OpenBLAS.
+    """The thread count of the step in progress on this thread (its `ThreadPolicy`'s), else
+    OpenBLAS's count now; 1 without OpenBLAS.
 
     Our own kernels (`mlx_nbengine.kernels`) split their work over the same count.
     """
+    policy = _stepping.get()
+    if policy is not None:
+        return policy.current_threads()
     if _openblas is None:
         return 1
-    if _kernel_threads is not None:
-        return _kernel_threads
     return max(1, int(_openblas.openblas_get_num_threads()))
 
 

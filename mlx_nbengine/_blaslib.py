@@ -9,7 +9,8 @@ ways give the plain names, both built once into the cache home
 (``$MLX_NBENGINE_HOME/blas/<key>/``) and reused:
 
 - ``shim``: a 30-line C file (`SHIM_SOURCE`) whose functions forward the plain names to the
-  prefixed ones, compiled with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``)
+  prefixed ones, compiled with the system C compiler (`compiler.c_compiler`: ``$CC``, ``cc``,
+  ``gcc`` or ``clang``)
   and linked against the library. Where there is a compiler, this is the way.
 - ``renamed``: for machines without a compiler (slim container images), a copy of the
   library whose dynamic symbol table names a few symbols without their prefix
@@ -33,7 +34,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import signal
 import struct
 import subprocess
@@ -41,6 +41,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from mlx_nbengine.home import home
 
 # The plain names MLX binds (nm -D libmlx.so), and OpenBLAS's own calls that `_blas` uses.
 CBLAS_NAMES = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
@@ -98,10 +100,6 @@ class Verdict:
     max_error: float | None = None
 
 
-def home() -> Path:
-    return Path(os.environ.get("MLX_NBENGINE_HOME") or Path.home() / ".cache" / "mlx_nbengine")
-
-
 def scipy_openblas() -> Path | None:
     """The installed scipy-openblas32 library, found without importing its package."""
     try:
@@ -113,20 +111,6 @@ def scipy_openblas() -> Path | None:
     lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
     found = sorted(lib.glob("libscipy_openblas*.so*")) if lib.is_dir() else []
     return found[0] if found else None
-
-
-def find_compiler(
-    variable: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")
-) -> str | None:
-    """A compiler: ``$variable`` if set (empty: none), else the first of `names` on PATH."""
-    if variable in os.environ:
-        chosen = os.environ[variable].strip()
-        return shutil.which(chosen.split()[0]) if chosen else None
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
 
 
 def _file_identity(path: Path) -> str:

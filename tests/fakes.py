@@ -51,16 +51,16 @@ def block(
     index: int,
     source: BlockSource = "disk",
     *,
-    kind: str | None = None,
+    display: str | None = None,
     head: str | None = None,
     last: str | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """The block dict of `block_report(index, source, **fields)`, with words given (`head`,
-    `last`: "first words 3", "last words 3" unless given). `kind`, when given, must be the
-    one `block_dict` finds (the tail's is ``"tail"`` by its reason)."""
+    `last`: "first words 3", "last words 3" unless given). `display`, when given, must be
+    the one `block_dict` finds (the tail's is ``"tail"`` by its reason)."""
     out = block_dict(block_report(index, source, **fields))
-    assert kind is None or out["kind"] == kind, (kind, out["kind"])
+    assert display is None or out["display"] == display, (display, out["display"])
     out["head"] = f"first words {index}" if head is None else head
     out["last"] = f"last words {index}" if last is None else last
     return out

@@ -38,7 +38,7 @@ READ_ROWS = """(index) => {
     for (const td of row.querySelectorAll('td[data-name]')) out[td.dataset.name] = td.textContent;
     const strip = row.nextElementSibling;
     out.kinds = strip && strip.classList.contains('mnb-agent-strip')
-      ? [...strip.querySelectorAll('.mnb-strip .mnb-block')].map((b) => b.dataset.kind) : [];
+      ? [...strip.querySelectorAll('.mnb-strip .mnb-block')].map((b) => b.dataset.display) : [];
     return out;
   });
 }"""

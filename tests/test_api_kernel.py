@@ -128,7 +128,7 @@ def test_llm_serve_shows_the_agent_view_and_its_rows_fill_in(kernel):
         markup = the_view(kernel, cell)["markup"]
         assert markup.count('class="mnb-agent-row"') == 2
         assert "mnb-strip" in markup
-        assert 'data-kind="memory"' in markup or 'data-kind="disk"' in markup
+        assert 'data-display="memory"' in markup or 'data-display="disk"' in markup
         assert "mnb-map" in markup  # the block map behind a click
         # %llm_serve alone shows the view again, with the same rows.
         again = kernel.ok("%llm_serve")

@@ -126,10 +126,10 @@ def test_other_platforms_are_left_alone(monkeypatch):
     assert _blas._ensure() == _blas.BlasStatus(False, "not Linux: MLX uses the platform BLAS")
 
 
-def test_decode_steps_start_on_one_thread(monkeypatch):
-    monkeypatch.setattr(_blas, "_decode", None)
-    assert _blas.blas_threads_for(1) == 1
-    with _blas.blas_step(1) as threads:
+def test_decode_steps_start_on_one_thread():
+    policy = _blas.ThreadPolicy()
+    assert policy.threads_for(1) == 1
+    with policy.step(1) as threads:
         assert threads == 1
         if _blas._openblas is not None:
             assert _blas._openblas.openblas_get_num_threads() == 1
@@ -138,17 +138,72 @@ def test_decode_steps_start_on_one_thread(monkeypatch):
 def test_a_decode_step_gives_its_threads_to_our_kernels_and_one_to_openblas():
     if _blas._openblas is None:
         pytest.skip("OpenBLAS is not in use here")
+    policy = _blas.ThreadPolicy()
     try:
-        _blas.set_step_threads(2, decode=True)
-        assert _blas._openblas.openblas_get_num_threads() == 1
-        assert _blas.current_threads() == 2
-        _blas.set_step_threads(2, decode=False)
-        assert _blas._openblas.openblas_get_num_threads() == 2
-        assert _blas.current_threads() == 2
-        _blas.set_step_threads(1, decode=True)
-        assert _blas.current_threads() == 1
+        with policy.running():  # as in a step's block: the kernels ask this policy
+            policy.set_step_threads(2, decode=True)
+            assert _blas._openblas.openblas_get_num_threads() == 1
+            assert _blas.current_threads() == 2
+            policy.set_step_threads(2, decode=False)
+            assert _blas._openblas.openblas_get_num_threads() == 2
+            assert _blas.current_threads() == 2
+            policy.set_step_threads(1, decode=True)
+            assert _blas.current_threads() == 1
     finally:
-        _blas.set_step_threads(_blas._max_threads, decode=False)
+        policy.set_step_threads(_blas._max_threads, decode=False)
+
+
+class FakeOpenBLAS:
+    """The two calls a `ThreadPolicy` makes of OpenBLAS, on a count of its own."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def openblas_set_num_threads(self, threads: int) -> None:
+        self.threads = threads
+
+    def openblas_get_num_threads(self) -> int:
+        return self.threads
+
+
+def fake_policy(threads: int = 4) -> _blas.ThreadPolicy:
+    return _blas.ThreadPolicy(library=FakeOpenBLAS(threads), max_threads=threads)
+
+
+def test_two_policies_learn_and_count_apart():
+    first, second = fake_policy(), fake_policy()
+    with first.step(_blas.PARALLEL_MIN_TOKENS):
+        pass
+    assert first.prefill_steps == 1 and set(first.seconds_per_token) == {4}
+    assert second.prefill_steps == 0 and second.seconds_per_token == {}
+    with first.running():
+        _blas.note_kernel_products()  # what a route says while a step is built
+    assert first.kernel_products and not second.kernel_products
+    first.set_step_threads(3, decode=True)
+    second.set_step_threads(2, decode=True)
+    with first.running():
+        assert _blas.current_threads() == 3
+        with second.running():
+            assert _blas.current_threads() == 2
+        assert _blas.current_threads() == 3
+
+
+def test_the_runner_steps_on_the_policy_it_is_given(tiny_model_dir):
+    from test_scheduler import BS, prompt, run_out, submit  # tests/ is on sys.path
+
+    from mlx_nbengine.engine.runner import Runner
+    from mlx_nbengine.engine.scheduler import Scheduler
+    from mlx_nbengine.models import load
+
+    lm = load(tiny_model_dir("llama"))
+    mine, other = fake_policy(), fake_policy()
+    runner = Runner(lm, thread_policy=mine)
+    scheduler = Scheduler(runner, block_size=BS, parallel=2, max_prefill_step=64)
+    run_out(scheduler, [submit(scheduler, lm, prompt(70, seed=1), max_tokens=3)])
+    assert mine.prefill_steps >= 1 and mine.seconds_per_token
+    assert mine.decode.last is not None  # its decode steps were timed
+    assert other.prefill_steps == 0 and other.seconds_per_token == {}
+    assert Runner(lm).thread_policy is not Runner(lm).thread_policy
 
 
 class FakeClock:
@@ -242,52 +297,52 @@ def test_one_core_never_probes():
 
 
 @linux_with_openblas
-def test_blas_step_sets_the_decode_choice_and_prefill_interrupts_it(monkeypatch):
+def test_a_policy_step_sets_the_decode_choice_and_prefill_interrupts_it():
     _blas.ensure_fast_blas()
     if _blas._openblas is None or _blas._max_threads < 2:
         pytest.skip("needs OpenBLAS with at least two threads")
+    policy = _blas.ThreadPolicy()
     tuner = _blas._DecodeTuner(_blas._max_threads, FakeClock())
     tuner.preferred = _blas._max_threads
-    monkeypatch.setattr(_blas, "_decode", tuner)
-    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.001, _blas._max_threads: 0.003})
-    monkeypatch.setattr(_blas, "_kernel_products", False)
-    with _blas.blas_step(1) as threads:  # a float32 model's step: OpenBLAS takes the count
+    policy.decode = tuner
+    policy.seconds_per_token = {1: 0.001, _blas._max_threads: 0.003}
+    with policy.step(1) as threads:  # a float32 model's step: OpenBLAS takes the count
         assert threads == _blas._max_threads == _blas._openblas.openblas_get_num_threads()
-    _blas.note_kernel_products()  # the step's products ran on our kernels
-    with _blas.blas_step(1) as threads:
+        _blas.note_kernel_products()  # the step's products ran on our kernels
+    with policy.step(1) as threads:
         # Our kernels take the decode count; OpenBLAS stays on one thread.
         assert threads == _blas._max_threads == _blas.current_threads()
         assert _blas._openblas.openblas_get_num_threads() == 1
     assert tuner.last is not None
-    assert _blas.blas_threads_for(1) == _blas._max_threads
-    with _blas.blas_step(_blas.PARALLEL_MIN_TOKENS):
+    assert policy.threads_for(1) == _blas._max_threads
+    with policy.step(_blas.PARALLEL_MIN_TOKENS):
         pass
     assert tuner.last is None
 
 
 @linux_with_openblas
-def test_prefill_tries_both_thread_counts_then_keeps_the_faster(monkeypatch):
+def test_prefill_tries_both_thread_counts_then_keeps_the_faster():
     _blas.ensure_fast_blas()
     if _blas._openblas is None or _blas._max_threads < 2:
         pytest.skip("needs OpenBLAS with at least two threads")
-    monkeypatch.setattr(_blas, "_seconds_per_token", {})
-    monkeypatch.setattr(_blas, "_prefill_steps", 1)
+    policy = _blas.ThreadPolicy()
+    policy.prefill_steps = 1
     n = _blas.PARALLEL_MIN_TOKENS
-    with _blas.blas_step(n) as first:
+    with policy.step(n) as first:
         pass
-    with _blas.blas_step(n) as second:
+    with policy.step(n) as second:
         pass
     assert {first, second} == {_blas._max_threads, 1}
-    _blas._seconds_per_token.update({1: 0.001, _blas._max_threads: 0.003})
-    with _blas.blas_step(n) as third:
+    policy.seconds_per_token.update({1: 0.001, _blas._max_threads: 0.003})
+    with policy.step(n) as third:
         assert third == 1 == _blas._openblas.openblas_get_num_threads()
     # Every PROBE_EVERY prefill steps the other count is tried again.
-    monkeypatch.setattr(_blas, "_prefill_steps", _blas.PROBE_EVERY)
-    with _blas.blas_step(n) as probe:
+    policy.prefill_steps = _blas.PROBE_EVERY
+    with policy.step(n) as probe:
         assert probe == _blas._max_threads
 
 
-def test_short_prefill_steps_take_the_count_prefill_runs_faster_on(monkeypatch):
+def test_short_prefill_steps_take_the_count_prefill_runs_faster_on():
     """An edit's few changed tokens (2-31) are a matrix-matrix product: they run on the
     thread count long prefill steps measured faster, never probing the other; before
     both counts are timed, on the decode preference; one token stays a decode step."""
@@ -295,17 +350,18 @@ def test_short_prefill_steps_take_the_count_prefill_runs_faster_on(monkeypatch):
     if _blas._openblas is None or _blas._max_threads < 2:
         pytest.skip("needs OpenBLAS with at least two threads")
     many = _blas._max_threads
-    monkeypatch.setattr(_blas, "_decode", _blas._DecodeTuner(many, FakeClock()))
-    monkeypatch.setattr(_blas, "_seconds_per_token", {many: 0.003})
-    assert _blas.blas_threads_for(20) == 1  # one count untimed: the decode preference
-    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.004, many: 0.003})
+    policy = _blas.ThreadPolicy()
+    policy.decode = _blas._DecodeTuner(many, FakeClock())
+    policy.seconds_per_token = {many: 0.003}
+    assert policy.threads_for(20) == 1  # one count untimed: the decode preference
+    policy.seconds_per_token = {1: 0.004, many: 0.003}
     for step in range(2 * _blas.PROBE_EVERY):  # never a probe, whatever the step count
-        monkeypatch.setattr(_blas, "_prefill_steps", step)
-        assert _blas.blas_threads_for(20) == many == _blas._openblas.openblas_get_num_threads()
-        assert _blas.blas_threads_for(2) == many
-    assert _blas.blas_threads_for(1) == 1  # decode keeps its own preference
-    monkeypatch.setattr(_blas, "_seconds_per_token", {1: 0.002, many: 0.003})
-    assert _blas.blas_threads_for(_blas.PARALLEL_MIN_TOKENS - 1) == 1  # a busy machine
+        policy.prefill_steps = step
+        assert policy.threads_for(20) == many == _blas._openblas.openblas_get_num_threads()
+        assert policy.threads_for(2) == many
+    assert policy.threads_for(1) == 1  # decode keeps its own preference
+    policy.seconds_per_token = {1: 0.002, many: 0.003}
+    assert policy.threads_for(_blas.PARALLEL_MIN_TOKENS - 1) == 1  # a busy machine
 
 
 @pytest.mark.slow

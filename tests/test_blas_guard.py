@@ -17,10 +17,11 @@ import pytest
 
 from mlx_nbengine import _blas, _blaslib
 from mlx_nbengine._blaslib import BlasBuildError, rename_dynamic_symbols
+from mlx_nbengine.compiler import c_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard is for Linux")
-compiler = _blaslib.find_compiler()
+compiler = c_compiler()
 needs_cc = pytest.mark.skipif(compiler is None, reason="builds a test library with a C compiler")
 
 GEMM_ARGS = "int o, int ta, int tb, int m, int n, int k, {S} al, const {T} *a, int lda, "

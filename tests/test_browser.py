@@ -6,7 +6,7 @@ random-weight llama with 16-token blocks and runs a long-prompt ``%%llm --blocks
 then the cell's last line is edited in the editor (click, select, type) and the cell
 re-run with Shift+Enter, and ``%llm_cache`` runs. After each step the test reads the DOM
 of the rendered widgets (the contract's selectors: ``.mnb-strip .mnb-block`` cells with
-``data-kind``, the ``.mnb-edit`` marker's ``data-position``, the ``.mnb-store`` figures).
+``data-display``, the ``.mnb-edit`` marker's ``data-position``, the ``.mnb-store`` figures).
 The tests below check what was read.
 
 The expected edit position comes from the tokenizer here, not from the kernel: the first
@@ -112,7 +112,7 @@ NOTEBOOK = f"{APP}.shell.currentWidget"
 
 READ_CELL = """(index) => {
   const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
-  const data = (e) => ({index: Number(e.dataset.index), kind: e.dataset.kind,
+  const data = (e) => ({index: Number(e.dataset.index), display: e.dataset.display,
                         reason: e.dataset.reason});
   return {
     strip: [...cell.querySelectorAll('.mnb-strip .mnb-block')].map(data),
@@ -128,7 +128,7 @@ READ_CELL = """(index) => {
 STRIP_DONE = """([index, n]) => {
   const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
   const blocks = [...cell.querySelectorAll('.mnb-strip .mnb-block')];
-  return blocks.length === n && blocks.every(b => b.dataset.kind !== 'pending');
+  return blocks.length === n && blocks.every(b => b.dataset.display !== 'pending');
 }"""
 
 
@@ -202,7 +202,7 @@ WATCH_STRIP = """(index) => {
     get() { return html.get.call(this); },
     set(markup) {
       if (markup && markup.includes('mnb-root mnb-strip')) {
-        const cells = /class="mnb-block" data-index="\\d+" data-kind="(\\w+)"/g;
+        const cells = /class="mnb-block" data-index="\\d+" data-display="(\\w+)"/g;
         const kinds = [...markup.matchAll(cells)].map(m => m[1][0]).join('');
         states.push({t: performance.now(), kinds, status: null});
       }
@@ -488,7 +488,7 @@ def lab_run(tiny_model_dir, tmp_path_factory) -> LabRun:
 
 
 def kinds(blocks: list[dict]) -> list[str]:
-    return [b["kind"] for b in sorted(blocks, key=lambda b: b["index"])]
+    return [b["display"] for b in sorted(blocks, key=lambda b: b["index"])]
 
 
 # --- the checks -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ loopback with the JupyterLab harness's directories, kernelspec and settings
 16-token blocks, answers a long prompt (``%%llm --max-tokens 4``), answers it again with
 its last line changed (``--blocks``), then shows ``%llm_cache``. Every cell runs from the
 UI, through the menu Run > Run All Cells. The tests read the DOM of the live widgets
-(``.mnb-strip .mnb-block`` with ``data-kind``, ``.mnb-map`` rows, ``.mnb-store``), never
+(``.mnb-strip .mnb-block`` with ``data-display``, ``.mnb-map`` rows, ``.mnb-store``), never
 the static text/html fallback, and the browser console.
 
 Screenshots of the notebook, light and dark, land in the module's temporary directory.
@@ -85,7 +85,7 @@ CELLS = ".jp-Notebook .jp-Cell"
 
 READ_CELL = """(index) => {
   const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
-  const data = (e) => ({index: Number(e.dataset.index), kind: e.dataset.kind,
+  const data = (e) => ({index: Number(e.dataset.index), display: e.dataset.display,
                         reason: e.dataset.reason});
   return {
     strip: [...cell.querySelectorAll('.mnb-strip .mnb-block')].map(data),
@@ -107,7 +107,7 @@ ALL_RAN = """(n) => {
 STRIP_DONE = """([index, n]) => {
   const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
   const blocks = [...cell.querySelectorAll('.mnb-strip .mnb-block')];
-  return blocks.length === n && blocks.every(b => b.dataset.kind !== 'pending');
+  return blocks.length === n && blocks.every(b => b.dataset.display !== 'pending');
 }"""
 
 
@@ -308,7 +308,7 @@ def nb7_run(tiny_model_dir, tmp_path_factory) -> Nb7Run:
 
 
 def kinds(blocks: list[dict]) -> list[str]:
-    return [b["kind"] for b in sorted(blocks, key=lambda b: b["index"])]
+    return [b["display"] for b in sorted(blocks, key=lambda b: b["index"])]
 
 
 def test_notebook7_draws_the_live_widgets_without_errors(nb7_run):

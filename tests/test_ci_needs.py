@@ -3,7 +3,7 @@ session with one line saying why (`needs.kernels_missing`, checked by `conftest.
 outside CI those tests skip with the same reason.
 
 Each run below is a pytest in a child process whose kernel build is made impossible (``CXX``
-set empty: no C++ compiler, `kernels.build.find_compiler`) in an empty cache home; it stops
+set empty: no C++ compiler, `compiler.cxx_compiler`) in an empty cache home; it stops
 at the session's start, before any test is collected, in about two seconds.
 """
 
@@ -21,7 +21,7 @@ NOT_ACTIVE = "the CPU kernels are not active (not built: no C++ compiler found"
 def pytest_without_a_compiler(home: Path, *args: str, ci: bool) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "CXX": "",  # empty: no compiler (kernels.build.find_compiler)
+        "CXX": "",  # empty: no compiler (compiler.cxx_compiler)
         "MLX_NBENGINE_HOME": str(home),
         "MLX_NBENGINE_BLAS": "reference",  # cheap: nothing of the BLAS built in the new home
         "PYTHONDONTWRITEBYTECODE": "1",

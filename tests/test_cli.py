@@ -94,7 +94,7 @@ def test_html_exports_the_static_block_pictures_even_with_widget_state(tmp_path)
     out = cli("html", str(path), home=tmp_path)
     assert out.returncode == 0, out.stderr
     page = Path(out.stdout.strip()).read_text()
-    assert 'data-kind="disk"' in page and "mnb-strip" in page.split("<body")[1]
+    assert 'data-display="disk"' in page and "mnb-strip" in page.split("<body")[1]
 
 
 def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_model(tmp_path):

@@ -200,7 +200,7 @@ def test_missing_default_package_names_the_install_command(monkeypatch, tmp_path
 @pytest.mark.slow
 def test_default_model_is_gemma3_and_knows_where_the_eiffel_tower_is():
     lm = load("default")
-    assert lm.model_type == "gemma3_text" and lm.kind == "text"
+    assert lm.model_type == "gemma3_text" and lm.modality == "text"
     prompt = lm.encode("The Eiffel Tower is located in the city of")
     assert prompt[0] == 2 and prompt.count(2) == 1
     cache = lm.make_cache()

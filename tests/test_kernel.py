@@ -80,12 +80,12 @@ class Cell:
         """text/plain of the answer's last display or display update."""
         return self.final_data().get("text/plain", "")
 
-    def widgets(self, kind: str) -> list[dict]:
-        """comm_open messages of this cell's widgets of `kind` ("strip", "map", "store")."""
+    def widgets(self, behaviour: str) -> list[dict]:
+        """comm_open messages of this cell's widgets of `behaviour` ("strip", "map", "store")."""
         return [
             m
             for m in self.of_type("comm_open")
-            if m["content"]["data"]["state"].get("_kind") == kind
+            if m["content"]["data"]["state"].get("_behaviour") == behaviour
         ]
 
     def widget_displays(self) -> list[dict]:
@@ -368,7 +368,7 @@ def test_the_block_strip_fills_in_while_the_prompt_is_read(kernel):
     # A prompt never seen: every block computed, the last one the tail.
     state = the_strip(kernel, cell)
     assert len(state["blocks"]) == state["n_blocks"]
-    kinds = [b["kind"] for b in state["blocks"]]
+    kinds = [b["display"] for b in state["blocks"]]
     assert set(kinds[:-1]) == {"computed"} and kinds[-1] == "tail"
     # Why each was computed: its first block differs from stored ones after the shared chat
     # template tokens ("edited"), or nothing like it was stored ("new"); later ones follow.
@@ -400,10 +400,10 @@ def test_the_strip_of_an_edited_rerun_shows_restored_blocks_and_the_edit(kernel)
     edit_block = edit_at // BLOCK
     assert state["edit"]["position"] == edit_at and state["edit"]["block"] == edit_block
     # Before the edit: read from disk (a llama has only kv records); from it on: computed.
-    assert {(b["kind"], b["reason"]) for b in blocks[:edit_block]} == {("disk", "kv")}
+    assert {(b["display"], b["reason"]) for b in blocks[:edit_block]} == {("disk", "kv")}
     assert blocks[edit_block]["reason"] in ("edited", "tail")
-    assert {b["kind"] for b in blocks[edit_block:]} <= {"computed", "tail"}
-    assert blocks[-1]["kind"] == "tail"
+    assert {b["display"] for b in blocks[edit_block:]} <= {"computed", "tail"}
+    assert blocks[-1]["display"] == "tail"
 
 
 def test_blocks_shows_the_block_map_after_the_answer(kernel):

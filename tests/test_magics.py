@@ -78,7 +78,7 @@ class FakeLoadedModel:
     """What the magics read of a loaded model: its type, and (for a base model) no template."""
 
     model_type: str = "gemma3_text"
-    kind: str = "text"
+    modality: str = "text"
     has_chat_template: bool = True
 
 
@@ -1141,7 +1141,7 @@ def test_strip_is_shown_under_the_answer_and_fills_in_as_blocks_arrive():
     view.apply(BlockEvent(0, 0, 16, "disk", 0.01, reason="kv", records=("kv",)))
     view.apply(BlockEvent(1, 16, 32, "computed", 0.02, reason="edited", edit_at=20))
     blocks = feed.strip.blocks
-    assert [(b["index"], b["kind"], b["reason"]) for b in blocks] == [
+    assert [(b["index"], b["display"], b["reason"]) for b in blocks] == [
         (0, "disk", "kv"),
         (1, "computed", "edited"),
     ]
@@ -1161,10 +1161,11 @@ def test_strip_marks_the_edit_and_resends_its_final_picture_at_the_end():
     report = Report(blocks, restored_tokens=16, computed_tokens=24, edit_at=20)
     view.finish(Completion("x", [1], tokens, "stop", report, stop_reason="eos"))
     view.close()
-    assert [b["kind"] for b in feed.strip.blocks] == ["disk", "computed", "tail"]
+    assert [b["display"] for b in feed.strip.blocks] == ["disk", "computed", "tail"]
     assert feed.strip.edit["position"] == 20 and feed.strip.edit["block"] == 1
     assert recorder.updates == [feed.strip]  # its saved text/html is the final picture
-    cells = re.findall(r'class="mnb-block" data-index="\d+" data-kind="(\w+)"', feed.strip.html())
+    cell = r'class="mnb-block" data-index="\d+" data-display="(\w+)"'
+    cells = re.findall(cell, feed.strip.html())
     assert cells == ["disk", "computed", "tail"]
 
 

@@ -18,7 +18,7 @@ from mlx_nbengine.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from mlx_nbengine.models import fingerprint_directory, load, model_kind
+from mlx_nbengine.models import fingerprint_directory, load, model_modality
 from mlx_nbengine.testing import make_tiny_model
 
 
@@ -147,7 +147,7 @@ def test_different_families_have_different_fingerprints(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    ("config", "kind"),
+    ("config", "modality"),
     [
         ({"model_type": "llama"}, "text"),
         ({"model_type": "gemma3_text"}, "text"),
@@ -158,8 +158,8 @@ def test_different_families_have_different_fingerprints(tiny_model_dir):
         ({"model_type": "not_a_model", "vision_config": {"depth": 2}}, "text"),
     ],
 )
-def test_kind_is_vision_only_with_a_vision_config_mlx_vlm_knows(config, kind):
-    assert model_kind(config) == kind
+def test_modality_is_vision_only_with_a_vision_config_mlx_vlm_knows(config, modality):
+    assert model_modality(config) == modality
 
 
 def test_gemma_encode_has_exactly_one_bos_even_if_the_tokenizer_forgets_it(

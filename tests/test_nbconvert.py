@@ -7,7 +7,7 @@ request's live cache), the long prompt with its last line edited under ``--block
 ``%llm_cache``. The notebook is saved with its widget state and read back, then converted
 with nbconvert's `HTMLExporter`; the tests parse the HTML (script bodies are text, never
 elements) for the contract's selectors: ``.mnb-map`` rows ``.mnb-block`` with
-``data-kind`` and ``data-reason``, the ``.mnb-edit`` marker's ``data-position``, the
+``data-display`` and ``data-reason``, the ``.mnb-edit`` marker's ``data-position``, the
 ``.mnb-strip`` under each answer and the ``.mnb-store`` figures.
 
 *Saved without widget state* is what JupyterLab writes by default (its "save widget state"
@@ -133,7 +133,7 @@ def check_block_map(soup: bs4.BeautifulSoup, expected: dict) -> None:
     edit_block = expected["edit_at"] // BLOCK
     got = rows(soup)
     assert [int(r["data-index"]) for r in got] == list(range(expected["n_blocks"]))
-    kinds = [r["data-kind"] for r in got]
+    kinds = [r["data-display"] for r in got]
     assert kinds[:edit_block] == ["disk"] * edit_block, kinds
     assert set(kinds[edit_block:-1]) <= {"computed"} and kinds[-1] == "tail", kinds
     assert {r["data-reason"] for r in got[:edit_block]} == {"kv"}, "kv records were read"
@@ -169,7 +169,7 @@ def test_html_without_widget_state_shows_a_strip_under_every_answer(without_stat
     assert len(strips) == 3
     last = sorted(strips[-1].select(".mnb-block"), key=lambda b: int(b["data-index"]))
     assert len(last) == expected["n_blocks"]
-    assert "pending" not in {b["data-kind"] for b in last}, "the strip's final state was saved"
+    assert "pending" not in {b["data-display"] for b in last}, "the strip's final state was saved"
     # That answer ran with --blocks: the map below carries the edit banner, the strip only
     # outlines the edited block.
     assert not strips[-1].select(".mnb-edit")

@@ -53,7 +53,7 @@ def saved_state(nb, output: dict) -> dict:
 
 
 def block_kinds(static_html: str) -> list[str]:
-    return re.findall(r'class="mnb-block" data-index="\d+" data-kind="(\w+)"', static_html)
+    return re.findall(r'class="mnb-block" data-index="\d+" data-display="(\w+)"', static_html)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_every_answer_saves_its_final_block_strip(executed):
         assert strip["data"]["text/plain"].startswith(f"{len(kinds)} prompt blocks: ")
         # The widget's state, saved in the notebook's metadata, holds the same blocks.
         state = saved_state(executed, strip)
-        assert [b["kind"] for b in state["blocks"]] == kinds
+        assert [b["display"] for b in state["blocks"]] == kinds
         assert state["n_blocks"] == len(kinds) == math.ceil(state["prompt_tokens"] / BLOCK)
 
 

@@ -23,7 +23,7 @@ from kernelsets import needs_kernels  # tests/ is on sys.path
 from mlx_nbengine import kernels
 from mlx_nbengine.engine import Engine
 from mlx_nbengine.engine.ranks import NotShardableError, RankLostError
-from mlx_nbengine.engine.ranks.shard import choose_kind, kinds_of
+from mlx_nbengine.engine.ranks.shard import choose_mode, modes_of
 from mlx_nbengine.testing import make_tiny_quantized_model
 
 SCENARIOS = Path(__file__).with_name("ranks_scenarios.py")
@@ -108,7 +108,7 @@ def tiny_llama_q8(tmp_path_factory) -> Path:
 @pytest.mark.timeout(200)
 def test_two_ranks_serve_a_quantized_model_on_the_cpu_kernels(tiny_llama_q8, cache_dir):
     """As users run a sharded model: 8-bit weights, our CPU kernels on (the module this
-    session built, found in the same cache home), llama's own shard kind (tensor). The
+    session built, found in the same cache home), llama's own shard mode (tensor). The
     sharded projections run on MLX's kernels; the head, attention and norms on ours, on every
     rank, and the tokens are the single-process engine's (its kernels on too)."""
     env = {"MLX_NBENGINE_KERNELS": "auto"}
@@ -259,13 +259,13 @@ def test_a_family_mlx_lm_cannot_shard_gets_one_line(tiny_model_dir):
     assert "gemma3_text" in message and "llama" in message and "qwen3_5" in message
 
 
-def test_shard_kinds_follow_mlx_lm():
-    assert kinds_of("llama") == ("tensor",)
-    assert kinds_of("qwen3_5") == ("tensor", "pipeline")
-    assert kinds_of("gemma3_text") == ()
-    assert choose_kind("qwen3_5", None) == "tensor"
+def test_shard_modes_follow_mlx_lm():
+    assert modes_of("llama") == ("tensor",)
+    assert modes_of("qwen3_5") == ("tensor", "pipeline")
+    assert modes_of("gemma3_text") == ()
+    assert choose_mode("qwen3_5", None) == "tensor"
     with pytest.raises(NotShardableError, match="not pipeline"):
-        choose_kind("llama", "pipeline")
+        choose_mode("llama", "pipeline")
 
 
 def test_bad_rank_options_are_refused(tiny_model_dir):

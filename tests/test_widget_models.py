@@ -105,7 +105,7 @@ def follow(engine, prompt, *, on_blocks=None, max_tokens=4, images=None):
 
 
 def kinds(strip):
-    return [b["kind"] for b in strip.blocks]
+    return [b["display"] for b in strip.blocks]
 
 
 def reasons(strip):
@@ -150,7 +150,7 @@ def test_a_flood_of_other_prompts_evicts_the_first_block(engine_factory):
     assert int(stats.get("blocks_evicted") or 0) > 0
     strip, _, _ = follow(engine, text(lines=3))
     assert strip.blocks[0]["reason"] == "evicted"
-    assert strip.blocks[0]["kind"] == "computed"
+    assert strip.blocks[0]["display"] == "computed"
     assert reasons(strip)[-1] == "tail"
 
 
@@ -168,7 +168,7 @@ def test_the_strip_fills_in_live_in_index_order(engine_factory):
         assert seen == list(range(len(seen)))  # each change adds the next block
     assert changes[-1] == list(range(strip.n_blocks))
     assert len(strip.blocks) == strip.n_blocks
-    assert not re.search(r'data-index="\d+" data-kind="pending"', strip.html())
+    assert not re.search(r'data-index="\d+" data-display="pending"', strip.html())
 
 
 def test_the_block_map_of_an_edited_request_matches_its_strip(engine_factory):
@@ -184,7 +184,7 @@ def test_the_block_map_of_an_edited_request_matches_its_strip(engine_factory):
         prompt_tokens=len(tokens),
     )
     assert [b["index"] for b in block_map.blocks] == list(range(strip.n_blocks))
-    assert [b["kind"] for b in block_map.blocks] == kinds(strip)
+    assert [b["display"] for b in block_map.blocks] == kinds(strip)
     assert [b["reason"] for b in block_map.blocks] == reasons(strip)
     assert block_map.edit == strip.edit
     assert 'data-reason="edited"' in block_map.html()

@@ -132,7 +132,7 @@ def rerun_blocks() -> list[dict]:
         block(2, records=("kv", "window"), reason="kv+window"),
         block(3, "computed", reason="edited", records=()),
         block(4, "computed", reason="after_miss", records=()),
-        block(5, "computed", kind="tail", reason="tail", records=(), end=85),
+        block(5, "computed", display="tail", reason="tail", records=(), end=85),
     ]
 
 
@@ -147,7 +147,7 @@ def cut_blocks(*, first: str = "disk") -> list[dict]:
         block(0, first, reason=reason, records=records, restored=16),
         block(1, first, reason=reason, records=records, restored=16),
         block(2, "computed", reason="edited", records=(), restored=12),
-        block(3, "computed", kind="tail", reason="tail", records=(), end=60, restored=0),
+        block(3, "computed", display="tail", reason="tail", records=(), end=60, restored=0),
     ]
 
 
@@ -160,7 +160,7 @@ def long_blocks(n: int, edited: int) -> list[dict]:
     out = [block(i) for i in range(edited)]
     out.append(block(edited, "computed", reason="edited", records=()))
     out += [block(i, "computed", reason="after_miss", records=()) for i in range(edited + 1, n)]
-    out[-1] = block(n - 1, "computed", kind="tail", reason="tail", records=())
+    out[-1] = block(n - 1, "computed", display="tail", reason="tail", records=())
     return out
 
 
@@ -241,7 +241,7 @@ def test_block_dict_reads_an_engine_block_event():
         "start": 32,
         "end": 48,
         "source": "disk",
-        "kind": "disk",
+        "display": "disk",
         "reason": "kv+window",
         "records": ["kv", "window"],
         "restored": 16,
@@ -261,7 +261,7 @@ def test_block_dict_counts_the_restored_tokens_of_a_partly_restored_block():
         edit_at=852, restored=84,
     )  # fmt: skip
     assert block_dict(cut)["restored"] == 84
-    assert block_dict(cut)["kind"] == "tail"  # still computed: its last tokens were
+    assert block_dict(cut)["display"] == "tail"  # still computed: its last tokens were
     new = block_report(4, "computed")
     assert block_dict(new)["restored"] == 0
 
@@ -269,11 +269,11 @@ def test_block_dict_counts_the_restored_tokens_of_a_partly_restored_block():
 def test_block_dict_kind_is_tail_for_the_last_computed_block():
     tokens = list(range(40))
     tail = block_report(2, "computed", end=40)
-    assert block_dict(tail, tokens=tokens)["kind"] == "tail"
+    assert block_dict(tail, tokens=tokens)["display"] == "tail"
     named = block_report(1, "computed", reason="tail")
-    assert block_dict(named)["kind"] == "tail"
+    assert block_dict(named)["display"] == "tail"
     middle = block_report(1, "computed")
-    assert block_dict(middle, tokens=tokens)["kind"] == "computed"
+    assert block_dict(middle, tokens=tokens)["display"] == "computed"
 
 
 def test_block_dict_holds_the_first_and_last_words_of_the_block_text():
@@ -390,7 +390,7 @@ def test_strip_html_draws_one_cell_per_block_with_pending_cells_for_the_rest():
     assert root.tag == "div" and root.attrs["data-n-blocks"] == "6"
     cells = select(elements, "mnb-block", within="mnb-strip")
     assert [c.attrs["data-index"] for c in cells] == [str(i) for i in range(6)]
-    assert [c.attrs["data-kind"] for c in cells] == ["memory", "disk", "disk"] + ["pending"] * 3
+    assert [c.attrs["data-display"] for c in cells] == ["memory", "disk", "disk"] + ["pending"] * 3
     assert [c.attrs["data-reason"] for c in cells[:3]] == ["hot", "kv", "kv+window"]
     assert [c.text for c in cells[:3]] == ["M", "D", "D"]  # letters, not colour alone
 
@@ -398,7 +398,7 @@ def test_strip_html_draws_one_cell_per_block_with_pending_cells_for_the_rest():
 def test_strip_legend_names_every_kind_with_its_count():
     elements = parse(strip_html(rerun_blocks(), n_blocks=6))
     (legend,) = select(elements, "mnb-legend")
-    keys = {k.attrs["data-kind"]: k.attrs["data-count"] for k in select(elements, "mnb-key")}
+    keys = {k.attrs["data-display"]: k.attrs["data-count"] for k in select(elements, "mnb-key")}
     assert keys == {"memory": "1", "disk": "2", "computed": "2", "tail": "1", "pending": "0"}
     assert "computed" in legend.all_text(elements)
 
@@ -466,7 +466,7 @@ def test_map_html_has_one_row_per_block_with_its_range_words_source_and_reason()
     (root,) = select(elements, "mnb-map")
     rows = select(elements, "mnb-block", within="mnb-map")
     assert [r.tag for r in rows] == ["tr"] * 6
-    assert [r.attrs["data-kind"] for r in rows] == [
+    assert [r.attrs["data-display"] for r in rows] == [
         "memory", "disk", "disk", "computed", "computed", "tail",
     ]  # fmt: skip
     assert [r.attrs["data-reason"] for r in rows] == [
@@ -555,7 +555,7 @@ def test_strip_fills_a_partly_restored_cell_with_its_restored_share():
     cells = select(elements, "mnb-block", within="mnb-strip")
     cut = cells[2]
     # Its kind and letter stay: it was computed from the edit on.
-    assert (cut.attrs["data-kind"], cut.text) == ("computed", "C")
+    assert (cut.attrs["data-display"], cut.text) == ("computed", "C")
     assert cut.attrs["data-restored"] == "12" and cut.attrs["data-part"] == "disk"
     (fill,) = [e for e in select(elements, "mnb-fill") if e.parent is cut]
     assert fill.attrs["style"] == "--mnb-share: 0.750"
@@ -592,7 +592,7 @@ def test_strip_legend_draws_the_partly_restored_swatch_like_the_cell():
     cut = select(elements, "mnb-block", within="mnb-strip")[2]
     (key,) = [k for k in select(elements, "mnb-key") if "data-part" in k.attrs]
     (swatch,) = [e for e in select(elements, "mnb-swatch") if e.parent is key]
-    assert (swatch.attrs["data-kind"], swatch.text) == (cut.attrs["data-kind"], cut.text)
+    assert (swatch.attrs["data-display"], swatch.text) == (cut.attrs["data-display"], cut.text)
     (fill,) = [e for e in select(elements, "mnb-fill") if e.parent is swatch]
     (cut_fill,) = [e for e in select(elements, "mnb-fill") if e.parent is cut]
     assert fill.attrs["style"] == cut_fill.attrs["style"]
@@ -611,7 +611,7 @@ def test_map_row_of_a_partly_restored_block_splits_its_tokens():
     elements = parse(map_html(cut_blocks(), edit=CUT_EDIT, layer_kinds=["kv"]))
     rows = select(elements, "mnb-block", within="mnb-map")
     cut = rows[2]
-    assert (cut.attrs["data-kind"], cut.attrs["data-restored"]) == ("computed", "12")
+    assert (cut.attrs["data-display"], cut.attrs["data-restored"]) == ("computed", "12")
     text = cut.all_text(elements)
     assert "12 restored + 4 computed" in text
     assert "edited at token 44 (first 12 tokens restored)" in text
@@ -761,7 +761,7 @@ def test_store_html_of_an_unused_store_says_so():
 
 def test_strip_add_block_keeps_index_order_and_replaces_a_known_block():
     strip = BlockStrip(n_blocks=3, block_size=16, prompt_tokens=40)
-    strip.add_block(block(2, "computed", kind="tail", reason="tail"))
+    strip.add_block(block(2, "computed", display="tail", reason="tail"))
     strip.add_block(block(0))
     strip.add_block(block(0, "memory", reason="hot"))
     assert [(b["index"], b["source"]) for b in strip.blocks] == [(0, "memory"), (2, "computed")]
@@ -834,8 +834,8 @@ def test_every_widget_bundle_has_the_live_view_static_html_and_text(make):
     assert data[WIDGET_VIEW]["model_id"] == widget.model_id
     assert data["text/html"] == widget.html()
     assert data["text/plain"].strip()
-    assert widget._kind in {"strip", "map", "store"}
-    assert widget.get_state()["_kind"] == widget._kind  # the front end's dispatch
+    assert widget._behaviour in {"strip", "map", "store"}
+    assert widget.get_state()["_behaviour"] == widget._behaviour  # the front end's dispatch
 
 
 def test_live_markup_is_the_static_picture_without_its_style():
@@ -851,11 +851,10 @@ def test_live_markup_is_the_static_picture_without_its_style():
 
 def test_widget_markup_follows_its_data():
     strip = BlockStrip(n_blocks=3, block_size=16)
-    assert (
-        len(re.findall(r'class="mnb-block" data-index="\d" data-kind="pending"', strip.markup)) == 3
-    )
+    pending = r'class="mnb-block" data-index="\d" data-display="pending"'
+    assert len(re.findall(pending, strip.markup)) == 3
     strip.add_block(block(0))
-    assert 'data-index="0" data-kind="disk"' in strip.markup
+    assert 'data-index="0" data-display="disk"' in strip.markup
     strip.set_edit({"position": 3, "block": 0, "before": "a", "after": "b"})
     assert 'class="mnb-edit" data-position="3"' in strip.markup
     store = StoreView()
@@ -908,7 +907,7 @@ def test_front_end_holds_no_words_of_its_own():
     code = "\n".join(line for line in js.splitlines() if not line.lstrip().startswith("//"))
     strings = [a or b for a, b in re.findall(r'"([^"]*)"|`([^`]*)`', code)]
     words = [*REASONS.values(), *KEPT_BOUNDARY.values(), *(label for _, label in FIGURES)]
-    words += [label for _, label in widgets.KINDS.values()]
+    words += [label for _, label in widgets.DISPLAYS.values()]
     words += ["Hover or click", "first change at token", "image", "tokens", "restored"]
     # Words as words: "details" holds no "tail", "data-image" no image's name.
     said = [w for w in words for s in strings if re.search(rf"(?<![\w-]){re.escape(w)}\b", s)]
@@ -948,7 +947,7 @@ def image_blocks() -> list[dict]:
         block(0, "computed", reason="new", records=()),
         block(1, "computed", reason="new", records=(), images=[0]),
         block(2, "computed", reason="new", records=(), images=[0, 1]),
-        block(3, "computed", kind="tail", reason="tail", records=(), end=60),
+        block(3, "computed", display="tail", reason="tail", records=(), end=60),
     ]
 
 
@@ -1122,7 +1121,7 @@ def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
     assert n_blocks >= 8
     assert [b["index"] for b in strip.blocks] == list(range(n_blocks))
     cells = select(parse(strip.html()), "mnb-block")
-    assert len(cells) == n_blocks and "pending" not in {c.attrs["data-kind"] for c in cells}
+    assert len(cells) == n_blocks and "pending" not in {c.attrs["data-display"] for c in cells}
 
     # The first changed token, found from the two prompts' ids.
     position = next(
@@ -1139,7 +1138,7 @@ def test_a_real_edited_rerun_draws_restored_blocks_then_computed_ones(engine):
     edited_block = position // 16
     assert all(s != "computed" for s in sources[:edited_block]), sources
     assert all(s == "computed" for s in sources[edited_block:]), sources
-    assert block_map.blocks[-1]["kind"] == "tail"
+    assert block_map.blocks[-1]["display"] == "tail"
     assert [b["source"] for b in strip.blocks] == sources  # live events agree with the report
     assert block_map.blocks[0]["head"]  # real words from the tokenizer
     special = engine.model.text_tokenizer.all_special_ids
@@ -1219,7 +1218,7 @@ window.ready = true;
 </script>"""
 
 READ_CELLS = """(sel) => [...document.querySelectorAll(sel)].map((e) => [
-  e.dataset.index, e.dataset.kind, e.dataset.reason, e.dataset.edit || null,
+  e.dataset.index, e.dataset.display, e.dataset.reason, e.dataset.edit || null,
   e.getAttribute("title"), e.textContent])"""
 
 
@@ -1264,7 +1263,7 @@ def page(tmp_path_factory):
 
 def _static_cells(html: str, cls: str) -> list[list]:
     return [
-        [e.attrs["data-index"], e.attrs["data-kind"], e.attrs["data-reason"],
+        [e.attrs["data-index"], e.attrs["data-display"], e.attrs["data-reason"],
          e.attrs.get("data-edit"), e.attrs.get("title"), e.text]
         for e in select(parse(html), cls)
     ]  # fmt: skip
@@ -1291,8 +1290,10 @@ def test_live_strip_fills_in_block_by_block_without_moving(page):
     for b in rerun_blocks():
         strip.add_block(b)
         resync(page, "filling", strip)
-        kind = page.get_attribute(f"#filling .mnb-block[data-index='{b['index']}']", "data-kind")
-        assert kind == b["kind"]
+        display = page.get_attribute(
+            f"#filling .mnb-block[data-index='{b['index']}']", "data-display"
+        )
+        assert display == b["display"]
     strip.set_edit(EDIT)
     resync(page, "filling", strip)
     assert page.evaluate(places) == before  # fixed cells laid out for all blocks from the start

@@ -6,7 +6,7 @@
 // a strip's cells stay put while a prefill fills them in. It adds only what needs a
 // browser: the strip's hover thumbnails (`previews`), the map's details panel on hover or
 // click (`details`) and the scroll of its tall box. It holds no words: every phrase shown
-// comes from Python. The model's `_kind` says which behaviour to add.
+// comes from Python. The model's `_behaviour` says which behaviour to add.
 
 // The first element of `html`, parsed (null for none).
 function parse(html) {
@@ -262,7 +262,7 @@ const BEHAVIOURS = { strip, map, store: () => ({}) };
 function render({ model, el }) {
   const root = parse(model.get("markup")) || document.createElement("div");
   el.append(root);
-  const behaviour = (BEHAVIOURS[model.get("_kind")] || BEHAVIOURS.store)(model, root);
+  const behaviour = (BEHAVIOURS[model.get("_behaviour")] || BEHAVIOURS.store)(model, root);
   const update = () => {
     const next = parse(model.get("markup"));
     if (next) patch(root, next);

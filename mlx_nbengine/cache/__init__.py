@@ -3,9 +3,10 @@
 See `blocks` (keys, partial-block keys), `kinds` (one class per layer kind: what a block
 keeps of it, its checks, what a restore reads, its rebuilding, its cuts), `records` (a
 record, its bytes and signature), `snapshots` (recurrent states as skeleton + arrays),
-`planner` (`PrefixCache`, `RestorePlan` and its token-exact `Cut`, `prefill_steps`),
-`reader` (a restore's reads, checked), `facts` (`BlockFacts`: what the store knows of a
-computed block), `followers` (which stored blocks followed a prefix, with their tokens),
+`types` (the shared types: `RestorePlan` and its token-exact `Cut`, `KeptBoundary`,
+`CutRead`, `BlockFacts`: what the store knows of a computed block), `planner`
+(`PrefixCache`: plans, block facts, loads; `prefill_steps`), `reader` (a restore's reads,
+checked), `followers` (which stored blocks followed a prefix, with their tokens),
 `assembly` (what one rebuild reads, slice copying), `store` (`BlockStore`, the LRU over
 one scratch file), `backends` (memory, scratch file or persistent directory), `persist`
 (the persistent directory), `indexlog` (its index), `blobfile` (a file's blob I/O) and
@@ -13,7 +14,6 @@ one scratch file), `backends` (memory, scratch file or persistent directory), `p
 """
 
 from mlx_nbengine.cache.blocks import block_keys, partial_key
-from mlx_nbengine.cache.facts import BlockFacts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.kinds import (
     KINDS,
@@ -24,12 +24,7 @@ from mlx_nbengine.cache.kinds import (
     layer_kinds,
     layer_windows,
 )
-from mlx_nbengine.cache.planner import (
-    Cut,
-    PrefixCache,
-    RestorePlan,
-    prefill_steps,
-)
+from mlx_nbengine.cache.planner import PrefixCache, prefill_steps
 from mlx_nbengine.cache.records import (
     HostArray,
     Record,
@@ -39,6 +34,7 @@ from mlx_nbengine.cache.records import (
     record_from_bytes,
     record_to_bytes,
 )
+from mlx_nbengine.cache.types import BlockFacts, Cut, CutRead, KeptBoundary, RestorePlan
 
 __all__ = [
     "KINDS",
@@ -46,8 +42,10 @@ __all__ = [
     "ROOT",
     "BlockFacts",
     "Cut",
+    "CutRead",
     "FollowerIndex",
     "HostArray",
+    "KeptBoundary",
     "LayerKind",
     "PrefixCache",
     "Record",

@@ -16,7 +16,7 @@ and whose records are held, gives its first ``k`` tokens too, up to ``p = b + k`
 the prompt's last token but one; into block 0 only past half a block or every prompt
 token but the last, as for the hot cache). `load` checks that its records serve the cut
 (`LayerKind.check_cut`) and reads on to the next follower when not. Without a cut the
-plan says why (`RestorePlan.kept_boundary`, a `KeptBoundary`): ``"state"``
+plan says why (`RestorePlan.kept_boundary`, a `types.KeptBoundary`): ``"state"``
 (recurrent layers resume only where a state was taken: the whole length of a partial
 follower the prompt holds entirely), ``"window"`` (the followers' window records do not
 reach back to ``max(b, p - W)``: blocks decoded one token at a time keep only their last
@@ -28,7 +28,7 @@ for one model. It is not thread-safe: the engine calls it on its cache-I/O threa
 (plan, load, assemble in the same job, save, touch).
 
 *Facts*: for the blocks a request computes, `PrefixCache.block_facts` says what the
-store knows of each (`facts`), so the engine can say why a block was computed.
+store knows of each (`types.BlockFacts`), so the engine can say why a block was computed.
 
 *Checks*: every record read back is checked before it is served, and a bad one makes the
 plan fall back (`reader`).
@@ -43,11 +43,12 @@ prefix shared by many prompts stays longest.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
 
 from mlx_nbengine.cache.blocks import block_keys, match_ids
-from mlx_nbengine.cache.facts import BlockFacts, block_facts
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
 from mlx_nbengine.cache.kinds import KINDS, LayerKind, assemble, layer_kinds, layer_windows
 from mlx_nbengine.cache.reader import RecordReader
@@ -58,58 +59,10 @@ from mlx_nbengine.cache.records import (
     Signature,
     record_to_bytes,
 )
+from mlx_nbengine.cache.types import BlockFacts, Cut, RestorePlan
 from mlx_nbengine.models.vision import ImageSpan
 
-__all__ = ["Cut", "KeptBoundary", "PrefixCache", "RestorePlan", "prefill_steps"]
-
-KeptBoundary = Literal["state", "window", "block", "evicted"]
-"""Why a restore kept to a block boundary although a stored follower shared more tokens."""
-
-
-@dataclass(frozen=True)
-class Cut:
-    """Restore the first `tokens` tokens of prompt block `block` from follower `key`,
-    reading its `needed` records (see the module docstring)."""
-
-    block: int
-    key: str
-    tokens: int
-    needed: tuple[RecordKey, ...]
-
-
-@dataclass(frozen=True)
-class RestorePlan:
-    """What to restore for one prompt.
-
-    ``keys`` are the keys of all whole blocks of the prompt (restored or not; the
-    engine stores computed blocks under them); ``n_blocks`` whole blocks, i.e. the
-    first ``boundary`` tokens, are restored, then ``cut`` (if any) restores the start of
-    the next block: ``tokens`` in all. ``needed`` lists the ``(key, kind)`` records
-    the chain takes, in block order. ``limit`` and ``allowed`` are the planner's
-    constraints (at most ``limit`` blocks; boundaries where ``allowed[n]`` is
-    false are never used), kept so `PrefixCache.load` can fall back to a shorter chain.
-    ``kept_boundary`` says why there is no cut although a follower shared tokens (a
-    `KeptBoundary`), else None. ``spare_cuts`` are the other held followers, best
-    first, that `load` tries when the cut's records cannot serve it.
-    """
-
-    keys: tuple[str, ...]
-    n_blocks: int
-    block_size: int
-    needed: tuple[RecordKey, ...]
-    limit: int
-    allowed: tuple[bool, ...] = field(repr=False)
-    cut: Cut | None = None
-    kept_boundary: KeptBoundary | None = None
-    spare_cuts: tuple[Cut, ...] = field(default=(), repr=False)
-
-    @property
-    def boundary(self) -> int:
-        return self.n_blocks * self.block_size
-
-    @property
-    def tokens(self) -> int:
-        return self.boundary + (self.cut.tokens if self.cut is not None else 0)
+__all__ = ["PrefixCache", "prefill_steps"]
 
 
 def prefill_steps(start: int, end: int, *, block_size: int, max_step: int) -> list[tuple[int, int]]:
@@ -155,53 +108,6 @@ def _cuttable(
         else:
             cuttable.append((key, k))
     return cuttable, refused_by
-
-
-def _with_cut(
-    prefix: PrefixCache,
-    plan: RestorePlan,
-    tokens: Sequence[int],
-    *,
-    to_token: bool,
-    inside_image: Callable[[int], bool],
-) -> RestorePlan:
-    """`plan` with the best cut into its next block (of `prefix`'s followers, see the module
-    docstring), or the reason it keeps the boundary."""
-    B, n = prefix.block_size, plan.n_blocks
-    start = n * B
-    room = min(B - 1, len(tokens) - 1 - start)  # the last prompt token is computed
-    if room <= 0:
-        return plan
-    own = tokens[start : start + B]
-    # Into block 0 only past what unrelated prompts share (the hot cache's rule).
-    least = min(prefix.root_min_shared, len(own) - 1) if n == 0 else 1
-    parent = plan.keys[n - 1] if n else ROOT
-    candidates = [
-        (key, min(shared, room), length)
-        for key, shared, length in prefix.followers.ranked(parent, own)
-        if shared >= least and not inside_image(start + min(shared, room))
-    ]
-    if not candidates:
-        return plan
-    if not to_token:
-        return replace(plan, kept_boundary="block")
-    cuttable, refused_by = _cuttable(candidates, prefix.model_kinds, block_size=B)
-    if not cuttable:
-        return replace(plan, kept_boundary=refused_by)
-    # Every held one, best first: `load` reads on past one that cannot serve the cut.
-    cuts = tuple(
-        Cut(
-            block=n,
-            key=key,
-            tokens=k,
-            needed=tuple(RecordKey(key, kind) for kind in prefix.kinds),
-        )
-        for key, k in cuttable
-        if all(prefix.store.has(key, kind) for kind in prefix.kinds)
-    )
-    if not cuts:
-        return replace(plan, kept_boundary="evicted")
-    return replace(plan, cut=cuts[0], spare_cuts=cuts[1:])
 
 
 class PrefixCache:
@@ -319,8 +225,7 @@ class PrefixCache:
             for n in range(limit + 1)
         )
         plan = self._plan(keys, limit=limit, allowed=allowed)
-        return _with_cut(
-            self,
+        return self._with_cut(
             plan,
             match_ids(tokens, images),
             to_token=to_token,
@@ -347,6 +252,52 @@ class PrefixCache:
             allowed=allowed,
         )
 
+    def _with_cut(
+        self,
+        plan: RestorePlan,
+        tokens: Sequence[int],
+        *,
+        to_token: bool,
+        inside_image: Callable[[int], bool],
+    ) -> RestorePlan:
+        """`plan` with the best cut into its next block (of `followers`, see the module
+        docstring), or the reason it keeps the boundary."""
+        B, n = self.block_size, plan.n_blocks
+        start = n * B
+        room = min(B - 1, len(tokens) - 1 - start)  # the last prompt token is computed
+        if room <= 0:
+            return plan
+        own = tokens[start : start + B]
+        # Into block 0 only past what unrelated prompts share (the hot cache's rule).
+        least = min(self.root_min_shared, len(own) - 1) if n == 0 else 1
+        parent = plan.keys[n - 1] if n else ROOT
+        candidates = [
+            (key, min(shared, room), length)
+            for key, shared, length in self.followers.ranked(parent, own)
+            if shared >= least and not inside_image(start + min(shared, room))
+        ]
+        if not candidates:
+            return plan
+        if not to_token:
+            return replace(plan, kept_boundary="block")
+        cuttable, refused_by = _cuttable(candidates, self.model_kinds, block_size=B)
+        if not cuttable:
+            return replace(plan, kept_boundary=refused_by)
+        # Every held one, best first: `load` reads on past one that cannot serve the cut.
+        cuts = tuple(
+            Cut(
+                block=n,
+                key=key,
+                tokens=k,
+                needed=tuple(RecordKey(key, kind) for kind in self.kinds),
+            )
+            for key, k in cuttable
+            if all(self.store.has(key, kind) for kind in self.kinds)
+        )
+        if not cuts:
+            return replace(plan, kept_boundary="evicted")
+        return replace(plan, cut=cuts[0], spare_cuts=cuts[1:])
+
     def block_facts(
         self,
         tokens: Sequence[int],
@@ -359,7 +310,49 @@ class PrefixCache:
 
         `keys` are the prompt's whole-block keys (`RestorePlan.keys`), `images` its spans.
         """
-        return block_facts(self, match_ids(tokens, images), keys, first=first)
+        ids = match_ids(tokens, images)
+        B = self.block_size
+        own = self.kinds[0] if self.kinds else None
+        has = self.store.has
+        chain = own is not None and all(has(k, own) for k in keys[:first])
+        out = []
+        for j in range(first, -(-len(ids) // B)):
+            start, end = j * B, min((j + 1) * B, len(ids))
+            key = keys[j] if j < len(keys) else None
+            held = key is not None and own is not None and has(key, own)
+            chain = chain and held
+            seen = key is not None and (held or key in self.followers)
+            restorable = held and all(has(k, kind) for k, kind in self.needed(keys, j + 1))
+            parent = keys[j - 1] if j > 0 else ROOT
+            out.append(
+                BlockFacts(
+                    index=j,
+                    start=start,
+                    end=end,
+                    seen=seen,
+                    held=held,
+                    chain_held=chain,
+                    restorable=restorable,
+                    diverges_at=self._diverges_at(parent, ids[start:end], start),
+                )
+            )
+        return out
+
+    def _diverges_at(self, parent: str, tokens: np.ndarray, start: int) -> int | None:
+        """Where the prompt's block `tokens` (from `start`) leaves the closest stored
+        follower of `parent` (see `BlockFacts.diverges_at`)."""
+        ranked = self.followers.ranked(parent, tokens)
+        if not ranked:
+            return None
+        _, shared, length = ranked[0]
+        # The prompt leaves the follower only where both go on and differ: a prompt block
+        # that is a prefix of the follower, or one that extends a (partial) follower, does
+        # not change anything stored.
+        if shared >= min(len(tokens), length):
+            return None
+        if parent == ROOT and shared < self.root_min_shared:
+            return None
+        return start + shared
 
     # --- load, assemble ----------------------------------------------------------------------
 

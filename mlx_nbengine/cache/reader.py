@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,11 +32,9 @@ from mlx_nbengine.cache.records import (
     merge_signatures,
     record_from_buffer,
 )
+from mlx_nbengine.cache.types import Cut, CutRead, KeptBoundary, RestorePlan
 
-if TYPE_CHECKING:  # the plan types live with the planner, which imports this module
-    from mlx_nbengine.cache.planner import Cut, RestorePlan
-
-__all__ = ["Arena", "CutRead", "Reading", "RecordReader"]
+__all__ = ["Arena", "Reading", "RecordReader"]
 
 RecordsByBlock = dict[int, dict[RecordKind, Record]]
 
@@ -57,16 +55,6 @@ class Arena:
         out = self.buffer[self.used : self.used + nbytes]
         self.used += nbytes
         return out
-
-
-@dataclass(frozen=True)
-class CutRead:
-    """The cut a reading could serve and its records by kind; None and why it could not
-    (``"evicted"`` or ``"window"``, see `Reading.cut`)."""
-
-    cut: Cut | None
-    records: dict[RecordKind, Record]
-    kept_boundary: str | None = None
 
 
 class RecordReader:
@@ -182,7 +170,7 @@ class Reading:
         """The first of `cuts` whose records serve it, with them; else None and why:
         ``"evicted"`` (a record gone or damaged: deleted) or ``"window"`` (sound window
         records that do not reach back to what the cut needs: kept)."""
-        why = "evicted"
+        why: KeptBoundary = "evicted"
         for cut in cuts:
             boundary = cut.block * self.reader.block_size
             records: dict[RecordKind, Record] = {}

@@ -37,6 +37,7 @@ from collections.abc import Sequence as SequenceABC
 from typing import Any, TypeVar
 
 from mlx_nbengine import _blas
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.blockstore import open_prefix_cache
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.config import EngineConfig
@@ -439,6 +440,7 @@ def _generation_thread(
         io=io,
         prefix_factory=prefix_factory if config.store else None,
         config=config,
+        thread_policy=ThreadPolicy(),
         **factories,
     )
 

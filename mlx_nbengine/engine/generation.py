@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.cache import layer_kinds
 from mlx_nbengine.engine.cacheio import CacheIO
 from mlx_nbengine.engine.checkpoints import Checkpoints
@@ -53,8 +54,11 @@ class GenerationThread:
         name: str = "mlx-nbengine-generation",
         runner_factory: Callable[..., Runner] = Runner,
         checkpoints_factory: Callable[..., Checkpoints] = Checkpoints,
+        thread_policy: ThreadPolicy | None = None,
     ) -> None:
         self._loader = loader
+        # This engine's choice of each step's BLAS threads, given to its runner.
+        self.thread_policy = thread_policy if thread_policy is not None else ThreadPolicy()
         # A sharded model's engine (`ranks`) builds its own, which tell its workers.
         self._runner_factory = runner_factory
         self._checkpoints_factory = checkpoints_factory
@@ -201,7 +205,7 @@ class GenerationThread:
 
     def _load(self) -> None:
         self.lm = lm = self._loader()
-        self.runner = runner = self._runner_factory(lm)
+        self.runner = runner = self._runner_factory(lm, thread_policy=self.thread_policy)
         try:
             self.layer_kinds = tuple(str(k) for k in layer_kinds(lm.make_cache()))
         except Exception:  # a layer cache no record kind claims: no store can serve it anyway

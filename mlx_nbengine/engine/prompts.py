@@ -64,7 +64,7 @@ def _vision_prompt(
     lm: Any, prompt: Any, images: Any, template_kwargs: dict[str, Any], *, model_name: str
 ) -> Any:
     """The processed image prompt (`models.vision.VisionPrompt`) of `prompt` and `images`."""
-    if lm.kind != "vision":
+    if lm.modality != "vision":
         raise ImageError(
             f"{model_name} reads text only; load a vision model (one with a vision "
             "tower, e.g. a Qwen2-VL or Gemma 4 model) to send images"

@@ -54,7 +54,7 @@ class BlockReport:
         """Whether this is the *tail*: the computed block holding the prompt's last token
         (its logits start the answer). The engine names it with reason ``"tail"``; with
         `n_prompt` (the prompt's length) a computed block ending there counts too. The one
-        tail rule of the faces (the strip's ``"tail"`` kind, the demo's ``T``)."""
+        tail rule of the faces (the strip's ``"tail"`` display, the demo's ``T``)."""
         if self.source != "computed":
             return False
         return self.reason == "tail" or (n_prompt is not None and self.end >= n_prompt)

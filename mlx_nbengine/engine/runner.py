@@ -8,19 +8,19 @@ in one call over their right-padded rows (mlx-lm's ``merge``, ``prepare`` and
 ``finalize`` of batched caches). A *decode step* feeds one token per member of the
 `DecodeBatch` and samples the next; it is *launched* (built and started with
 ``mx.async_eval``) and read later (see `decoding`). Vision models are fed embeddings
-(see `vision`). Each call runs on the BLAS thread count chosen for its size (`_blas`).
+(see `vision`). Each call runs on the BLAS thread count its engine's `_blas.ThreadPolicy`
+chooses for its size (`thread_policy`: the engine's own, so two engines share nothing).
 Generation thread only: every MLX array given to the model is made here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import mlx.core as mx
 
-from mlx_nbengine._blas import PARALLEL_MIN_TOKENS, blas_step, blas_threads_for
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.cache import extract_block_records
 from mlx_nbengine.engine.batch import DecodeBatch, merge_caches
 from mlx_nbengine.engine.memory import give_back_memory
@@ -30,33 +30,25 @@ from mlx_nbengine.engine.vision import VisionRunner
 from mlx_nbengine.models.head import split_head
 
 
-def prefill_blas(n_tokens: int) -> AbstractContextManager:
-    """The BLAS thread count of a prefill step over `n_tokens` tokens (see `_blas`).
-
-    A step long enough to be a prefill step there is tuned by `blas_step`. A shorter one
-    (an edit's few changed tokens) runs on the count prefill steps run faster on, without
-    being counted or timed: a tuning probe of the other count would otherwise land on it
-    and cost a whole step of the edited re-run.
-    """
-    if n_tokens >= PARALLEL_MIN_TOKENS:
-        return blas_step(n_tokens)
-    blas_threads_for(n_tokens)
-    return nullcontext()
-
-
 class Runner:
     """Calls one loaded model (`lm`, a `models.LoadedModel`); see the module docstring."""
 
-    def __init__(self, lm: Any, *, split: bool = True) -> None:
+    def __init__(
+        self, lm: Any, *, split: bool = True, thread_policy: ThreadPolicy | None = None
+    ) -> None:
         self.lm = lm
-        self.vision = VisionRunner(lm) if lm.kind == "vision" else None
+        # Each step's thread count (None: a policy of its own, as a test's runner needs).
+        self.thread_policy = thread_policy if thread_policy is not None else ThreadPolicy()
+        self.vision = VisionRunner(lm) if lm.modality == "vision" else None
         # A final prefill step's logits for its last row only (see `models.head`); its
         # check calls the model, which a sharded model (`ranks`) must not do on one rank.
-        self.split = (
-            split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
-            if split and lm.kind == "text"
-            else None
-        )
+        # Its products, as the record probe's, count for this engine's policy.
+        with self.thread_policy.running():
+            self.split = (
+                split_head(lm.model, lm.make_cache, lm.bos_token_id or 0)
+                if split and lm.modality == "text"
+                else None
+            )
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
         self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
         # Called with every set of logits a token is sampled from (rows = sequences).
@@ -95,7 +87,7 @@ class Runner:
         prompt's end, the token sampled from the last row (else None)."""
         inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
         last = end == len(seq.prompt)
-        with prefill_blas(end - start):
+        with self.thread_policy.prefill(end - start):
             if seq.embedded is not None:
                 kwargs = self.vision.prefill_kwargs(seq.embedded, start, end)
                 logits = _logits(self.lm.language_model(inputs, cache=seq.cache, **kwargs))
@@ -126,7 +118,7 @@ class Runner:
         if max(padding):
             for c in caches:
                 c.prepare(lengths=lengths, right_padding=padding)
-        with prefill_blas(width * len(group)):
+        with self.thread_policy.prefill(width * len(group)):
             self.lm.model(mx.array(rows, dtype=mx.uint32), cache=caches)  # logits never read
             if max(padding):
                 for c in caches:
@@ -149,7 +141,7 @@ class Runner:
             kwargs = self.vision.decode_kwargs(members)  # each row's rope delta
             return _logits(self.lm.language_model(tokens, cache=cache, **kwargs))
 
-        with blas_step(len(members)):
+        with self.thread_policy.step(len(members)):
             logits = batch.forward(forward, inputs)
             if _host_drawn(members, self.host_sampling):
                 tokens = HostDraw(logits, members, host=self.host_sampling)
@@ -184,9 +176,10 @@ class Runner:
         dtypes and state shapes of every record the model will ever make."""
         cache = self.lm.make_cache()
         token = mx.array([[self.lm.bos_token_id or 0]], dtype=mx.uint32)
-        model = self.lm.language_model if self.lm.kind == "vision" else self.lm.model
-        model(token, cache=cache)
-        mx.eval([c.state for c in cache])
+        model = self.lm.language_model if self.lm.modality == "vision" else self.lm.model
+        with self.thread_policy.running():
+            model(token, cache=cache)
+            mx.eval([c.state for c in cache])
         return extract_block_records(cache, block=0, block_size=1)
 
 

@@ -15,8 +15,8 @@ ours, vectorized and tiled over keys with a running max and sum (see src/attenti
 *Kernel sets* (``isa``): ``avx512`` (AVX-512F), ``avx2`` (AVX2 + FMA) and ``portable``
 (plain C++). The CPU that runs them decides (cpuid), never the build machine: a set the
 CPU lacks falls to the next one. Each product splits its output columns (attention: its
-softmax rows; its products are the BLAS's) over the BLAS thread count the engine chose for
-the step (`_blas.current_threads`).
+softmax rows; its products are the BLAS's) over the BLAS thread count the engine's thread
+policy chose for the step in progress (`_blas.current_threads`, `_blas.ThreadPolicy`).
 
 *The switch*, ``MLX_NBENGINE_KERNELS``: ``auto`` (the default: the best set this CPU has,
 on Linux), ``avx512``, ``avx2`` or ``portable`` (force a set, falling down where the CPU

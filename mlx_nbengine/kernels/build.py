@@ -22,10 +22,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from mlx_nbengine._blaslib import find_compiler as find_c_compiler
-from mlx_nbengine._blaslib import home
+from mlx_nbengine.compiler import cxx_compiler
+from mlx_nbengine.home import home
 
-__all__ = ["BuildError", "build", "built_module_path", "build_key", "find_compiler"]
+__all__ = ["BuildError", "build", "built_module_path", "build_key"]
 
 MODULE_NAME = "mlx_nbengine_qmv"
 SOURCE_DIR = Path(__file__).parent / "src"
@@ -67,11 +67,6 @@ BUILD_TIMEOUT_S = 600.0
 
 class BuildError(Exception):
     """The module could not be built; the message is one line saying why."""
-
-
-def find_compiler() -> str | None:
-    """The C++ compiler: ``$CXX`` if set (empty: none), else the first on PATH."""
-    return find_c_compiler("CXX", ("c++", "g++", "clang++"))
 
 
 def _version(distribution: str) -> str:
@@ -132,7 +127,7 @@ def _run(command: list[str], *, cwd: Path, deadline: float, env: dict[str, str])
 
 def build() -> Path:
     """The path of the compiled module, building it first if needed; raises `BuildError`."""
-    compiler = find_compiler()
+    compiler = cxx_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
     target = built_module_path(compiler)

@@ -14,7 +14,7 @@ from mlx_nbengine._blas import ensure_fast_blas
 ensure_fast_blas()
 
 from mlx_nbengine.errors import ModelError  # noqa: E402
-from mlx_nbengine.models.architectures import model_kind  # noqa: E402
+from mlx_nbengine.models.architectures import Modality, model_modality  # noqa: E402
 from mlx_nbengine.models.loaded import LoadedModel  # noqa: E402
 from mlx_nbengine.models.loader import fingerprint_directory, load, resolve  # noqa: E402
 from mlx_nbengine.models.sources import LocalModel, list_local_models  # noqa: E402
@@ -22,10 +22,11 @@ from mlx_nbengine.models.sources import LocalModel, list_local_models  # noqa: E
 __all__ = [
     "LoadedModel",
     "LocalModel",
+    "Modality",
     "ModelError",
     "fingerprint_directory",
     "list_local_models",
     "load",
-    "model_kind",
+    "model_modality",
     "resolve",
 ]

@@ -1,4 +1,4 @@
-"""What kind of model a config describes: ``"vision"`` (mlx-vlm runs it) or ``"text"``.
+"""A config's *modality*: ``"vision"`` (mlx-vlm runs it, images in) or ``"text"`` (mlx-lm).
 
 Read by the loader (which library loads the model) and by `sources` (what a listed
 model is), so neither imports the other for it.
@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-__all__ = ["model_kind"]
+__all__ = ["Modality", "model_modality"]
+
+Modality = Literal["text", "vision"]
 
 
 def _vlm_supports(model_type: str) -> bool:
@@ -20,7 +22,7 @@ def _vlm_supports(model_type: str) -> bool:
     return importlib.util.find_spec(f"mlx_vlm.models.{name}") is not None
 
 
-def model_kind(config: dict) -> Literal["text", "vision"]:
+def model_modality(config: dict) -> Modality:
     """``"vision"`` when the config describes a vision model mlx-vlm runs, else ``"text"``."""
     if config.get("vision_config") and _vlm_supports(config["model_type"]):
         return "vision"

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from mlx_nbengine._blaslib import home
 from mlx_nbengine.errors import GGUFError, UnsupportedModelError
+from mlx_nbengine.home import home
 
 __all__ = [
     "cache_home",

@@ -1,7 +1,7 @@
 """`LoadedModel`: one model in memory with everything the engine needs to run it.
 
 Terms:
-- *kind*: ``"text"`` for an mlx-lm model with a tokenizer, ``"vision"`` for an
+- *modality*: ``"text"`` for an mlx-lm model with a tokenizer, ``"vision"`` for an
   mlx-vlm model with a processor (which holds the tokenizer).
 - *fingerprint*: a hex digest that changes whenever the model's outputs could
   change (config, weight files, the dtype the weights were cast to). Prefix
@@ -23,6 +23,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from mlx_nbengine.errors import InvalidRequestError, TokenizerError
+from mlx_nbengine.models.architectures import Modality
 from mlx_nbengine.models.routes import Routing
 
 __all__ = ["LoadedModel"]
@@ -37,7 +38,7 @@ class LoadedModel:
 
     model: Any
     tokenizer: Any
-    kind: str
+    modality: Modality
     model_type: str
     config: dict
     fingerprint: str
@@ -81,13 +82,13 @@ class LoadedModel:
     @property
     def language_model(self) -> Any:
         """The part of the model that owns the per-layer caches."""
-        if self.kind == "vision":
+        if self.modality == "vision":
             return self.model.language_model
         return self.model
 
     def make_cache(self) -> list:
         """A fresh per-sequence cache list, one entry per layer."""
-        if self.kind == "vision":
+        if self.modality == "vision":
             from mlx_vlm.models.cache import make_prompt_cache
 
             return make_prompt_cache(self.model.language_model)
@@ -156,6 +157,6 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         return (
-            f"LoadedModel(kind={self.kind!r}, model_type={self.model_type!r}, "
+            f"LoadedModel(modality={self.modality!r}, model_type={self.model_type!r}, "
             f"path='{self.path}', dtype={self.dtype!r}, fingerprint={self.fingerprint[:12]!r})"
         )

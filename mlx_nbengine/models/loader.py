@@ -13,7 +13,7 @@ What `load` accepts:
   `mlx_nbengine.models.sources` gives the full resolution order. What it finds is one of
   the two above.
 
-The *kind* is chosen from ``config.json``: a config with a ``vision_config``
+The *modality* is chosen from ``config.json``: a config with a ``vision_config``
 whose ``model_type`` mlx-vlm knows is a vision model (mlx-vlm, with its
 processor); anything else is a text model (mlx-lm, with its tokenizer).
 
@@ -48,7 +48,7 @@ from mlx_nbengine.errors import (
     UnsupportedModelError,
 )
 from mlx_nbengine.models import attnroute, cpu_math, fastops, layerroute, patches, qroute
-from mlx_nbengine.models.architectures import model_kind
+from mlx_nbengine.models.architectures import model_modality
 from mlx_nbengine.models.default import default_model_dir
 from mlx_nbengine.models.gguf import convert
 from mlx_nbengine.models.loaded import LoadedModel
@@ -331,13 +331,13 @@ def load(
     path = resolve(path_or_name, cache_dir=cache_dir, progress=progress, revision=revision)
     config = _read_config(path)
     model_type = config["model_type"]
-    kind = model_kind(config)
-    if kind == "text":
+    modality = model_modality(config)
+    if modality == "text":
         _check_text_supported(config, path)
     for file in _weight_files(path):
         _check_safetensors(file)
 
-    if kind == "vision":
+    if modality == "vision":
         model, processor = _load_vision(path, config)
         tokenizer = _wrap_tokenizer(getattr(processor, "tokenizer", processor), config)
     else:
@@ -362,7 +362,7 @@ def load(
         model=model,
         tokenizer=tokenizer,
         processor=processor,
-        kind=kind,
+        modality=modality,
         model_type=model_type,
         config=config,
         fingerprint=fingerprint_directory(path, dtype=dtype, variant=variant),

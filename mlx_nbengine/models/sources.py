@@ -69,7 +69,7 @@ from mlx_nbengine.errors import (
     ModelNotCachedError,
     ModelNotFoundError,
 )
-from mlx_nbengine.models.architectures import model_kind
+from mlx_nbengine.models.architectures import Modality, model_modality
 from mlx_nbengine.models.default import _package
 from mlx_nbengine.models.gguf import CONVERTER_VERSION, cache_home, conversion_dir
 
@@ -510,6 +510,8 @@ class LocalModel:
 
     `name` is what to pass to `load`; `path` the directory or GGUF file (for the default
     model: its converted directory once converted, else the package's data folder);
+    `category` an MLX model's modality (``"text"``, ``"vision"``) or ``"gguf"`` (a GGUF file,
+    converted on load; the listing's "kind" column);
     `size_bytes` what its files take on disk (the GGUF's size for GGUF models); `converted`
     whether a GGUF model's MLX conversion is already in the conversion cache (False for
     MLX models, which need none).
@@ -518,7 +520,7 @@ class LocalModel:
     name: str
     source: Literal["hub cache", "LM Studio", "default"]
     path: Path
-    kind: Literal["text", "vision", "gguf"]
+    category: Literal["text", "vision", "gguf"]
     size_bytes: int
     converted: bool
 
@@ -536,10 +538,10 @@ def _size(path: Path) -> int:
     return total
 
 
-def _mlx_kind(folder: Path) -> Literal["text", "vision"]:
+def _mlx_modality(folder: Path) -> Modality:
     try:
         config = json.loads((folder / "config.json").read_text())
-        return model_kind(config) if isinstance(config, dict) else "text"
+        return model_modality(config) if isinstance(config, dict) else "text"
     except (OSError, UnicodeDecodeError, ValueError, KeyError, ImportError):
         return "text"
 
@@ -558,7 +560,7 @@ def _entries(
     cache_dir: str | os.PathLike | None,
 ) -> Iterator[LocalModel]:
     if _is_mlx_dir(folder):
-        yield LocalModel(name, source, folder, _mlx_kind(folder), _size(folder), False)
+        yield LocalModel(name, source, folder, _mlx_modality(folder), _size(folder), False)
         return
     candidates = _gguf_candidates(folder)
     for gguf in candidates:

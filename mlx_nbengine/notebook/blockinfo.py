@@ -7,9 +7,9 @@ to static HTML without the engine at hand.
 
 Terms:
 
-- *block dict* (`block_dict`): ``{"index", "start", "end", "source", "kind", "reason",
+- *block dict* (`block_dict`): ``{"index", "start", "end", "source", "display", "reason",
   "records", "restored", "seconds", "head", "last"}``. `source` is where the block's
-  cache came from (``"memory"``, ``"disk"``, ``"computed"``). `kind` is what the strip
+  cache came from (``"memory"``, ``"disk"``, ``"computed"``). `display` is what the strip
   colours: the source, except ``"tail"`` for the computed block that holds the prompt's
   last token (its logits start the answer, so it is always computed). `reason` says why
   (see `mlx_nbengine.engine.events`); `records` are the record kinds read for it
@@ -172,19 +172,19 @@ def block_dict(
     `tokens` are the prompt's token ids and `decode` turns ids into text (the tokenizer's
     ``decode``); with both, `head`/`last` hold the block's first and last words (without
     the `special` token ids; the tokens of image *i*, ``spans[i]`` = (start, end), as its
-    picture label). `kind` and `restored` follow the engine's one rule for each
+    picture label). `display` and `restored` follow the engine's one rule for each
     (`BlockReport.is_tail`, `BlockReport.split`).
     """
     start, end = int(block.start), int(block.end)
     restored, _ = block.split()
-    kind = "tail" if block.is_tail(None if tokens is None else len(tokens)) else block.source
+    display = "tail" if block.is_tail(None if tokens is None else len(tokens)) else block.source
     head, last = _head_last(_words(decode, tokens, start, end, frozenset(special), spans))
     return {
         "index": int(block.index),
         "start": start,
         "end": end,
         "source": str(block.source),
-        "kind": kind,
+        "display": display,
         "reason": str(block.reason),
         "records": [str(r) for r in block.records],
         "restored": restored,

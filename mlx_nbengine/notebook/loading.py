@@ -166,6 +166,6 @@ def load_with_progress(
         raise error
     engine = loading.result["engine"]
     loaded = getattr(engine, "model", None)
-    kind = f" ({loaded.model_type}, {loaded.kind})" if hasattr(loaded, "kind") else ""
-    handle.update({"text/plain": f"loaded {model}{kind} in {elapsed:.1f} s"}, raw=True)
+    what = f" ({loaded.model_type}, {loaded.modality})" if hasattr(loaded, "modality") else ""
+    handle.update({"text/plain": f"loaded {model}{what} in {elapsed:.1f} s"}, raw=True)
     return engine

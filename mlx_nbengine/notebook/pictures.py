@@ -3,10 +3,11 @@
 Terms:
 
 - *block strip* (`strip_html`): one fixed-size cell per prompt block, coloured and
-  lettered by *kind* (`KINDS`), pending cells for blocks not reported yet, a legend with
-  counts; the edit's banner (`show_edit`). A *partly restored* cell (see `words`) keeps
-  its kind, with its restored share filled from the bottom in the colour of its *part*
-  (the source of the block before it, ``disk`` for the first block). An *image block*
+  lettered by its *display* (`DISPLAYS`: what the cell shows the block as), pending cells
+  for blocks not reported yet, a legend with counts; the edit's banner (`show_edit`). A
+  *partly restored* cell (see `words`) keeps its display, with its restored share filled
+  from the bottom in the colour of its *part* (the source of the block before it, ``disk``
+  for the first block). An *image block*
   carries ``data-image`` (its image indices) and a mark.
 - *block map* (`map_html`): per block its range, first and last words, source, reason,
   time and the record kinds it read against the model's layer kinds.
@@ -43,7 +44,7 @@ from mlx_nbengine.notebook.words import (
 )
 
 __all__ = [
-    "KINDS",
+    "DISPLAYS",
     "TALL_ROWS",
     "block_text",
     "by_index",
@@ -51,7 +52,7 @@ __all__ = [
     "escape",
     "image_ids",
     "image_label",
-    "kind_counts",
+    "display_counts",
     "map_details",
     "map_html",
     "previews",
@@ -64,8 +65,8 @@ __all__ = [
 Block = Mapping[str, Any]
 Images = Sequence[Mapping[str, Any]]
 
-# Kind -> (letter, label), in legend order.
-KINDS: dict[str, tuple[str, str]] = {
+# Display -> (letter, label), in legend order.
+DISPLAYS: dict[str, tuple[str, str]] = {
     "memory": ("M", "memory"),
     "disk": ("D", "disk"),
     "computed": ("C", "computed"),
@@ -135,12 +136,12 @@ def record_kinds(layer_kinds: Iterable[str]) -> list[str]:
     return sorted(kinds, key=lambda k: order.get(k, len(order)))
 
 
-def _kind(block: Block) -> str:
-    return str(block.get("kind") or block.get("source"))
+def _display(block: Block) -> str:
+    return str(block.get("display") or block.get("source"))
 
 
-def _letter(kind: str) -> str:
-    return KINDS.get(kind, ("?", kind))[0]
+def _letter(display: str) -> str:
+    return DISPLAYS.get(display, ("?", display))[0]
 
 
 def _part(block: Block | None, before: Block | None) -> str | None:
@@ -276,9 +277,9 @@ def by_index(blocks: Iterable[Block]) -> dict[int, Block]:
     return {int(b["index"]): b for b in blocks}
 
 
-def kind_counts(blocks: Iterable[Block], n_blocks: int) -> Counter[str]:
-    """How many blocks of each kind, the blocks not reported yet counted as pending."""
-    counts = Counter(_kind(b) for b in blocks)
+def display_counts(blocks: Iterable[Block], n_blocks: int) -> Counter[str]:
+    """How many blocks of each display, the blocks not reported yet counted as pending."""
+    counts = Counter(_display(b) for b in blocks)
     counts["pending"] = max(0, n_blocks - sum(counts.values()))
     return counts
 
@@ -291,11 +292,11 @@ def _fill(block: Block) -> str:
 
 
 def _swatch(block: Block, part: str | None) -> str:
-    kind = _kind(block)
+    display = _display(block)
     part_attr = f' data-part="{escape(part)}"' if part else ""
     return (
-        f'<span class="mnb-swatch" data-kind="{escape(kind)}"{part_attr}>'
-        f"{_fill(block) if part else ''}{_letter(kind)}</span>"
+        f'<span class="mnb-swatch" data-display="{escape(display)}"{part_attr}>'
+        f"{_fill(block) if part else ''}{_letter(display)}</span>"
     )
 
 
@@ -306,32 +307,32 @@ def _legend(
     *,
     edited: Block | None = None,
 ) -> str:
-    """One key per kind with its count; a key for the partly restored blocks when there
-    are (`partial`: each one with its part), its swatch drawn like the first of them (kind,
+    """One key per display with its count; a key for the partly restored blocks when there
+    are (`partial`: each one with its part), its swatch drawn like the first of them (display,
     letter, fill); a key for the ring of the `edited` block's cell; then `image_key`."""
     items = []
-    for kind, (letter, label) in KINDS.items():
-        n = counts.get(kind, 0)
+    for display, (letter, label) in DISPLAYS.items():
+        n = counts.get(display, 0)
         items.append(
-            f'<span class="mnb-key" data-kind="{kind}" data-count="{n}">'
-            f'<span class="mnb-swatch" data-kind="{kind}">{letter}</span>'
+            f'<span class="mnb-key" data-display="{display}" data-count="{n}">'
+            f'<span class="mnb-swatch" data-display="{display}">{letter}</span>'
             f'{label} <b class="mnb-count">{n:,}</b></span>'
         )
     if partial:
         first, part = partial[0]
-        kind = escape(_kind(first))
+        display = escape(_display(first))
         items.append(
             f'<span class="mnb-key" data-part="{escape(part)}" data-count="{len(partial)}">'
-            f'<span class="mnb-swatch" data-kind="{kind}" data-part="{escape(part)}">'
-            f"{_fill(first)}{_letter(_kind(first))}</span>"
+            f'<span class="mnb-swatch" data-display="{display}" data-part="{escape(part)}">'
+            f"{_fill(first)}{_letter(_display(first))}</span>"
             f'partly restored <b class="mnb-count">{len(partial):,}</b></span>'
         )
     if edited is not None:
-        kind = escape(_kind(edited))
+        display = escape(_display(edited))
         items.append(
             f'<span class="mnb-key" data-edit="true">'
-            f'<span class="mnb-swatch" data-kind="{kind}" data-edit="true">'
-            f"{_letter(_kind(edited))}</span>first change</span>"
+            f'<span class="mnb-swatch" data-display="{display}" data-edit="true">'
+            f"{_letter(_display(edited))}</span>first change</span>"
         )
     return f'<div class="mnb-legend">{"".join(items)}{image_key}</div>'
 
@@ -353,13 +354,13 @@ def _edit_html(edit: Block | None) -> str:
 
 
 def _block_attrs(block: Block, edit: Block | None, part: str | None) -> str:
-    """The attributes a strip cell and a map row share: index, kind, reason, edit,
+    """The attributes a strip cell and a map row share: index, display, reason, edit,
     restored tokens, part and images."""
     i = int(block["index"])
     edited = ' data-edit="true"' if edit and edit.get("block") == i else ""
     part_attr = f' data-part="{escape(part)}"' if part else ""
     return (
-        f'data-index="{i}" data-kind="{escape(_kind(block))}" '
+        f'data-index="{i}" data-display="{escape(_display(block))}" '
         f'data-reason="{escape(block.get("reason", ""))}"{edited} '
         f'data-restored="{token_split(block)[0]}"{part_attr}{_image_attr(block)}'
     )
@@ -368,14 +369,14 @@ def _block_attrs(block: Block, edit: Block | None, part: str | None) -> str:
 def _cell(i: int, block: Block | None, edit: Block | None, before: Block | None, images) -> str:
     if block is None:
         return (
-            f'<div class="mnb-block" data-index="{i}" data-kind="pending" data-reason="" '
+            f'<div class="mnb-block" data-index="{i}" data-display="pending" data-reason="" '
             f'title="block {i} · pending"></div>'
         )
     part = _part(block, before)
     return (
         f'<div class="mnb-block" {_block_attrs(block, edit, part)} '
         f'title="{escape(_tip(block, edit, images))}">'
-        f"{_fill(block) if part else ''}{_letter(_kind(block))}</div>"
+        f"{_fill(block) if part else ''}{_letter(_display(block))}</div>"
     )
 
 
@@ -418,7 +419,7 @@ def strip_html(
     partial = [(b, p) for i, b in sorted(known.items()) if (p := _part(b, known.get(i - 1)))]
     n = max(n_blocks, max(known, default=-1) + 1)
     edited = known.get(int(edit["block"])) if edit and "block" in edit else None
-    legend = _legend(kind_counts(blocks, n), partial, _image_key(blocks), edited=edited)
+    legend = _legend(display_counts(blocks, n), partial, _image_key(blocks), edited=edited)
     return (
         f'{"" if live else style()}<div class="mnb-root mnb-strip" data-n-blocks="{n}">'
         f"{_cells(n, known, edit, images)}"

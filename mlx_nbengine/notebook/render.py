@@ -673,9 +673,9 @@ def model_rows(models: Iterable[Any]) -> list[tuple[str, str, str, str, str]]:
         (
             str(m.name),
             str(m.source),
-            str(m.kind),
+            str(m.category),
             format_bytes(m.size_bytes),
-            ("yes" if m.converted else "no") if m.kind == "gguf" else "-",
+            ("yes" if m.converted else "no") if m.category == "gguf" else "-",
         )
         for m in models
     ]

@@ -293,7 +293,7 @@ def _agent_view_class() -> Any:
     class AgentView(_Widget):
         """The agent view: one row per API request with its block strip."""
 
-        _kind = traitlets.Unicode("agent").tag(sync=True)
+        _behaviour = traitlets.Unicode("agent").tag(sync=True)
         rows = traitlets.List(traitlets.Dict()).tag(sync=True)
         url = traitlets.Unicode("").tag(sync=True)
         snippet = traitlets.Unicode("").tag(sync=True)

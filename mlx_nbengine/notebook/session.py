@@ -86,7 +86,7 @@ def model_label(name: str, loaded: Any) -> str:
     model_type = getattr(loaded, "model_type", None)
     if isinstance(model_type, str) and model_type:
         details.append(model_type)
-    if getattr(loaded, "kind", None) == "vision":
+    if getattr(loaded, "modality", None) == "vision":
         details.append("vision")
     return f"{name} ({', '.join(details)})" if details else name
 

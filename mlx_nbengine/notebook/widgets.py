@@ -28,14 +28,14 @@ import anywidget
 import traitlets
 
 from mlx_nbengine.notebook.pictures import (
-    KINDS,
+    DISPLAYS,
     STATIC,
     TALL_ROWS,
     by_index,
     controls_html,
+    display_counts,
     image_ids,
     image_label,
-    kind_counts,
     map_details,
     map_html,
     previews,
@@ -47,7 +47,7 @@ from mlx_nbengine.notebook.storepicture import request_ticks, store_html
 from mlx_nbengine.notebook.words import format_bytes, plural, reason_phrase, token_split
 
 __all__ = [
-    "KINDS",
+    "DISPLAYS",
     "STATIC",
     "TALL_ROWS",
     "BlockMap",
@@ -70,7 +70,7 @@ class _Widget(anywidget.AnyWidget):
     _esm = STATIC / "blocks.js"
     _css = STATIC / "blocks.css"
     # Which behaviour the shared ES module adds.
-    _kind = traitlets.Unicode("").tag(sync=True)
+    _behaviour = traitlets.Unicode("").tag(sync=True)
     # The picture's live HTML (no style block: the widget has `_css`).
     markup = traitlets.Unicode("").tag(sync=True)
     # The traitlets the picture is drawn from: a change to one redraws it.
@@ -118,7 +118,7 @@ class BlockStrip(_Widget):
     mark but drops the edit's banner, for when a `BlockMap` (which shows it) follows.
     """
 
-    _kind = traitlets.Unicode("strip").tag(sync=True)
+    _behaviour = traitlets.Unicode("strip").tag(sync=True)
     n_blocks = traitlets.Int(0).tag(sync=True)
     block_size = traitlets.Int(0).tag(sync=True)
     prompt_tokens = traitlets.Int(0).tag(sync=True)
@@ -212,8 +212,8 @@ class BlockStrip(_Widget):
         return self._picture(live=False)
 
     def text(self) -> str:
-        counts = kind_counts(self.blocks, self.n_blocks)
-        parts = [f"{counts[k]} {label}" for k, (_, label) in KINDS.items() if counts[k]]
+        counts = display_counts(self.blocks, self.n_blocks)
+        parts = [f"{counts[k]} {label}" for k, (_, label) in DISPLAYS.items() if counts[k]]
         n = max(self.n_blocks, len(self.blocks))
         images = _images_text(self.blocks, self.images)
         return f"{plural(n, 'prompt block')}: {', '.join(parts) or 'none'}{images}"
@@ -222,7 +222,7 @@ class BlockStrip(_Widget):
 class BlockMap(_Widget):
     """Every prompt block with its range, words, source, reason, time and records."""
 
-    _kind = traitlets.Unicode("map").tag(sync=True)
+    _behaviour = traitlets.Unicode("map").tag(sync=True)
     blocks = traitlets.List(traitlets.Dict()).tag(sync=True)
     edit = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     block_size = traitlets.Int(0).tag(sync=True)
@@ -276,7 +276,7 @@ class BlockMap(_Widget):
 class StoreView(_Widget):
     """What the block store holds and how requests used it (`engine.cache_view()`)."""
 
-    _kind = traitlets.Unicode("store").tag(sync=True)
+    _behaviour = traitlets.Unicode("store").tag(sync=True)
     view = traitlets.Dict().tag(sync=True)
 
     _drawn_from = ("view",)

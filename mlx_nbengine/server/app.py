@@ -373,7 +373,7 @@ class _App:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         entry = self.journal.open(path)
         if endpoint == "chat":
-            vision = getattr(self.engine.model, "kind", "text") == "vision"
+            vision = getattr(self.engine.model, "modality", "text") == "vision"
 
             def check(body: dict) -> Call:
                 return check_chat(body, self.limits, vision=vision)

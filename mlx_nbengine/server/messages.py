@@ -86,7 +86,7 @@ class MessagesAPI:
 
     @property
     def vision(self) -> bool:
-        return getattr(self.app.engine.model, "kind", "text") == "vision"
+        return getattr(self.app.engine.model, "modality", "text") == "vision"
 
     def check(self, body: dict) -> Call:
         return check_messages(body, self.app.limits, vision=self.vision)

@@ -323,7 +323,7 @@ class _Responses:
     async def create(self, request: HTTPRequest) -> Any:
         app = self.app
         entry = app.journal.open("/v1/responses")
-        vision = getattr(app.engine.model, "kind", "text") == "vision"
+        vision = getattr(app.engine.model, "modality", "text") == "vision"
         checked: list[ResponsesRequest] = []
 
         def check(body: dict) -> Call:

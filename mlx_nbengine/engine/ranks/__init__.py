@@ -7,7 +7,7 @@ engine parts that mirror every step to the workers (`mirror`). The rest of the e
 (scheduler, decoder, restores, checkpoints, its cache-I/O thread) is the single-process
 engine's, unchanged: rank 0 decides everything and tells the workers.
 
-Modules: `shard` (which families, which kind), `launch` (starting and killing worker
+Modules: `shard` (which families, which mode), `launch` (starting and killing worker
 processes, the ring's hostfile), `channel` (the control channel: framed pickles of step
 plans, never tensors), `group` (rank 0's side: the workers, their heartbeats, faults),
 `mirror` (rank 0's engine parts), `worker` + `replay` (a worker process).
@@ -20,6 +20,7 @@ import os
 import time
 from typing import Any
 
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.ranks.group import (
     HANG_TIMEOUT_S,
     RankGroup,
@@ -28,7 +29,7 @@ from mlx_nbengine.engine.ranks.group import (
 )
 from mlx_nbengine.engine.ranks.launch import places_for, ring_hosts
 from mlx_nbengine.engine.ranks.mirror import RankCheckpoints, RankRunner
-from mlx_nbengine.engine.ranks.shard import NotShardableError, choose_kind, shard_fn
+from mlx_nbengine.engine.ranks.shard import NotShardableError, choose_mode, shard_fn
 from mlx_nbengine.errors import InvalidRequestError
 
 LOAD_TIMEOUT_S = 1800.0  # a worker reading its shard of a large model
@@ -75,7 +76,7 @@ class ShardedModel:
         if hang_timeout_s is None:
             hang_timeout_s = float(os.environ.get("MLX_NBENGINE_RANK_TIMEOUT_S", HANG_TIMEOUT_S))
         self.group = RankGroup(self.places, hang_timeout_s=hang_timeout_s)
-        self.kind: str | None = None
+        self.mode: str | None = None
 
     # --- on the generation thread -----------------------------------------------------------
 
@@ -85,16 +86,16 @@ class ShardedModel:
 
         path = sources.locate(self.model, revision=self.revision)
         config = json.loads((path / "config.json").read_text())
-        self.kind = choose_kind(config.get("model_type", "?"), self.asked)
+        self.mode = choose_mode(config.get("model_type", "?"), self.asked)
         hostfile = ring_hosts(self.places)
         try:
             self.group.start({"MLX_NBENGINE_RING_HOSTS": hostfile})
             mx_group = self.group.init_ring(hostfile)
             remote = self.hosts is not None
             self.group.send(
-                "load", model=self.model if remote else str(path), dtype=self.dtype, shard=self.kind
+                "load", model=self.model if remote else str(path), dtype=self.dtype, shard=self.mode
             )
-            lm = load(path, dtype=self.dtype, shard=shard_fn(self.kind, mx_group))
+            lm = load(path, dtype=self.dtype, shard=shard_fn(self.mode, mx_group))
             # Every worker loaded (an answer on the control channel, never a collective: a
             # worker that fails to load must not leave this rank waiting in MLX).
             self.group.ask("loaded", timeout=LOAD_TIMEOUT_S)
@@ -112,8 +113,8 @@ class ShardedModel:
             raise
         return lm
 
-    def runner(self, lm: Any) -> RankRunner:
-        return RankRunner(lm, self.group)
+    def runner(self, lm: Any, *, thread_policy: ThreadPolicy | None = None) -> RankRunner:
+        return RankRunner(lm, self.group, thread_policy=thread_policy)
 
     def checkpoints(self, *args: Any, **kwargs: Any) -> RankCheckpoints:
         return RankCheckpoints(self.group, *args, **kwargs)
@@ -155,7 +156,7 @@ class ShardedModel:
         return {
             "ranks": self.group.size,
             "hosts": [p.host for p in self.places],
-            "shard": self.kind,
+            "shard": self.mode,
             "workers": self.group.status(),
             "error": str(self.group.error) if self.group.error is not None else None,
         }

@@ -31,6 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.batch import DecodeBatch
 from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.ranks.group import RankGroup, RankLostError
@@ -120,8 +121,10 @@ class MirroredBatch(DecodeBatch):
 class RankRunner(Runner):
     """A `Runner` whose every model call the workers make too (see the module)."""
 
-    def __init__(self, lm: Any, group: RankGroup) -> None:
-        super().__init__(lm, split=False)
+    def __init__(
+        self, lm: Any, group: RankGroup, *, thread_policy: ThreadPolicy | None = None
+    ) -> None:
+        super().__init__(lm, split=False, thread_policy=thread_policy)
         self.group = group
 
     def new_batch(self) -> DecodeBatch:

@@ -26,7 +26,7 @@ from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.engine.memory import collectives_formed, give_back_memory
 from mlx_nbengine.engine.ranks.channel import Link
 from mlx_nbengine.engine.ranks.shard import shard_fn
-from mlx_nbengine.engine.runner import Runner, prefill_blas
+from mlx_nbengine.engine.runner import Runner
 
 AFTER_SAVES = SAVE + 1  # a store question waits for the saves sent before it
 # Restores rebuilt for requests rank 0 has not started yet; older ones were cancelled.
@@ -175,7 +175,7 @@ class Replay:
 
     def on_prefill(self, *, ref: Any, tokens: list[int], last: bool) -> None:
         cache = self.held[ref]
-        with prefill_blas(len(tokens)):
+        with self.runner.thread_policy.prefill(len(tokens)):
             logits = self.lm.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)
             logits = getattr(logits, "logits", logits)
             # What rank 0's same step evaluates: its last row's token (and the cache).

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlx_nbengine.errors import ModelError
 
-SHARD_KINDS = ("tensor", "pipeline")
+SHARD_MODES = ("tensor", "pipeline")
 
 
 class NotShardableError(ModelError):
@@ -34,52 +34,52 @@ def _module(model_type: str) -> Any | None:
         return None
 
 
-def kinds_of(model_type: str) -> tuple[str, ...]:
-    """The shard kinds mlx-lm's `model_type` module supports, tensor first."""
+def modes_of(model_type: str) -> tuple[str, ...]:
+    """The shard modes mlx-lm's `model_type` module supports, tensor first."""
     module = _module(model_type)
     if module is None or not hasattr(module, "Model"):
         return ()
-    kinds = []
+    modes = []
     if hasattr(getattr(module, "Model", None), "shard"):
-        kinds.append("tensor")
+        modes.append("tensor")
     classes = [v for v in vars(module).values() if isinstance(v, type)]
     if any(c.__module__ == module.__name__ and hasattr(c, "pipeline") for c in classes):
-        kinds.append("pipeline")
-    return tuple(kinds)
+        modes.append("pipeline")
+    return tuple(modes)
 
 
 @cache
 def shardable_families() -> dict[str, tuple[str, ...]]:
-    """Every mlx-lm family that can be sharded, with its kinds (imports mlx-lm's models)."""
+    """Every mlx-lm family that can be sharded, with its modes (imports mlx-lm's models)."""
     import mlx_lm.models as models
 
     out = {}
     for info in pkgutil.iter_modules(models.__path__):
-        kinds = kinds_of(info.name)
-        if kinds:
-            out[info.name] = kinds
+        modes = modes_of(info.name)
+        if modes:
+            out[info.name] = modes
     return out
 
 
-def choose_kind(model_type: str, asked: str | None) -> str:
-    """The shard kind for `model_type`: `asked`, else the first it supports; raises
+def choose_mode(model_type: str, asked: str | None) -> str:
+    """The shard mode for `model_type`: `asked`, else the first it supports; raises
     `NotShardableError` in one line naming the family and the families that can."""
-    if asked is not None and asked not in SHARD_KINDS:
-        raise NotShardableError(f"shard must be one of {', '.join(SHARD_KINDS)}, got {asked!r}")
-    kinds = kinds_of(model_type)
-    if not kinds:
+    if asked is not None and asked not in SHARD_MODES:
+        raise NotShardableError(f"shard must be one of {', '.join(SHARD_MODES)}, got {asked!r}")
+    modes = modes_of(model_type)
+    if not modes:
         families = ", ".join(sorted(shardable_families()))
         raise NotShardableError(
             f"mlx-lm cannot shard the {model_type} family over ranks; families it can shard: "
             f"{families}"
         )
-    if asked is not None and asked not in kinds:
+    if asked is not None and asked not in modes:
         able = ", ".join(sorted(f for f, k in shardable_families().items() if asked in k))
         raise NotShardableError(
-            f"mlx-lm shards {model_type} by {' or '.join(kinds)}, not {asked}; families with "
+            f"mlx-lm shards {model_type} by {' or '.join(modes)}, not {asked}; families with "
             f"{asked} sharding: {able}"
         )
-    return asked or kinds[0]
+    return asked or modes[0]
 
 
 def pipelined_part(model: Any) -> Any:
@@ -94,11 +94,11 @@ def pipelined_part(model: Any) -> Any:
     raise NotShardableError(f"{type(model).__module__} has no pipelined part")
 
 
-def shard_fn(kind: str, group: Any) -> Callable[[Any], None]:
+def shard_fn(mode: str, group: Any) -> Callable[[Any], None]:
     """What `models.load(shard=...)` applies: this rank's part of the model over `group`."""
 
     def apply(model: Any) -> None:
-        if kind == "tensor":
+        if mode == "tensor":
             model.shard(group)
         else:
             pipelined_part(model).pipeline(group)
