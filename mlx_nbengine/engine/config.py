@@ -24,10 +24,37 @@ RESTORE_MODES = ("token", "block")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """An engine's options (see `Engine.load` for what each does).
+    """An engine's options (`Engine.load(model, **options)`).
 
-    `model` is the model as named ("default", a directory, a .gguf file or ``ORG/NAME``);
-    paths are kept as strings, `persist_dir` with ``~`` expanded, `hosts` as a tuple. The
+    `model` is "default", a model directory, a .gguf file, or a model id ``ORG/NAME``
+    found in the Hugging Face hub cache or LM Studio's models folder, else downloaded from
+    the hub (see `mlx_nbengine.models.sources`); `revision` picks a branch, tag or commit
+    of a Hugging Face id. `dtype` casts the weights.
+
+    `parallel` requests decode together; prompts are cached in blocks of `block_size`
+    tokens. `disk_budget` caps the scratch file's live bytes (None: a default from the free
+    disk space; 0: keep the records in memory instead). `cache_dir` is where the scratch
+    file lives (default: the system temp folder). `max_prefill_step` bounds the tokens of
+    one prefill call when nothing else runs. `store=False` runs without a block store: no
+    scratch file, nothing restored from disk, every whole prompt block computed (reason
+    ``"store_off"``). `restore="token"` (the default) restores an edited prompt up to its
+    first changed token where the model's layers allow it (see `scheduler`); ``"block"``
+    restores whole blocks from disk only, bit-identical to a cold run of the same steps.
+    `persist_dir` keeps the block store in that directory (created, or made, 0700; a data
+    file, an index and a lock) so that a later process loading the same model, dtype and
+    block size restores its blocks from disk; when another process holds it, the engine
+    runs with a temporary store and `Engine.store_note` says so (an incompatible store
+    found there is set aside, also noted).
+
+    `ranks=N` runs the model sharded over N local processes (rank 0 is this one; the others
+    are worker processes it starts), `hosts=[THIS, HOST2, ...]` over one rank per host
+    (workers started over ssh; see `engine.ranks`); `shard` is ``"tensor"`` or
+    ``"pipeline"`` (default: what mlx-lm supports for the family, tensor first). Each rank
+    loads only its shard and keeps the block records of its own layers or heads in a store
+    of its own; a lost worker fails the running requests with a `RankLostError` naming its
+    host and rank and closes the engine.
+
+    Paths are kept as strings, `persist_dir` with ``~`` expanded, `hosts` as a tuple. The
     loader checks `dtype` and the ranks' `shard` against the model (their errors name it).
     """
 

@@ -159,38 +159,13 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
         **options: Any,
     ) -> Engine:
-        """Load `model` and start serving.
+        """Load `model` and start serving; `options` are `EngineConfig`'s fields (what
+        each does is said there), checked before anything loads (`InvalidRequestError`).
 
-        `model` is "default", a model directory, a .gguf file, or a model id ``ORG/NAME``
-        found in the Hugging Face hub cache or LM Studio's models folder, else downloaded
-        from the hub (see `mlx_nbengine.models.sources`); `revision` picks a branch, tag or
-        commit of a Hugging Face id.
-
-        `parallel` requests decode together; prompts are cached in blocks of `block_size`
-        tokens. `disk_budget` caps the scratch file's live bytes (None: a default from the
-        free disk space; 0: keep the records in memory instead). `cache_dir` is where the
-        scratch file lives (default: the system temp folder). `dtype` casts the weights.
-        `max_prefill_step` bounds the tokens of one prefill call when nothing else runs.
         `progress(done, total)`, when given, is called on the generation thread while a model
         is downloaded (bytes fetched so far, of `total`) and while a GGUF file is converted
         (tensor bytes written so far, of `total`; counting from 0 again after a download); a
-        model already here that needs no conversion reports nothing. `store=False` runs
-        without a block store: no scratch file, nothing restored from disk, every whole
-        prompt block computed (reason ``"store_off"``). `restore="token"` (the default)
-        restores an edited prompt up to its first changed token where the model's layers
-        allow it (see `scheduler`); ``"block"`` restores whole blocks from disk only,
-        bit-identical to a cold run of the same steps. `persist_dir` keeps the block store
-        in that directory (created, or made, 0700; a data file, an index and a lock) so that a later
-        process loading the same model, dtype and block size restores its blocks from disk;
-        when another process holds it, the engine runs with a temporary store and
-        `store_note` says so (an incompatible store found there is set aside, also noted).
-        `ranks=N` runs the model sharded over N local processes (rank 0 is this one; the
-        others are worker processes it starts), `hosts=[THIS, HOST2, ...]` over one rank per
-        host (workers started over ssh; see `engine.ranks`); `shard` is ``"tensor"`` or
-        ``"pipeline"`` (default: what mlx-lm supports for the family, tensor first). Each
-        rank loads only its shard and keeps the block records of its own layers or heads
-        in a store of its own; a lost worker fails the running requests with a
-        `RankLostError` naming its host and rank and closes the engine.
+        model already here that needs no conversion reports nothing.
         Raises a `ModelError` if the model cannot be loaded (`NotShardableError`: a family
         mlx-lm cannot shard). On a CPU whose MLX was imported before mlx_nbengine (its
         matmuls on the reference BLAS, about 40x slower) one line on stderr says so and how
@@ -231,49 +206,41 @@ class Engine:
         at the context limit. `temperature` 0 is greedy; otherwise `top_p` and `seed`
         apply. Raises `InvalidRequestError` for bad values, `PromptTooLongError` when the
         prompt does not fit the context, `EngineClosedError` after `close()`.
-
-        `images` (a vision model only): file paths, PIL images, numpy arrays (H x W x 3
-        uint8) or bytes of encoded images, in the order of their places in the prompt.
-        Chat messages without image parts get them before the last user message's text;
-        a string without the model's image placeholder gets the placeholders first.
-        Raises `ImageError` (an `InvalidRequestError`) naming the image that cannot be
-        read, and for images given to a text-only model or more images than places.
-
+        `images` (a vision model only): the prompt's images, as `prompts.prompt_tokens`
+        reads them (paths, PIL images, arrays, bytes); an unreadable one is an `ImageError`.
         `live_blocks` prefills one block per step, so that each block's event comes as it is
-        computed (for a person watching them arrive); longer steps are faster.
-
-        `grammar` holds every generated token to an llguidance grammar (a Lark grammar, or
-        e.g. ``llguidance.LLMatcher.grammar_from_json_schema(schema)``): each token is
-        chosen (greedy or sampled) among those the grammar takes next, and the request
-        stops once the grammar is complete (``stop_reason == "grammar"``) or at EOS where
-        it may end (see `constraint`). A grammar llguidance cannot build raises
-        `InvalidRequestError`; one that fails mid-way ends the request with a
-        `GrammarError`. A sharded engine (`ranks`/`hosts`) refuses grammars.
+        computed (for a person watching them arrive); longer steps are faster. `grammar`
+        holds every generated token to an llguidance grammar (Lark, or e.g.
+        ``llguidance.LLMatcher.grammar_from_json_schema(schema)``); the request stops once
+        it is complete (``stop_reason == "grammar"``), see `constraint` for the rest. One
+        llguidance cannot build, or a sharded engine, raises `InvalidRequestError`.
         """
-        if self._closed:
-            raise EngineClosedError(self._closed_line())
-        problem = validate(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
-        if problem:
+        self._refuse_if_closed()
+        sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
+        if problem := validate(max_tokens=max_tokens, **sampling):
             raise InvalidRequestError(problem)
-        constraint = None if grammar is None else self._constraint(grammar)
-        stops = stop_strings(stop)
-        lm = self.model
         tokens, vision = prompt_tokens(
-            lm, prompt, images=images, template_kwargs=template_kwargs, model_name=self.model_name
+            self.model,
+            prompt,
+            images=images,
+            template_kwargs=template_kwargs,
+            model_name=self.model_name,
         )
         request = Request(next(self._ids), tokens, self._gen.cancel)
-        seq = self._sequence(
+        seq = _sequence(
             request,
             vision,
+            self.model,
+            self.block_size,
+            self._ledger,
             max_tokens=max_tokens,
-            sampling={"temperature": temperature, "top_p": top_p, "seed": seed},
-            stops=stops,
+            sampling=sampling,
+            stops=stop_strings(stop),
             live_blocks=live_blocks,
         )
-        seq.constraint = constraint
+        seq.constraint = None if grammar is None else self._constraint(grammar)
         with self._lock:
-            if self._closed:
-                raise EngineClosedError(self._closed_line())
+            self._refuse_if_closed()
             self._gen.submit(seq)
         return request
 
@@ -290,34 +257,6 @@ class Engine:
                 self._grammar_tokenizer = GrammarTokenizer(lm)
         return compile_constraint(grammar, self._grammar_tokenizer, frozenset(lm.eos_token_ids))
 
-    def _sequence(
-        self,
-        request: Request,
-        vision: Any,
-        *,
-        max_tokens: int,
-        sampling: dict[str, Any],
-        stops: list[str],
-        live_blocks: bool,
-    ) -> Sequence:
-        """The scheduler's record of `request` (its prompt already tokenized)."""
-        lm = self.model
-        return Sequence(
-            request=request,
-            prompt=request.prompt_tokens,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            greedy=sampling["temperature"] == 0,
-            text=TextStream(lm.tokenizer.detokenizer, stops),
-            eos=frozenset(lm.eos_token_ids),
-            block_size=self.block_size,
-            submitted_at=time.perf_counter(),
-            ledger=self._ledger,
-            images=vision.spans if vision is not None else (),
-            vision=vision,
-            live_blocks=live_blocks,
-        )
-
     # --- state ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -328,15 +267,7 @@ class Engine:
         failed for lack of space or an I/O error; ``saving_error`` says why) and
         ``store_note`` (`store_note`, "" when none) come with a store.
         """
-        out: dict[str, Any] = {}
-        if not self._closed and self._gen.has_store:
-            fut = self._io.call(lambda: self._io.prefix.store.stats().as_dict())
-            try:
-                out.update(fut.result(timeout=10))
-            except Exception:  # stats must never break the caller (e.g. a closing engine)
-                pass
-            else:
-                out["store_note"] = out.pop("note", "")
+        out = self._store.store_stats()
         out.update(
             model=self.model_name,
             parallel=self.parallel,
@@ -399,6 +330,10 @@ class Engine:
             model.release_routes()
         _open_engines.discard(self)
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise EngineClosedError(self._closed_line())
+
     def _closed_line(self) -> str:
         lost = self.sharded.group.error if self.sharded is not None else None
         if lost is not None:  # why a sharded engine closed: its lost worker, named
@@ -424,6 +359,36 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"parallel={self.parallel}"
         return f"<Engine {self.model_name} {state}>"
+
+
+def _sequence(
+    request: Request,
+    vision: Any,
+    lm: Any,
+    block_size: int,
+    ledger: CacheLedger,
+    *,
+    max_tokens: int,
+    sampling: dict[str, Any],
+    stops: list[str],
+    live_blocks: bool,
+) -> Sequence:
+    """The scheduler's record of `request` (its prompt already tokenized)."""
+    return Sequence(
+        request=request,
+        prompt=request.prompt_tokens,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        greedy=sampling["temperature"] == 0,
+        text=TextStream(lm.tokenizer.detokenizer, stops),
+        eos=frozenset(lm.eos_token_ids),
+        block_size=block_size,
+        submitted_at=time.perf_counter(),
+        ledger=ledger,
+        images=vision.spans if vision is not None else (),
+        vision=vision,
+        live_blocks=live_blocks,
+    )
 
 
 def _generation_thread(

@@ -28,7 +28,14 @@ def prompt_tokens(
     model_name: str = "this model",
 ) -> tuple[list[int], VisionInputs | None]:
     """The token ids of `prompt` (with `images`, if any) and its vision inputs (None for a
-    prompt without images); raises for a prompt that does not fit the model's context."""
+    prompt without images); raises for a prompt that does not fit the model's context.
+
+    `images` (a vision model only): file paths, PIL images, numpy arrays (H x W x 3 uint8)
+    or bytes of encoded images, in the order of their places in the prompt. Chat messages
+    without image parts get them before the last user message's text; a string without
+    the model's image placeholder gets the placeholders first. Raises `ImageError` (an
+    `InvalidRequestError`) naming the image that cannot be read, and for images given to
+    a text-only model or more images than places."""
     kwargs = template_kwargs or {}
     vision = None
     if images is not None and not (isinstance(images, list | tuple) and not images):

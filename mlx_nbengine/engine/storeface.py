@@ -68,6 +68,20 @@ class StoreFace:
         store = self._block_store()
         return (getattr(store, "note", "") or None) if store is not None else None
 
+    def store_stats(self) -> dict[str, Any]:
+        """The block store's own stats (`BlockStore.stats`, its ``note`` as ``store_note``);
+        empty without a store or on a closed engine. Never raises."""
+        out: dict[str, Any] = {}
+        if not self._closed and self._gen.has_store:
+            fut = self._io.call(lambda: self._io.prefix.store.stats().as_dict())
+            try:
+                out.update(fut.result(timeout=10))
+            except Exception:  # stats must never break the caller (e.g. a closing engine)
+                pass
+            else:
+                out["store_note"] = out.pop("note", "")
+        return out
+
     def store_warning(self) -> str | None:
         """The one-line warning that saving to the block store is off (a full disk, an I/O
         error), the first time it is asked after that happened; None otherwise."""
