@@ -538,22 +538,8 @@ def explain(
         )
 
     if position >= expected:  # the client kept all of it: the cache lost it
-        reasons = set(reasons)
-        if "evicted" in reasons or kept_boundary == "evicted":
-            why = (
-                f"evicted from the store: the previous turn's tokens from {restored:,} on "
-                "are no longer stored"
-            )
-            return miss("evicted", why, restored, was=False)
-        if kept_boundary:
-            why = f"the restore kept to a block boundary at token {restored:,}"
-            because = BOUNDARY_WHY.get(kept_boundary)
-            return miss("boundary", f"{why} ({because})" if because else why, restored, was=False)
-        why = (
-            f"the store held {restored:,} of the {expected:,} tokens the previous turn "
-            "left in the cache"
-        )
-        return miss("store", why, restored, was=False)
+        kind, why = _lost(set(reasons), kept_boundary, restored, expected)
+        return miss(kind, why, restored, was=False)
 
     at = f"token {position:,}"
     markers = _reasoning_at(old, position, reader)
@@ -576,6 +562,26 @@ def explain(
         why = f"{'; '.join(phrases)} (first change at {at})"
         return miss(kinds[0], why, position, "; ".join(details))
     return miss("differs", f"the prompt differs from the previous turn at {at}", position)
+
+
+def _lost(reasons: set[str], kept_boundary: str | None, restored: int, expected: int):
+    """The kind and why of a miss where the client kept the previous turn whole: the
+    store lost part of it (evicted, kept to a boundary, or never held it)."""
+    if "evicted" in reasons or kept_boundary == "evicted":
+        why = (
+            f"evicted from the store: the previous turn's tokens from {restored:,} on "
+            "are no longer stored"
+        )
+        return "evicted", why
+    if kept_boundary:
+        why = f"the restore kept to a block boundary at token {restored:,}"
+        because = BOUNDARY_WHY.get(kept_boundary)
+        return "boundary", f"{why} ({because})" if because else why
+    why = (
+        f"the store held {restored:,} of the {expected:,} tokens the previous turn "
+        "left in the cache"
+    )
+    return "store", why
 
 
 def _reasoning_at(old: Sequence[int], position: int, reader: Reader) -> tuple[str, str] | None:

@@ -530,8 +530,41 @@ def check_responses(
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", "'instructions' must be a string")
     images: list[bytes] = []
+    messages = _messages(items, instructions, images, vision, base=len(previous or []))
+    if len(images) > limits.max_images:
+        raise _bad("input", f"{len(images)} images; this server takes at most {limits.max_images}")
+    tools, custom, namespaces = _tools(body)
+    choice = _tool_choice(body, tools, custom)
+    if choice == "required" and not tools:
+        raise _bad("tool_choice", "'tool_choice' is 'required' but 'tools' holds no function")
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise _bad("text", f"'text' must be an object, got {text!r}")
+    echo = _echo(body, instructions, text)
+    return ResponsesRequest(
+        messages=messages,
+        items=[i for i in items if isinstance(i, dict)],
+        images=images,
+        tools=tools or None,
+        custom_tools=custom,
+        namespaces=namespaces,
+        tool_choice=choice,
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        max_output_tokens=_max_output_tokens(body, limits),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+        stream=_bool(body, "stream", False),
+        effort=echo["reasoning"]["effort"],
+        echo=echo,
+    )
+
+
+def _messages(
+    items: list, instructions: str | None, images: list[bytes], vision: bool, *, base: int
+) -> list[dict]:
+    """The chat messages of `items` (the first `base` of them from ``previous_response_id``),
+    `instructions` first as a system message; their images appended to `images`."""
     conversation = _Conversation(images, vision)
-    base = len(previous or [])
     for i, item in enumerate(items):
         where = f"input[{i - base}]" if i >= base else "previous_response_id"
         conversation.add(item, where)
@@ -549,16 +582,12 @@ def check_responses(
     messages = _join_leading_system(messages)
     if not messages:
         raise _bad("input", "'input' holds no message the model can read")
-    if len(images) > limits.max_images:
-        raise _bad("input", f"{len(images)} images; this server takes at most {limits.max_images}")
-    tools, custom, namespaces = _tools(body)
-    choice = _tool_choice(body, tools, custom)
-    if choice == "required" and not tools:
-        raise _bad("tool_choice", "'tool_choice' is 'required' but 'tools' holds no function")
-    text = body.get("text")
-    if text is not None and not isinstance(text, dict):
-        raise _bad("text", f"'text' must be an object, got {text!r}")
-    echo = {
+    return messages
+
+
+def _echo(body: dict, instructions: str | None, text: Any) -> dict:
+    """The request's fields a response echoes back (OpenAI's response object)."""
+    return {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
@@ -572,22 +601,6 @@ def check_responses(
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    return ResponsesRequest(
-        messages=messages,
-        items=[i for i in items if isinstance(i, dict)],
-        images=images,
-        tools=tools or None,
-        custom_tools=custom,
-        namespaces=namespaces,
-        tool_choice=choice,
-        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-        max_output_tokens=_max_output_tokens(body, limits),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-        stream=_bool(body, "stream", False),
-        effort=echo["reasoning"]["effort"],
-        echo=echo,
-    )
 
 
 # -- the response --------------------------------------------------------------------------------
