@@ -163,17 +163,7 @@ class CacheIO:
             prefix = self.prefix
             if prefix is None:
                 return RestoreResult()
-            keys = prefix.keys(tokens, images)
-            for key in keys:
-                self._flush_save(key)
-            # And the queued blocks that followed the prompt's prefixes: the facts compare
-            # the prompt with them and a cut restores from them (an edit of a prompt that
-            # just ran).
-            parents = {ROOT, *keys}
-            with self._queued_lock:
-                followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
-            for key in followers:
-                self._flush_save(key)
+            self._flush_saves_of(prefix.keys(tokens, images))
             plan = prefix.plan(
                 tokens, images, bidirectional_images=bidirectional_images, to_token=to_token
             )
@@ -194,6 +184,18 @@ class CacheIO:
             return RestoreResult(plan, restored, {f.index: f for f in facts})
 
         return self.call(job, priority=RESTORE)
+
+    def _flush_saves_of(self, keys: list[str]) -> None:
+        """Write the queued saves of a prompt's blocks `keys` now, and of the queued blocks
+        that followed its prefixes: the facts compare the prompt with them and a cut
+        restores from them (an edit of a prompt that just ran). On this thread."""
+        for key in keys:
+            self._flush_save(key)
+        parents = {ROOT, *keys}
+        with self._queued_lock:
+            followers = [k for k, q in self._queued_saves.items() if q[1] in parents]
+        for key in followers:
+            self._flush_save(key)
 
     def save(
         self,

@@ -306,6 +306,23 @@ def _load_vision(path: Path, config: dict) -> tuple[Any, Any]:
     return model, processor
 
 
+def _load_modules(
+    path: Path, config: dict, modality: str, shard: Callable[[Any], None] | None
+) -> tuple[Any, Any, Any]:
+    """The model, its tokenizer and (a vision model) its processor; a text model cut down
+    by `shard` before its weights are read."""
+    if modality == "vision":
+        model, processor = _load_vision(path, config)
+        return model, _wrap_tokenizer(getattr(processor, "tokenizer", processor), config), processor
+    model, tokenizer = _load_text(path, config, lazy=shard is not None)
+    if shard is not None:
+        import mlx.core as mx
+
+        shard(model)
+        mx.eval(model.parameters())
+    return model, tokenizer, None
+
+
 def load(
     path_or_name: str | os.PathLike,
     *,
@@ -337,18 +354,7 @@ def load(
     for file in _weight_files(path):
         _check_safetensors(file)
 
-    if modality == "vision":
-        model, processor = _load_vision(path, config)
-        tokenizer = _wrap_tokenizer(getattr(processor, "tokenizer", processor), config)
-    else:
-        model, tokenizer = _load_text(path, config, lazy=shard is not None)
-        processor = None
-        if shard is not None:
-            import mlx.core as mx
-
-            shard(model)
-            mx.eval(model.parameters())
-
+    model, tokenizer, processor = _load_modules(path, config, modality, shard)
     requantize = path_or_name == "default" and dtype is None and _on_cpu()
     if path_or_name == "default" and dtype is None and not requantize:
         dtype = "bfloat16"  # stored as float32 for the CPU's exact requantization (default.py)
