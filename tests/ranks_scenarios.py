@@ -27,6 +27,7 @@ import time
 
 from mlx_nbengine.engine import Engine
 from mlx_nbengine.engine.memory import give_back_memory
+from mlx_nbengine.engine.ranks import plans
 
 PROMPT = list(range(5, 45))
 EDITED = PROMPT[:30] + [99] + PROMPT[31:]
@@ -79,7 +80,7 @@ def behaviour(model: str, cache_dir: str, shard: str | None) -> dict:
     }
     # A block only rank 0 holds is not restored: the worker's store emptied alone, the
     # edited prompt is computed on every rank, with a cold run's tokens.
-    engine.sharded.group.ask("clear_store")
+    engine.sharded.group.ask(plans.ClearStore())
     engine.drop_hot_cache()
     alone = engine.submit(EDITED, max_tokens=12).result()
     blocks = alone.report.blocks

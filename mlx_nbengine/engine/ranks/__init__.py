@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from mlx_nbengine._blas import ThreadPolicy
+from mlx_nbengine.engine.ranks import plans
 from mlx_nbengine.engine.ranks.group import (
     HANG_TIMEOUT_S,
     RankGroup,
@@ -93,17 +94,21 @@ class ShardedModel:
             mx_group = self.group.init_ring(hostfile)
             remote = self.hosts is not None
             self.group.send(
-                "load", model=self.model if remote else str(path), dtype=self.dtype, shard=self.mode
+                plans.Load(
+                    model=self.model if remote else str(path), dtype=self.dtype, shard=self.mode
+                )
             )
             lm = load(path, dtype=self.dtype, shard=shard_fn(self.mode, mx_group))
             # Every worker loaded (an answer on the control channel, never a collective: a
             # worker that fails to load must not leave this rank waiting in MLX).
-            self.group.ask("loaded", timeout=LOAD_TIMEOUT_S)
+            self.group.ask(plans.Loaded(), timeout=LOAD_TIMEOUT_S)
             store = self.store
             if store is not None and remote:
                 store = {**store, "cache_dir": None}  # this machine's folder is not theirs
-            self.group.send("open", fingerprint=lm.fingerprint, store=store, to_token=self.to_token)
-            self.group.ask("loaded")
+            self.group.send(
+                plans.Open(fingerprint=lm.fingerprint, store=store, to_token=self.to_token)
+            )
+            self.group.ask(plans.Loaded())
             self.group.loaded()
         except BaseException as exc:
             error = self.group.error or _wait_error(self.group, exc)
@@ -127,27 +132,27 @@ class ShardedModel:
 
         import mlx.core as mx  # lazy: as in `load`
 
-        self.group.send("comm", nbytes=nbytes, repeats=repeats)
+        self.group.send(plans.Comm(nbytes=nbytes, repeats=repeats))
         x = mx.ones((max(1, nbytes // 4),), dtype=mx.float32)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
             times.append(time.perf_counter() - start)
-        plans = []
+        sends = []
         for _ in range(repeats):
             start = time.perf_counter()
-            self.group.send("clear_nothing")
-            plans.append(time.perf_counter() - start)
+            self.group.send(plans.ClearNothing())
+            sends.append(time.perf_counter() - start)
         return {
             "all_sum_s": statistics.median(times[1:] or times),
             "all_sum_best_s": min(times),
-            "plan_send_s": statistics.median(plans),
+            "plan_send_s": statistics.median(sends),
         }
 
     def clear_stores(self) -> None:
         """Empty every worker's block store (`Engine.clear_cache` empties rank 0's)."""
-        self.group.ask("clear_store")
+        self.group.ask(plans.ClearStore())
 
     # --- any thread -------------------------------------------------------------------------
 

@@ -59,8 +59,9 @@ class Link:
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def send(self, kind: str, /, **fields: Any) -> None:
-        data = pickle.dumps((kind, fields), protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, message: Any) -> None:
+        """Send one message (a `plans` dataclass)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             if self.closed:
                 raise ChannelClosed("the control channel is closed")
@@ -69,7 +70,7 @@ class Link:
             except OSError as exc:
                 raise ChannelClosed(f"the control channel broke: {exc}") from exc
 
-    def receive(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
+    def receive(self, timeout: float | None = None) -> Any:
         """The next message; `TimeoutError` after `timeout` s, `ChannelClosed` at the end."""
         self.sock.settimeout(timeout)
         try:

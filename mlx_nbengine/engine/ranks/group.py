@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
 
 from mlx_nbengine.engine import memory
-from mlx_nbengine.engine.ranks import launch
+from mlx_nbengine.engine.ranks import launch, plans
 from mlx_nbengine.engine.ranks.channel import ChannelClosed, Link, accept
 from mlx_nbengine.errors import EngineError
 
@@ -64,7 +65,7 @@ class RankGroup:
         self.secret = secrets.token_bytes(32)
         self.processes: list[launch.Process] = []
         self.links: dict[int, Link] = {}
-        self.hello: dict[int, dict[str, Any]] = {}
+        self.hello: dict[int, plans.Hello] = {}
         self.error: RankLostError | None = None
         self.on_fault: Callable[[RankLostError], None] | None = None
         self._seen: dict[int, float] = {}
@@ -131,14 +132,14 @@ class RankGroup:
                 continue
             if link is None:
                 continue
-            kind, fields = link.receive(timeout=10)
-            rank = int(fields.get("rank", -1))
-            if kind != "hello" or rank not in range(1, self.size) or rank in self.links:
+            hello = link.receive(timeout=10)
+            rank = hello.rank if isinstance(hello, plans.Hello) else -1
+            if rank not in range(1, self.size) or rank in self.links:
                 link.close()
                 continue
             self.links[rank] = link
-            self.hello[rank] = fields
-            self.processes[rank - 1].remote_pid = fields.get("pid")
+            self.hello[rank] = hello
+            self.processes[rank - 1].remote_pid = hello.pid
 
     def _lost(self, rank: int, what: str) -> RankLostError:
         tail = self.processes[rank - 1].output() if 0 < rank <= len(self.processes) else ""
@@ -149,7 +150,7 @@ class RankGroup:
 
     def init_ring(self, hostfile: str) -> Any:
         """Tell every worker to form the ring, then form it here; the group (rank 0)."""
-        self.send("init")
+        self.send(plans.Init())
         time.sleep(0.2)  # MLX's init waits without a timeout: start it only beside live peers
         self.check()
         if not _ring_used.acquire(blocking=False):
@@ -172,30 +173,31 @@ class RankGroup:
                 self.fault(process.place.rank, f"exited (code {process.exit_code()})")
                 raise self.error
 
-    def send(self, kind: str, /, **fields: Any) -> None:
-        """Send one step plan to every worker (in rank order); raise if the group failed."""
+    def send(self, plan: Any) -> None:
+        """Send one step plan (a `plans` message) to every worker (in rank order); raise if
+        the group failed."""
         if self.error is not None:
             raise self.error
         for rank, link in self.links.items():
             try:
-                link.send(kind, **fields)
+                link.send(plan)
             except ChannelClosed:
                 self.fault(rank, "cannot be reached (its control channel closed)")
                 raise self.error from None
 
-    def ask(self, kind: str, /, *, timeout: float = ASK_TIMEOUT_S, **fields: Any) -> list[Any]:
-        """Every worker's answer to `kind` (rank order); `RankLostError` when one fails or
-        does not answer in `timeout` s."""
+    def ask(self, question: plans.Question, *, timeout: float = ASK_TIMEOUT_S) -> list[Any]:
+        """Every worker's answer to `question` (rank order); `RankLostError` when one fails
+        or does not answer in `timeout` s."""
         number = next(self._asks)
         fut: Future = Future()
         with self._lock:
             self._waiting[number] = (fut, {})
         try:
-            self.send(kind, ask=number, **fields)
+            self.send(replace(question, ask=number))
             fut.result(timeout)
         except FutureTimeout:
             rank = next(r for r in self.links if r not in self._waiting.get(number, (None, {}))[1])
-            self.fault(rank, f"did not answer {kind!r} within {timeout:.0f} s")
+            self.fault(rank, f"did not answer {type(question).__name__} within {timeout:.0f} s")
             raise self.error from None
         finally:
             with self._lock:
@@ -207,7 +209,7 @@ class RankGroup:
     def _read(self, rank: int, link: Link) -> None:
         while True:
             try:
-                kind, fields = link.receive(timeout=None)
+                message = link.receive(timeout=None)
             except (ChannelClosed, OSError, EOFError, ValueError):
                 if not self._closing:
                     time.sleep(0.2)  # its exit code, if it is exiting, names the cause better
@@ -216,10 +218,11 @@ class RankGroup:
                     self.fault(rank, what)
                 return
             self._seen[rank] = time.monotonic()
-            if kind == "answer":
-                self._answer(rank, fields["ask"], fields.get("value"))
-            elif kind == "error":
-                self.fault(rank, f"failed: {fields.get('message', '')}")
+            match message:
+                case plans.Answer(ask=number, value=value):
+                    self._answer(rank, number, value)
+                case plans.Failed(message=said):
+                    self.fault(rank, f"failed: {said}")
 
     def _answer(self, rank: int, number: int, value: Any) -> None:
         with self._lock:
@@ -286,7 +289,7 @@ class RankGroup:
         self._closing = True
         for link in self.links.values():
             try:
-                link.send("stop")
+                link.send(plans.Stop())
             except ChannelClosed:
                 pass
         deadline = time.monotonic() + STOP_WAIT_S
@@ -301,7 +304,7 @@ class RankGroup:
         stores: list[Any] = []
         if self.error is None and not self._closing:
             try:
-                stores = self.ask("store", timeout=5)
+                stores = self.ask(plans.Store(), timeout=5)
             except RankLostError:
                 stores = []
         rows = []

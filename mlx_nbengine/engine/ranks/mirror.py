@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_nbengine._blas import ThreadPolicy
 from mlx_nbengine.engine.batch import DecodeBatch
 from mlx_nbengine.engine.checkpoints import Checkpoints
+from mlx_nbengine.engine.ranks import plans
 from mlx_nbengine.engine.ranks.group import RankGroup, RankLostError
 from mlx_nbengine.engine.runner import Runner
 from mlx_nbengine.engine.sampling import HostDraw
@@ -57,7 +58,7 @@ def mirrored(cache: list[Any], ref: tuple[str, int], group: RankGroup) -> Mirror
 
 def _free(group: RankGroup, ref: tuple[str, int]) -> None:
     try:
-        group.send("free", ref=ref)
+        group.send(plans.Free(ref=ref))
     except Exception:  # noqa: BLE001 - a failed or closed group frees everything anyway
         pass
 
@@ -96,25 +97,25 @@ class MirroredBatch(DecodeBatch):
         self.group = group
 
     def add(self, member: Any, cache: list[Any]) -> None:
-        self.group.send("add", ref=ref_of(cache))
+        self.group.send(plans.Add(ref=ref_of(cache)))
         super().add(member, cache)
 
     def add_group(self, members: list[Any], caches: list[Any]) -> None:
-        self.group.send("add_group", ref=ref_of(caches), n=len(members))
+        self.group.send(plans.AddGroup(ref=ref_of(caches), n=len(members)))
         super().add_group(members, caches)
 
     def remove(self, indices: list[int]) -> None:
-        self.group.send("remove", indices=list(indices))
+        self.group.send(plans.Remove(indices=list(indices)))
         super().remove(indices)
 
     def clear(self) -> None:
         if self.group.error is None:
-            self.group.send("clear")
+            self.group.send(plans.Clear())
         super().clear()
 
     def single_cache(self, index: int) -> list[Any]:
         ref = ("single", next(_refs))
-        self.group.send("single", index=index, ref=ref)
+        self.group.send(plans.Single(index=index, ref=ref))
         return mirrored(super().single_cache(index), ref, self.group)
 
 
@@ -132,30 +133,30 @@ class RankRunner(Runner):
 
     def adopt(self, seq: Sequence, cache: list[Any], source: str | None, tokens: int) -> list[Any]:
         ref = ("seq", seq.request.id)
-        self.group.send("start", ref=ref, cid=seq.request.id, source=source, tokens=tokens)
+        self.group.send(plans.Start(ref=ref, cid=seq.request.id, source=source, tokens=tokens))
         return mirrored(cache, ref, self.group)
 
     def kept_hot(self, tokens: list[int], cache: list[Any]) -> None:
-        self.group.send("hot", ref=ref_of(cache), tokens=list(tokens))
+        self.group.send(plans.Hot(ref=ref_of(cache), tokens=list(tokens)))
 
     def prefill(self, seq: Sequence, start: int, end: int) -> int | None:
         last = end == len(seq.prompt)
         self.group.send(
-            "prefill", ref=ref_of(seq.cache), tokens=list(seq.prompt[start:end]), last=last
+            plans.Prefill(ref=ref_of(seq.cache), tokens=list(seq.prompt[start:end]), last=last)
         )
         return guarded(self.group, super().prefill, seq, start, end)
 
     def prefill_group(self, group: list[Sequence], spans: list[tuple[int, int]]) -> list[Any]:
         ref = ("group", next(_refs))
         rows = [list(s.prompt[a:b]) for s, (a, b) in zip(group, spans, strict=True)]
-        self.group.send("group", refs=[ref_of(s.cache) for s in group], rows=rows, ref=ref)
+        self.group.send(plans.Group(refs=[ref_of(s.cache) for s in group], rows=rows, ref=ref))
         caches = guarded(self.group, super().prefill_group, group, spans)
         return mirrored(caches, ref, self.group)
 
     def launch(self, batch: DecodeBatch, inputs: Any) -> Any:
         if isinstance(inputs, HostDraw | mx.array | _Checked):
             inputs = guarded(self.group, inputs.tolist)  # the previous step, read now
-        self.group.send("decode", tokens=[int(t) for t in inputs])
+        self.group.send(plans.Decode(tokens=[int(t) for t in inputs]))
         tokens = guarded(self.group, super().launch, batch, inputs)
         return _Checked(tokens, self.group) if isinstance(tokens, mx.array) else tokens
 
@@ -163,11 +164,11 @@ class RankRunner(Runner):
         # A failed group has no workers left to tell, and a collective of its last step
         # may never return: MLX's pool is left alone (`clear_cache` would wait for it).
         with contextlib.suppress(RankLostError):
-            self.group.send("idle")
+            self.group.send(plans.Idle())
             super().idle()
 
     def probe_records(self) -> dict[str, Any]:
-        self.group.send("probe")
+        self.group.send(plans.Probe())
         return guarded(self.group, super().probe_records)
 
 
@@ -208,17 +209,18 @@ class RankCheckpoints(Checkpoints):
         self, keys: list[str], tokens: Any, cache: list[Any], block: int, *, chain: Any
     ) -> None:
         self.group.send(
-            "save",
-            ref=ref_of(cache),
-            keys=list(keys),
-            tokens=[int(t) for t in tokens],
-            block=block,
-            chain=list(chain) if chain is not None else None,
+            plans.Save(
+                ref=ref_of(cache),
+                keys=list(keys),
+                tokens=[int(t) for t in tokens],
+                block=block,
+                chain=list(chain) if chain is not None else None,
+            )
         )
         super()._save_block(keys, tokens, cache, block, chain=chain)
 
     def partial(self, tokens: list[int], cache: list[Any], *, images: tuple[Any, ...] = ()) -> None:
-        self.group.send("partial", ref=ref_of(cache), tokens=[int(t) for t in tokens])
+        self.group.send(plans.Partial(ref=ref_of(cache), tokens=[int(t) for t in tokens]))
         super().partial(tokens, cache, images=images)
 
 
@@ -234,7 +236,7 @@ class Agreement:
         """`plan` cut back to what every worker's store holds."""
         if plan.tokens == 0:
             return plan
-        answers = self.group.ask("holds", plan=_portable(plan))
+        answers = self.group.ask(plans.Holds(plan=_portable(plan)))
         self.held = [all(held) for held in zip(*(a["held"] for a in answers), strict=True)]
         n = min(a["blocks"] for a in answers)
         cut_held = all(a["cut"] for a in answers)
@@ -263,7 +265,7 @@ class Agreement:
 
     def rebuilt(self, plan: Any) -> bool:
         """Every worker rebuilt `plan` (the one rank 0 served)."""
-        answers = self.group.ask("restore", cid=self.cid, plan=_portable(plan))
+        answers = self.group.ask(plans.Restore(cid=self.cid, plan=_portable(plan)))
         return all(a == plan.tokens for a in answers)
 
 

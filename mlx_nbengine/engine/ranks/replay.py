@@ -24,6 +24,7 @@ from mlx_nbengine.engine.checkpoints import Checkpoints
 from mlx_nbengine.engine.hot import HotCache
 from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.engine.memory import collectives_formed, give_back_memory
+from mlx_nbengine.engine.ranks import plans
 from mlx_nbengine.engine.ranks.channel import Link
 from mlx_nbengine.engine.ranks.shard import shard_fn
 from mlx_nbengine.engine.runner import Runner
@@ -61,14 +62,14 @@ class Replay:
 
     def run(self) -> None:
         while not self.stopped:
-            kind, fields = self.link.receive(timeout=None)
-            handler = getattr(self, f"on_{kind}", None)
+            plan = self.link.receive(timeout=None)
+            handler = HANDLERS.get(type(plan))
             if handler is None:
-                raise ValueError(f"unknown step plan {kind!r}")
-            handler(**fields)
+                raise ValueError(f"unknown step plan {plan!r}")
+            handler(self, **vars(plan))
 
     def answer(self, ask: int, value: Any) -> None:
-        self.link.send("answer", ask=ask, value=value)
+        self.link.send(plans.Answer(ask=ask, value=value))
 
     def close(self) -> None:
         if self.io is not None:
@@ -273,3 +274,34 @@ class Replay:
         fut.add_done_callback(
             lambda f: self.answer(ask, f.result() if not f.exception() else empty)
         )
+
+
+# Each step plan's handler, by the plan's type.
+HANDLERS: dict[type, Any] = {
+    plans.Init: Replay.on_init,
+    plans.Load: Replay.on_load,
+    plans.Open: Replay.on_open,
+    plans.Loaded: Replay.on_loaded,
+    plans.Idle: Replay.on_idle,
+    plans.Probe: Replay.on_probe,
+    plans.ClearNothing: Replay.on_clear_nothing,
+    plans.Stop: Replay.on_stop,
+    plans.Start: Replay.on_start,
+    plans.Hot: Replay.on_hot,
+    plans.Free: Replay.on_free,
+    plans.Add: Replay.on_add,
+    plans.AddGroup: Replay.on_add_group,
+    plans.Remove: Replay.on_remove,
+    plans.Clear: Replay.on_clear,
+    plans.Single: Replay.on_single,
+    plans.Prefill: Replay.on_prefill,
+    plans.Group: Replay.on_group,
+    plans.Decode: Replay.on_decode,
+    plans.Comm: Replay.on_comm,
+    plans.Save: Replay.on_save,
+    plans.Partial: Replay.on_partial,
+    plans.Holds: Replay.on_holds,
+    plans.Restore: Replay.on_restore,
+    plans.ClearStore: Replay.on_clear_store,
+    plans.Store: Replay.on_store,
+}

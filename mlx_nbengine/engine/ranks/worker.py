@@ -31,17 +31,18 @@ def main() -> None:
     secret = bytes.fromhex(sys.stdin.readline().strip())
     rank = int(os.environ["MLX_RANK"])
     host, port = os.environ["MLX_NBENGINE_RANK0"].rsplit(":", 1)
+    from mlx_nbengine.engine.ranks import plans
     from mlx_nbengine.engine.ranks.channel import ChannelClosed, connect
 
     link = connect((host, int(port)), secret, timeout=30)
     link.sock.settimeout(None)
-    link.send("hello", rank=rank, pid=os.getpid(), host=socket.gethostname())
+    link.send(plans.Hello(rank=rank, pid=os.getpid(), host=socket.gethostname()))
 
     def beat() -> None:
         while True:
             time.sleep(HEARTBEAT_S)
             try:
-                link.send("alive")
+                link.send(plans.Alive())
             except ChannelClosed:
                 os._exit(0)
 
@@ -56,7 +57,7 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then exit
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         try:
-            link.send("error", message=message, trace=traceback.format_exc()[-4000:])
+            link.send(plans.Failed(message=message, trace=traceback.format_exc()[-4000:]))
         except ChannelClosed:
             pass
         print(traceback.format_exc(), file=sys.stderr, flush=True)
