@@ -93,47 +93,30 @@ class StoreStats:
         return dataclasses.asdict(self)
 
 
-class _Persistence:
-    """What a persistent store adds: its note, the saving switch, the follower metadata in
-    its index and flushing it. A part of `BlockStore` (which sets `_blobs`, `_lock`,
-    `_note` and `_saving_error`), kept apart so that the LRU reads on its own."""
+class Persistence:
+    """What a persistent store adds to the LRU: its note, and the follower metadata in its
+    index and flushing it. A part `BlockStore` holds and delegates to, given the backend's
+    blobs, the store's lock and the `note` opening the backend wrote: one line on what
+    opening `persist_dir` found or why it was not used ("" if all went as asked)."""
 
-    _blobs: Any
-    _lock: Any
-    _note: str
-    _saving_error: str | None
+    def __init__(self, blobs: Any, lock: Any, note: str) -> None:
+        self._blobs = blobs
+        self._lock = lock
+        self.note = note
+
+    def _open(self) -> bool:
+        return isinstance(self._blobs, PersistentBlobs) and not self._blobs.closed
 
     @property
     def persistent(self) -> bool:
         """Whether the records outlive this process (`persist_dir` opened)."""
         return isinstance(self._blobs, PersistentBlobs)
 
-    @property
-    def note(self) -> str:
-        """One line on what opening `persist_dir` found or why it was not used ("" if all
-        went as asked)."""
-        return self._note
-
-    @property
-    def saving(self) -> bool:
-        """False once a write failed for lack of space or an I/O error (see the module)."""
-        return self._saving_error is None
-
-    @property
-    def saving_error(self) -> str | None:
-        """Why saving is off, in one line; None while it is on."""
-        return self._saving_error
-
-    def resume_saving(self) -> None:
-        """Try saving again (e.g. after space was freed elsewhere)."""
-        with self._lock:
-            self._saving_error = None
-
     def remember(self, key: str, parent: str, ids: Iterable[int]) -> None:
         """Keep block `key`'s follower metadata (its parent key, its token ids as
         `blocks.match_ids`) in a persistent store's index; a no-op otherwise."""
         with self._lock:
-            if isinstance(self._blobs, PersistentBlobs) and not self._blobs.closed:
+            if self._open():
                 packed = np.asarray(list(ids), dtype="<i8").tobytes()
                 self._blobs.note_follower(key, parent, packed)
 
@@ -141,7 +124,7 @@ class _Persistence:
         """``(key, parent, ids)`` kept by `remember`, oldest first (this process's and the
         earlier ones'); empty without persistence."""
         with self._lock:
-            if not isinstance(self._blobs, PersistentBlobs) or self._blobs.closed:
+            if not self._open():
                 return []
             return [
                 (key, parent, np.frombuffer(ids, dtype="<i8").tolist())
@@ -151,14 +134,14 @@ class _Persistence:
     def flush(self) -> None:
         """Make a persistent store's index durable now (puts already are, one by one)."""
         with self._lock:
-            if isinstance(self._blobs, PersistentBlobs) and not self._blobs.closed:
+            if self._open():
                 try:
                     self._blobs.flush()
                 except OSError:
                     pass
 
 
-class BlockStore(_Persistence):
+class BlockStore:
     """LRU of record blobs `(block_key, kind) -> bytes` under a byte budget.
 
     Owned by one thread: the engine's cache-I/O thread is the only caller of `put`, `get`,
@@ -194,7 +177,7 @@ class BlockStore(_Persistence):
         self._blobs = backend.blobs
         self._budget = backend.budget
         self._description = backend.description
-        self._note = backend.note
+        self._persist = Persistence(self._blobs, self._lock, backend.note)
         self._at_open = 0
         if isinstance(self._blobs, PersistentBlobs):
             for item, nbytes in self._blobs.items():
@@ -206,6 +189,36 @@ class BlockStore(_Persistence):
             self._at_open = len(self._recency)
 
     # -- the owner's API ----------------------------------------------------------------
+
+    persistent = property(lambda self: self._persist.persistent, doc="See `Persistence`.")
+    note = property(lambda self: self._persist.note, doc="See `Persistence.note`.")
+
+    def remember(self, key: str, parent: str, ids: Iterable[int]) -> None:
+        """`Persistence.remember`."""
+        self._persist.remember(key, parent, ids)
+
+    def remembered(self) -> list[tuple[str, str, list[int]]]:
+        """`Persistence.remembered`."""
+        return self._persist.remembered()
+
+    def flush(self) -> None:
+        """`Persistence.flush`."""
+        self._persist.flush()
+
+    @property
+    def saving(self) -> bool:
+        """False once a write failed for lack of space or an I/O error (see the module)."""
+        return self._saving_error is None
+
+    @property
+    def saving_error(self) -> str | None:
+        """Why saving is off, in one line; None while it is on."""
+        return self._saving_error
+
+    def resume_saving(self) -> None:
+        """Try saving again (e.g. after space was freed elsewhere)."""
+        with self._lock:
+            self._saving_error = None
 
     def put(self, key: str, kind: str, data: bytes | bytearray | memoryview) -> bool:
         """Store a blob; True if it is now held, False if it could not be (a miss, not an error).
@@ -351,7 +364,7 @@ class BlockStore(_Persistence):
                 persistent=isinstance(self._blobs, PersistentBlobs),
                 saving=self._saving_error is None,
                 saving_error=self._saving_error or "",
-                note=self._note,
+                note=self._persist.note,
                 records_at_open=self._at_open,
             )
 
