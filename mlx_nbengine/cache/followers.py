@@ -95,6 +95,25 @@ class FollowerIndex:
         """Keys of the remembered blocks stored after `parent`, most recent first."""
         return list(reversed(self._by_parent.get(parent, ())))
 
+    def diverges_at(
+        self, parent: str, tokens: Sequence[int], start: int, *, root_min: int
+    ) -> int | None:
+        """Where the prompt's block `tokens` (from `start`) leaves the closest stored
+        follower of `parent` (see `BlockFacts.diverges_at`); a first block (`parent` is
+        `ROOT`) counts only when it shares at least `root_min` tokens."""
+        ranked = self.ranked(parent, tokens)
+        if not ranked:
+            return None
+        _, shared, length = ranked[0]
+        # The prompt leaves the follower only where both go on and differ: a prompt block
+        # that is a prefix of the follower, or one that extends a (partial) follower, does
+        # not change anything stored.
+        if shared >= min(len(tokens), length):
+            return None
+        if parent == ROOT and shared < root_min:
+            return None
+        return start + shared
+
     def ranked(self, parent: str, tokens: Sequence[int]) -> list[tuple[str, int, int]]:
         """Every follower of `parent` as ``(key, shared, length)``: the leading tokens it
         shares with `tokens` and its own token count; longest shared first, the most

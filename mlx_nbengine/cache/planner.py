@@ -46,11 +46,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from mlx_nbengine.cache.blocks import block_keys, match_ids
 from mlx_nbengine.cache.followers import ROOT, FollowerIndex
-from mlx_nbengine.cache.kinds import KINDS, LayerKind, assemble, layer_kinds, layer_windows
+from mlx_nbengine.cache.kinds import LayerKind, assemble, layer_kinds, layer_windows
 from mlx_nbengine.cache.reader import RecordReader
 from mlx_nbengine.cache.records import (
     Record,
@@ -132,7 +130,6 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self.layer_kinds = list(layer_kinds)
         self.windows = list(windows)
-        # The class of each layer cache (None: not checked).
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
         self.block_size = block_size
         self.store = store
@@ -143,15 +140,12 @@ class PrefixCache:
             windows=self.windows,
             layer_classes=self.layer_classes,
         )
-        # The kinds of the model's layers, in record order, and their names.
-        self.model_kinds: tuple[LayerKind, ...] = tuple(
-            k for k in KINDS if k.name in self.layer_kinds
-        )
-        self.kinds: tuple[RecordKind, ...] = tuple(k.name for k in self.model_kinds)
         present = [w for w, k in zip(self.windows, self.layer_kinds, strict=True) if k == "window"]
         if any(w is None or w <= 0 for w in present):
             raise ValueError("every window layer needs a positive window size")
-        self.max_window = max(present, default=0)
+        self.model_kinds = self.reader.model_kinds  # in record order; their names; widest
+        self.kinds = self.reader.kinds
+        self.max_window = self.reader.max_window
         self.followers = FollowerIndex()
         # Unrelated prompts share their first tokens: BOS, a chat template's header (some
         # 30 tokens with a default system message), often a system prompt. So a stored
@@ -187,21 +181,8 @@ class PrefixCache:
         )
 
     def needed(self, keys: Sequence[str], n_blocks: int) -> list[RecordKey]:
-        """The records restoring the first `n_blocks` blocks of chain `keys` needs: by
-        block, each in record order (`kinds`)."""
-        if n_blocks <= 0:
-            return []
-        B, W = self.block_size, self.max_window
-        reads = [
-            (kind.name, set(kind.restore_blocks(n_blocks, block_size=B, window=W)))
-            for kind in self.model_kinds
-        ]
-        return [
-            RecordKey(keys[j], name)
-            for j in range(n_blocks)
-            for name, blocks in reads
-            if j in blocks
-        ]
+        """`RecordReader.needed`: the records restoring the first `n_blocks` blocks needs."""
+        return self.reader.needed(keys, n_blocks)
 
     def plan(
         self,
@@ -333,26 +314,12 @@ class PrefixCache:
                     held=held,
                     chain_held=chain,
                     restorable=restorable,
-                    diverges_at=self._diverges_at(parent, ids[start:end], start),
+                    diverges_at=self.followers.diverges_at(
+                        parent, ids[start:end], start, root_min=self.root_min_shared
+                    ),
                 )
             )
         return out
-
-    def _diverges_at(self, parent: str, tokens: np.ndarray, start: int) -> int | None:
-        """Where the prompt's block `tokens` (from `start`) leaves the closest stored
-        follower of `parent` (see `BlockFacts.diverges_at`)."""
-        ranked = self.followers.ranked(parent, tokens)
-        if not ranked:
-            return None
-        _, shared, length = ranked[0]
-        # The prompt leaves the follower only where both go on and differ: a prompt block
-        # that is a prefix of the follower, or one that extends a (partial) follower, does
-        # not change anything stored.
-        if shared >= min(len(tokens), length):
-            return None
-        if parent == ROOT and shared < self.root_min_shared:
-            return None
-        return start + shared
 
     # --- load, assemble ----------------------------------------------------------------------
 
@@ -391,23 +358,10 @@ class PrefixCache:
                 by_block[read.cut.block] = read.records
         return plan, by_block
 
-    def assemble(
-        self,
-        records_by_block: dict[int, dict[RecordKind, Record]],
-        *,
-        n_blocks: int,
-        template_cache: list,
-        cut_tokens: int = 0,
-    ) -> list:
-        """Fill a fresh model cache with `n_blocks` restored blocks and `cut_tokens` of the
-        next one (see `assembly.assemble`)."""
-        return assemble(
-            records_by_block,
-            n_blocks=n_blocks,
-            block_size=self.block_size,
-            template_cache=template_cache,
-            cut_tokens=cut_tokens,
-        )
+    def assemble(self, records_by_block: dict[int, dict[RecordKind, Record]], **how: Any) -> list:
+        """Fill a fresh model cache with restored blocks: `assembly.assemble` (`n_blocks`,
+        `template_cache`, `cut_tokens`) at this cache's block size."""
+        return assemble(records_by_block, block_size=self.block_size, **how)
 
     # --- store -------------------------------------------------------------------------------
 
@@ -442,9 +396,7 @@ class PrefixCache:
         return ok
 
     def learn(self, records: dict[RecordKind, Record]) -> None:
-        """Merge records this process extracted from the model itself into `signatures`
-        (`save` does it for every record; the engine also learns from a one-token probe
-        when the model loads, so records stored by an earlier process are checked too)."""
+        """`RecordReader.learn` (the engine also learns from a one-token probe at load)."""
         self.reader.learn(records)
 
     @property
@@ -453,22 +405,5 @@ class PrefixCache:
         return self.reader.signatures
 
     def touch(self, keys: Sequence[str]) -> None:
-        """Mark chain `keys` (a prompt's first blocks) as just used, suffix-first.
-
-        Oldest first: records not needed to restore the whole chain (state
-        checkpoints of earlier boundaries, window slices outside the final
-        window), then the needed ones from the last block to the first.
-        """
-        n = len(keys)
-        needed = self.needed(keys, n)
-        needed_set = set(needed)
-        others = [
-            RecordKey(keys[j], kind)
-            for j in range(n - 1, -1, -1)
-            for kind in self.kinds
-            if (keys[j], kind) not in needed_set
-        ]
-        order = [item for item in others if self.store.has(*item)]
-        order += [item for item in reversed(needed) if self.store.has(*item)]
-        if order:
-            self.store.touch(order)
+        """`RecordReader.touch`: mark chain `keys` as just used, suffix-first."""
+        self.reader.touch(keys)

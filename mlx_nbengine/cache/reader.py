@@ -16,13 +16,13 @@ back to a shorter one, or the cut to the boundary (a miss, never an error).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mlx_nbengine.cache.kinds import CutOutOfReach, check_record, kind_named
+from mlx_nbengine.cache.kinds import KINDS, CutOutOfReach, LayerKind, check_record, kind_named
 from mlx_nbengine.cache.records import (
     Record,
     RecordError,
@@ -75,6 +75,49 @@ class RecordReader:
         self.windows = windows
         self.layer_classes = layer_classes  # None: classes are not checked
         self.signatures: dict[RecordKind, Signature] = {}
+        # The kinds of the model's layers, in record order, and their names.
+        self.model_kinds: tuple[LayerKind, ...] = tuple(k for k in KINDS if k.name in layer_kinds)
+        self.kinds: tuple[RecordKind, ...] = tuple(k.name for k in self.model_kinds)
+        windows_of = [w for w, k in zip(windows, layer_kinds, strict=True) if k == "window"]
+        self.max_window = max((w for w in windows_of if w), default=0)
+
+    def needed(self, keys: Sequence[str], n_blocks: int) -> list[RecordKey]:
+        """The records restoring the first `n_blocks` blocks of chain `keys` needs: by
+        block, each in record order (`kinds`)."""
+        if n_blocks <= 0:
+            return []
+        B, W = self.block_size, self.max_window
+        reads = [
+            (kind.name, set(kind.restore_blocks(n_blocks, block_size=B, window=W)))
+            for kind in self.model_kinds
+        ]
+        return [
+            RecordKey(keys[j], name)
+            for j in range(n_blocks)
+            for name, blocks in reads
+            if j in blocks
+        ]
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark chain `keys` (a prompt's first blocks) as just used, suffix-first.
+
+        Oldest first: records not needed to restore the whole chain (state
+        checkpoints of earlier boundaries, window slices outside the final
+        window), then the needed ones from the last block to the first.
+        """
+        n = len(keys)
+        needed = self.needed(keys, n)
+        needed_set = set(needed)
+        others = [
+            RecordKey(keys[j], kind)
+            for j in range(n - 1, -1, -1)
+            for kind in self.kinds
+            if (keys[j], kind) not in needed_set
+        ]
+        order = [item for item in others if self.store.has(*item)]
+        order += [item for item in reversed(needed) if self.store.has(*item)]
+        if order:
+            self.store.touch(order)
 
     def learn(self, records: dict[RecordKind, Record]) -> None:
         """Merge records this process extracted from the model itself into `signatures`."""
