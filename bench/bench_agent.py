@@ -169,7 +169,7 @@ class Tokens:
         """The text our server renders `messages` to (then tokenized with BOS first), without
         a leading BOS string: every server adds its own."""
         from mlx_nbengine.server.agentio import template_messages
-        from mlx_nbengine.server.app import plain_chat
+        from mlx_nbengine.server.calls import plain_chat
 
         shaped = template_messages(messages)
         if not self.template:

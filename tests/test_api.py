@@ -761,7 +761,7 @@ def test_image_url_data_urls_reach_a_vision_model(vision):
 
 
 def test_a_base_model_without_a_chat_template_reads_the_messages_as_plain_lines(tmp_path):
-    from mlx_nbengine.server.app import plain_chat
+    from mlx_nbengine.server.calls import plain_chat
     from mlx_nbengine.testing import make_tiny_model, make_tiny_tokenizer
 
     directory = make_tiny_model("llama", tmp_path / "base-llama")

@@ -763,7 +763,7 @@ def test_an_unforeseen_error_is_a_500_in_shape_and_the_connection_serves_on(
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
-        monkeypatch.setattr(server.app.state.handlers, "check_host", broken)
+        monkeypatch.setattr(server.app.state.handlers.gate, "check_host", broken)
         sock.sendall(request)
         status, error, rest = read_one(sock)
         monkeypatch.undo()

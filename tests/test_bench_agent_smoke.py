@@ -39,7 +39,7 @@ def ci_builds_llama_server() -> bool:
 def test_items_chat_and_text_render_alike(tiny_model_dir):
     from bench import bench_agent as b
     from mlx_nbengine.server.agentio import template_messages
-    from mlx_nbengine.server.app import plain_chat
+    from mlx_nbengine.server.calls import plain_chat
     from mlx_nbengine.server.openai_shapes import Limits
     from mlx_nbengine.server.responses_shapes import check_responses
 

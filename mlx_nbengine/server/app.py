@@ -1,7 +1,7 @@
 """The ASGI app (Starlette): OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and
 ``/v1/models`` on one `Engine`, through its public `submit` API only.
 
-Chat answers are split with `agentio.OutputSplitter` (`_App.splitter`, which every API that
+Chat answers are split with `agentio.OutputSplitter` (`EngineCalls.splitter`, which every API that
 answers with the model uses): the model's reasoning (``reasoning_content``), its text
 (``content``) and its tool calls (``tool_calls``, ``finish_reason: "tool_calls"``). Tools
 reach a chat template that reads them; a forced call (``tool_choice`` "required" or a named
@@ -30,10 +30,7 @@ Rules the app keeps:
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,24 +40,21 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mlx_nbengine.engine import (
     BlockReport,
-    EngineClosedError,
     Finished,
-    InvalidRequestError,
-    PromptTooLongError,
     TextDelta,
 )
-from mlx_nbengine.errors import EngineError
 from mlx_nbengine.server import messages, responses, transport
-from mlx_nbengine.server.agentio import OutputSplitter, Reasoning, Text, ToolCall, template_messages
+from mlx_nbengine.server.agentio import Reasoning, Text, ToolCall
 from mlx_nbengine.server.anthropic_shapes import error_body as anthropic_error_body
+from mlx_nbengine.server.calls import EngineCalls
 from mlx_nbengine.server.conversations import client_name, reader_of, request_facts
+from mlx_nbengine.server.gate import Gate
 from mlx_nbengine.server.journal import Entry, Journal
 from mlx_nbengine.server.openai_shapes import (
     APIError,
@@ -84,10 +78,6 @@ from mlx_nbengine.server.transport import IDLE, EventStream, Pump, disconnected,
 __all__ = ["build_app"]
 
 log = logging.getLogger("mlx_nbengine.server")
-
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): text only as half of a pair.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -137,8 +127,8 @@ class _App:
         loopback_only: bool,
     ) -> None:
         self.engine = engine
-        self.loopback_only = loopback_only
-        self.api_key = api_key
+        self.gate = Gate(api_key=api_key, limits=limits, loopback_only=loopback_only)
+        self.calls = EngineCalls(engine)
         self.limits = limits
         self.journal = journal
         self.log_prompts = log_prompts
@@ -147,178 +137,12 @@ class _App:
         self.created = int(time.time())
         self.in_flight = 0
 
-    # -- helpers ---------------------------------------------------------------------------
-
-    def check_key(self, request: HTTPRequest) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-            given = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise APIError(
-                "a wrong or missing API key; send 'Authorization: Bearer KEY' (or "
-                "'x-api-key: KEY') with the key %llm_serve was started with",
-                status=401,
-                code="invalid_api_key",
-            )
-
-    def check_host(self, request: HTTPRequest) -> None:
-        """On loopback, the Host header must name this machine (a web page that rebinds
-        its own name to 127.0.0.1 cannot reach the server)."""
-        if not self.loopback_only:
-            return
-        host = request.headers.get("host", "")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if name.strip("[]") not in LOOPBACK_NAMES:
-            raise APIError(
-                f"the Host header {host!r} is not this machine; this server answers "
-                "127.0.0.1, localhost and ::1 only",
-                status=403,
-                type="permission_error",
-            )
-
-    def check_json(self, request: HTTPRequest) -> None:
-        """POST bodies must say they are JSON: a web page's form post (which browsers send
-        to any address without asking) is refused."""
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise APIError(
-                f"send the body as JSON with 'Content-Type: application/json' (got "
-                f"{kind or 'none'!r})",
-                status=415,
-            )
-
-    async def read_body(self, request: HTTPRequest) -> dict:
-        limit = self.limits.max_body_bytes
-        too_big = APIError(
-            f"the request body is over this server's limit of {limit:,} bytes",
-            status=413,
-            code="request_too_large",
-        )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise too_big
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-        except ClientDisconnect:  # journalled as a client gone; nobody reads the answer
-            raise APIError("the client disconnected before its body was sent", status=499) from None
-        raw = b"".join(chunks)
-        try:
-            # UTF-8 only (a BOM taken), strictly: json.loads of bytes would let encoded
-            # surrogates through, which tokenizers refuse.
-            body = json.loads(raw.decode("utf-8-sig"))
-        except (ValueError, UnicodeDecodeError):
-            raise APIError("the request body is not valid JSON") from None
-        except RecursionError:
-            raise APIError("the request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        if SURROGATE_ESCAPE.search(raw):  # a lone surrogate is no text: tokenizers refuse it
-            try:
-                json.dumps(body, ensure_ascii=False).encode()
-            except (UnicodeEncodeError, RecursionError):
-                raise APIError(
-                    "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                    "without its pair); send valid Unicode text"
-                ) from None
-        return body
-
-    def template_kwargs(self, call: Call) -> dict[str, Any] | None:
-        """What the chat template is given beside the messages: the call's own values
-        (``reasoning_effort``, ``chat_template_kwargs``), ``tools`` for a template that reads
-        them (others never see them; none with ``tool_choice: "none"``), and
-        ``enable_thinking: False`` for a forced call (its grammar starts at the first
-        token, so a template that can should not open a reasoning block)."""
-        out = dict(call.template_kwargs)
-        tools = call.offered_tools
-        if tools:
-            lm = self.engine.model
-            template = getattr(getattr(lm, "text_tokenizer", None), "chat_template", None)
-            if isinstance(template, dict):  # named templates: the default one renders chats
-                template = template.get("default") or template.get("tool_use") or ""
-            if isinstance(template, str) and "tools" in template:
-                out["tools"] = tools
-        if call.forced:
-            out.setdefault("enable_thinking", False)
-        return out or None
-
-    def tool_grammar(self, call: Call) -> str | None:
-        """The grammar a forced call is decoded under (`toolgrammar.tool_call_grammar` for
-        the model's tokenizer); None where the call is not forced."""
-        if not call.forced:
-            return None
-        from mlx_nbengine.server import toolgrammar  # noqa: PLC0415 - only forced calls need it
-
-        return toolgrammar.tool_call_grammar(
-            self.engine.model.tokenizer,
-            call.tools,
-            call.tool_choice,
-            parallel=call.parallel_tool_calls,
-        )
-
-    def splitter(self, call: Call, handle: Any) -> OutputSplitter:
-        """The split of a chat call's answer (`handle`: its `Request`): reasoning, text and
-        calls of the tools the model was offered, with the model's own markers and parser."""
-        return OutputSplitter(
-            getattr(self.engine, "model", None),
-            call.offered_tools,
-            prompt=getattr(handle, "prompt_tokens", None),
-        )
-
-    def prompt_of(self, call: Call) -> Any:
-        """The prompt `Engine.submit` takes for `call`: chat messages as templates read them
-        (`agentio.template_messages`), or plain lines for a model without a template."""
-        prompt = call.prompt
-        if _is_chat(prompt):
-            prompt = template_messages(prompt)
-            if not getattr(self.engine.model, "has_chat_template", True):
-                # A base model: no template to render them (the tools as a line of JSON).
-                prompt = plain_chat(prompt, call.offered_tools)
-        return prompt
-
-    def submit(self, call: Call) -> Any:
-        """`Engine.submit` (on a worker thread: it tokenizes); OpenAI errors for its own."""
-        prompt = self.prompt_of(call)
-        try:
-            grammar = self.tool_grammar(call)
-            extra = {"grammar": grammar} if grammar is not None else {}
-            return self.engine.submit(
-                prompt,
-                max_tokens=call.max_tokens,
-                temperature=call.temperature,
-                top_p=call.top_p,
-                seed=call.seed,
-                stop=call.stop or None,
-                images=call.images or None,
-                template_kwargs=self.template_kwargs(call),
-                **extra,
-            )
-        except PromptTooLongError as exc:
-            raise APIError(str(exc), param="messages", code="context_length_exceeded") from None
-        except InvalidRequestError as exc:
-            raise APIError(str(exc)) from None
-        except EngineClosedError:
-            raise APIError(
-                "the model was unloaded; load it again and restart the server",
-                status=503,
-                type="server_error",
-            ) from None
-        except EngineError as exc:  # e.g. a model without a chat template
-            raise APIError(str(exc)) from None
-
     # -- endpoints ---------------------------------------------------------------------------
 
     async def models(self, request: HTTPRequest) -> JSONResponse:
         try:
-            self.check_host(request)
-            self.check_key(request)
+            self.gate.check_host(request)
+            self.gate.check_key(request)
         except APIError as err:
             return _error(err)
         return JSONResponse(models_response([self.model_name], self.created))
@@ -338,10 +162,7 @@ class _App:
         already); on success the call counts as in flight until `Admitted.release`."""
         entry.client = client_name(request.headers.get("user-agent"))
         try:
-            self.check_host(request)
-            self.check_key(request)
-            self.check_json(request)
-            body = await self.read_body(request)
+            body = await self.gate.body(request)
             check_model(body)
             call = check(body)
             if self.in_flight >= self.max_pending:
@@ -355,7 +176,7 @@ class _App:
                 log.info("request %d %s prompt: %r", entry.number, entry.endpoint, call.prompt)
             self.in_flight += 1
             try:
-                handle = await run_in_threadpool(self.submit, call)
+                handle = await run_in_threadpool(self.calls.submit, call)
             except BaseException:
                 self.in_flight -= 1
                 raise
@@ -441,7 +262,7 @@ class _App:
         finish = _finish_reason(completion.finish_reason)
         created, text = int(entry.started), completion.text
         if endpoint == "chat":
-            splitter = self.splitter(admitted.call, admitted.handle)
+            splitter = self.calls.splitter(admitted.call, admitted.handle)
             pieces = [*splitter.feed(text), *splitter.close()]
             calls = [p for p in pieces if isinstance(p, ToolCall)]
             answer = "".join(p.text for p in pieces if isinstance(p, Text))
@@ -506,7 +327,7 @@ class _App:
         the call."""
         call, entry = admitted.call, admitted.entry
         id_, created, model = new_id("chatcmpl"), int(entry.started), self.model_name
-        splitter = self.splitter(call, admitted.handle)
+        splitter = self.calls.splitter(call, admitted.handle)
         calls = 0
 
         def chunks(pieces: list) -> list[bytes]:
@@ -569,36 +390,6 @@ class _App:
         except Exception as exc:
             yield sse(error_body(self.failed(entry, exc), type="server_error"))
         yield b"data: [DONE]\n\n"
-
-
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def plain_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
-    """Chat messages as plain text for a model without a chat template (a base model):
-    a ``tools:`` line with the offered tools' JSON first (never dropped unseen), one
-    ``role: content`` line each, an assistant's calls in the JSON ``<tool_call>`` form the
-    answer's splitter reads, then ``assistant:`` for the answer to follow."""
-    lines = []
-    if tools:
-        lines.append("tools: " + json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
-    for m in messages:
-        content = m.get("content") or ""
-        if isinstance(content, list):  # parts (images are refused for text models)
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        for called in m.get("tool_calls") or ():
-            function = called.get("function") or {}
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):  # JSON text, as the chat form holds it
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    pass
-            call = {"name": function.get("name"), "arguments": arguments}
-            content += "<tool_call>" + json.dumps(call, ensure_ascii=False) + "</tool_call>"
-        lines.append(f"{m.get('role', 'user')}: {content}")
-    return "\n".join([*lines, "assistant:"])
 
 
 def _finish_reason(reason: str, *, called: bool = False) -> str:

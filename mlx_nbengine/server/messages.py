@@ -114,7 +114,7 @@ class MessagesAPI:
             completion = await app.completion(request, admitted)
             if completion is None:
                 return JSONResponse(error_body("the client disconnected", 499), status_code=499)
-            splitter = app.splitter(call, admitted.handle)
+            splitter = app.calls.splitter(call, admitted.handle)
             blocks = Blocks()
             blocks.feed(splitter.feed(completion.text))
             blocks.feed(splitter.close())
@@ -139,7 +139,7 @@ class MessagesAPI:
         yield sse({"type": "message_start", "message": start}, event="message_start")
         yield PING
         try:
-            splitter = app.splitter(call, admitted.handle)
+            splitter = app.calls.splitter(call, admitted.handle)
             blocks = Blocks()
             async for item in app.answer_events(admitted):
                 if item is IDLE:  # a long prompt is read
@@ -169,10 +169,7 @@ class MessagesAPI:
         """The prompt's token count as the request would render it; nothing is generated."""
         app = self.app
         try:
-            app.check_host(request)
-            app.check_key(request)
-            app.check_json(request)
-            body = await app.read_body(request)
+            body = await app.gate.body(request)
             check_model(body)
             call = self.check(body)
             count = await run_in_threadpool(self.count, call)
@@ -193,9 +190,9 @@ class MessagesAPI:
         try:
             tokens, _ = prompt_tokens(
                 app.engine.model,
-                app.prompt_of(call),
+                app.calls.prompt_of(call),
                 images=call.images or None,
-                template_kwargs=app.template_kwargs(call),
+                template_kwargs=app.calls.template_kwargs(call),
                 model_name=app.model_name,
             )
         except PromptTooLongError as exc:

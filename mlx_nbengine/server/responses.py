@@ -386,7 +386,7 @@ class _Responses:
         if completion is None:
             return JSONResponse(error_body("the client disconnected"), status_code=499)
         app._log_answer(entry, completion.text)
-        out = _Output(self.app.splitter(admitted.call, admitted.handle), req)
+        out = _Output(self.app.calls.splitter(admitted.call, admitted.handle), req)
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         out.feed(completion.text)
         out.close(status)
@@ -411,7 +411,7 @@ class _Responses:
         yield events.sse({"type": "response.created", "response": head})
         yield events.sse({"type": "response.in_progress", "response": head})
         try:
-            out = _Output(self.app.splitter(admitted.call, admitted.handle), req)
+            out = _Output(self.app.calls.splitter(admitted.call, admitted.handle), req)
             async for item in app.answer_events(admitted, self.keepalive_s):
                 if item is IDLE:  # a long prompt is read: an SSE comment keeps it alive
                     yield KEEPALIVE
