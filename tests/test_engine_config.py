@@ -62,3 +62,26 @@ def test_every_option_is_a_field_and_load_takes_only_model_and_progress():
     assert fields >= {"parallel", "block_size", "persist_dir", "ranks", "hosts", "shard"}
     params = inspect.signature(Engine.load).parameters
     assert list(params) == ["model", "progress", "options"]
+
+
+def test_the_config_crosses_to_a_worker_in_its_load_plan(tmp_path):
+    """Rank 0 sends each worker the one config (`plans.Load`) on the control channel."""
+    import socket
+
+    from mlx_nbengine.engine.ranks import plans
+    from mlx_nbengine.engine.ranks.channel import Link
+
+    config = EngineConfig.of("org/model", ranks=2, block_size=64, cache_dir=tmp_path, dtype="f16")
+    a, b = socket.socketpair()
+    sender, receiver = Link(a), Link(b)
+    try:
+        sender.send(plans.Load(model="org/model", config=config, shard="tensor"))
+        plan = receiver.receive(timeout=5)
+    finally:
+        sender.close()
+        receiver.close()
+    assert isinstance(plan, plans.Load) and plan.config == config
+    assert plan.config.store_options() == config.store_options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.config.block_size = 16  # type: ignore[misc]
+    assert dataclasses.replace(plan.config, cache_dir=None).cache_dir is None

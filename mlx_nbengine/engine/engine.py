@@ -414,13 +414,4 @@ def _sharded(config: EngineConfig) -> Any:
     """The `ranks.ShardedModel` of `Engine.load(ranks=..., hosts=...)`."""
     from mlx_nbengine.engine.ranks import ShardedModel  # lazy: sharded engines only
 
-    return ShardedModel(
-        config.model,
-        ranks=config.ranks,
-        hosts=list(config.hosts) if config.hosts is not None else None,
-        shard=config.shard,
-        dtype=config.dtype,
-        revision=config.revision,
-        store=config.store_options() if config.store else None,
-        to_token=config.restore == "token",
-    )
+    return ShardedModel(config)

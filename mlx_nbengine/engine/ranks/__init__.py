@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 from mlx_nbengine._blas import ThreadPolicy
+from mlx_nbengine.engine.config import EngineConfig
 from mlx_nbengine.engine.ranks import plans
 from mlx_nbengine.engine.ranks.group import (
     HANG_TIMEOUT_S,
@@ -31,7 +33,6 @@ from mlx_nbengine.engine.ranks.group import (
 from mlx_nbengine.engine.ranks.launch import places_for, ring_hosts
 from mlx_nbengine.engine.ranks.mirror import RankCheckpoints, RankRunner
 from mlx_nbengine.engine.ranks.shard import NotShardableError, choose_mode, shard_fn
-from mlx_nbengine.errors import InvalidRequestError
 
 LOAD_TIMEOUT_S = 1800.0  # a worker reading its shard of a large model
 
@@ -46,30 +47,14 @@ __all__ = [
 class ShardedModel:
     """One model over ranks: its loader, its engine parts, its status and its end."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        ranks: int | None,
-        hosts: list[str] | None,
-        shard: str | None,
-        dtype: str | None,
-        revision: str | None,
-        store: dict[str, Any] | None,
-        to_token: bool,
-        hang_timeout_s: float | None = None,
-    ) -> None:
-        if hosts is not None and (len(hosts) < 2 or ranks not in (None, len(hosts))):
-            raise InvalidRequestError("hosts needs at least two hosts (the first is this one)")
-        if hosts is None and (not isinstance(ranks, int) or ranks < 2):
-            raise InvalidRequestError(f"ranks must be an integer >= 2, got {ranks!r}")
-        self.model = model
+    def __init__(self, config: EngineConfig, *, hang_timeout_s: float | None = None) -> None:
+        """`config` is validated (`EngineConfig`): its ranks or hosts, shard, dtype, revision
+        and block store options; each worker is sent it with its `plans.Load`."""
+        ranks, hosts = config.ranks, list(config.hosts) if config.hosts is not None else None
+        self.config = config
+        self.model = config.model
         self.hosts = hosts
-        self.asked = shard
-        self.dtype = dtype
-        self.revision = revision
-        self.store = store
-        self.to_token = to_token
+        self.asked = config.shard
         try:
             self.places = places_for(ranks=ranks, hosts=hosts)
         except OSError as exc:
@@ -85,7 +70,7 @@ class ShardedModel:
         """Start the workers, form the ring, load every rank's shard; rank 0's model."""
         from mlx_nbengine.models import load, sources  # lazy: as Engine.load's loader
 
-        path = sources.locate(self.model, revision=self.revision)
+        path = sources.locate(self.model, revision=self.config.revision)
         config = json.loads((path / "config.json").read_text())
         self.mode = choose_mode(config.get("model_type", "?"), self.asked)
         hostfile = ring_hosts(self.places)
@@ -93,21 +78,15 @@ class ShardedModel:
             self.group.start({"MLX_NBENGINE_RING_HOSTS": hostfile})
             mx_group = self.group.init_ring(hostfile)
             remote = self.hosts is not None
-            self.group.send(
-                plans.Load(
-                    model=self.model if remote else str(path), dtype=self.dtype, shard=self.mode
-                )
-            )
-            lm = load(path, dtype=self.dtype, shard=shard_fn(self.mode, mx_group))
+            # This machine's folder is not theirs: remote workers use their temp folder.
+            sent = replace(self.config, cache_dir=None) if remote else self.config
+            model = self.model if remote else str(path)
+            self.group.send(plans.Load(model=model, config=sent, shard=self.mode))
+            lm = load(path, dtype=self.config.dtype, shard=shard_fn(self.mode, mx_group))
             # Every worker loaded (an answer on the control channel, never a collective: a
             # worker that fails to load must not leave this rank waiting in MLX).
             self.group.ask(plans.Loaded(), timeout=LOAD_TIMEOUT_S)
-            store = self.store
-            if store is not None and remote:
-                store = {**store, "cache_dir": None}  # this machine's folder is not theirs
-            self.group.send(
-                plans.Open(fingerprint=lm.fingerprint, store=store, to_token=self.to_token)
-            )
+            self.group.send(plans.Open(fingerprint=lm.fingerprint))
             self.group.ask(plans.Loaded())
             self.group.loaded()
         except BaseException as exc:

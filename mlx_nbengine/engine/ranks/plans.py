@@ -9,7 +9,10 @@ fails, `Failed`. They travel as pickles of these classes (`channel.Link`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_nbengine.engine.config import EngineConfig
 
 # --- rank 0 -> workers: starting ----------------------------------------------------------
 
@@ -21,20 +24,20 @@ class Init:
 
 @dataclass(frozen=True)
 class Load:
-    """Load this rank's shard of `model` (`shard`: tensor or pipeline)."""
+    """Load this rank's shard of `model` (`shard`: tensor or pipeline) with the engine's
+    `config` (its dtype; its block store options, opened at `Open`)."""
 
     model: str
-    dtype: Any
+    config: EngineConfig
     shard: str
 
 
 @dataclass(frozen=True)
 class Open:
-    """Rank 0's fingerprint (the block keys) and this rank's own block store's options."""
+    """Rank 0's fingerprint (the block keys): open this rank's own block store (if the
+    config of `Load` has one)."""
 
     fingerprint: str
-    store: dict[str, Any] | None
-    to_token: bool
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from mlx_nbengine.engine.batch import DecodeBatch
 from mlx_nbengine.engine.blockstore import open_prefix_cache, store_figures
 from mlx_nbengine.engine.cacheio import SAVE, CacheIO, rebuild_cache
 from mlx_nbengine.engine.checkpoints import Checkpoints
+from mlx_nbengine.engine.config import EngineConfig
 from mlx_nbengine.engine.hot import HotCache
 from mlx_nbengine.engine.ledger import CacheLedger
 from mlx_nbengine.engine.memory import collectives_formed, give_back_memory
@@ -49,6 +50,7 @@ class Replay:
         self.link = link
         self.rank = rank
         self.group: Any = None
+        self.config: EngineConfig | None = None  # with `plans.Load`
         self.lm: Any = None
         self.runner: Runner | None = None
         self.io: CacheIO | None = None
@@ -89,18 +91,20 @@ class Replay:
         finally:
             os.unlink(path)
 
-    def on_load(self, *, model: str, dtype: Any, shard: str) -> None:
+    def on_load(self, *, model: str, config: EngineConfig, shard: str) -> None:
         from mlx_nbengine.models import load  # lazy: the worker's first MLX work
 
-        self.lm = load(model, dtype=dtype, shard=shard_fn(shard, self.group))
+        self.config = config
+        self.lm = load(model, dtype=config.dtype, shard=shard_fn(shard, self.group))
         self.runner = Runner(self.lm, split=False)
 
-    def on_open(self, *, fingerprint: str, store: dict[str, Any] | None, to_token: bool) -> None:
+    def on_open(self, *, fingerprint: str) -> None:
         """Rank 0's fingerprint (the block keys), and this rank's own block store."""
         self.lm = lm = replace(self.lm, fingerprint=fingerprint)
         self.runner.lm = lm
-        if store is None:
+        if not self.config.store:
             return
+        store = self.config.store_options()
         self.io = CacheIO(name=f"mlx-nbengine-cache-io-rank{self.rank}")
         self.io.open(lambda: open_prefix_cache(lm, ledger=CacheLedger(), **store))
         prefix = self.io.prefix
@@ -108,7 +112,7 @@ class Replay:
             self.io,
             fingerprint=fingerprint,
             block_size=store["block_size"],
-            to_token=to_token,
+            to_token=self.config.restore == "token",
             uncuttable_kind=prefix.uncuttable_kind,
             recurrent="state" in [str(k) for k in prefix.kinds],
             store_off=prefix.store.budget_bytes == 0,
