@@ -470,3 +470,32 @@ def test_a_hybrid_model_edited_inside_a_partial_block_keeps_the_boundary(engine_
     assert second.report.kept_boundary == "state"
     assert second.tokens == cold_tokens(engine_factory, "qwen3_5", edited)
     assert first.tokens  # the first run answered
+
+
+# --- an agent's turns ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CUTS)
+def test_an_agents_appended_and_rewritten_turns_restore_all_they_share(engine_factory, name):
+    # bench_agent's trace at token level: each turn re-sends the last prompt with the
+    # answer (all of it, or its first half where the agent rewrote history) and new tokens.
+    # An appended turn restores everything but the answer's last token (sampled, never fed
+    # to the model: it has no K/V); a rewrite turn restores up to its first changed token,
+    # inside the answer's block.
+    engine = engine_factory(name)
+    first = prompt(40, seed=11)
+    answer = run(engine, first, max_tokens=12).tokens
+    replace_hot_cache(engine)
+    appended = first + answer + prompt(20, seed=12)[1:]
+    done = run(engine, appended, max_tokens=12)
+    assert done.report.restored_tokens == len(first) + len(answer) - 1
+    assert done.report.computed_tokens == len(appended) - done.report.restored_tokens
+    assert done.tokens == cold_tokens(engine_factory, name, appended, max_tokens=12)
+
+    replace_hot_cache(engine)
+    kept = len(done.tokens) // 2
+    rewritten = appended + done.tokens[:kept] + prompt(20, seed=13)[1:]
+    again = run(engine, rewritten, max_tokens=12)
+    assert again.report.restored_tokens == len(appended) + kept
+    assert again.report.edit_at == len(appended) + kept and again.report.kept_boundary is None
+    assert again.tokens == cold_tokens(engine_factory, name, rewritten, max_tokens=12)
