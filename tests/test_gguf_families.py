@@ -10,9 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import generate, load
+from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_nbengine.errors import GGUFError
+from mlx_nbengine.errors import GGUFError, UnsupportedModelError
 from mlx_nbengine.models.gguf import convert
 from mlx_nbengine.testing import make_tiny_gguf, make_tiny_model
 
@@ -89,5 +90,40 @@ def test_qwen35_without_its_linear_attention_sizes_is_one_line(qwen3_5, tmp_path
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(GGUFError, match=r"lacks 'qwen35\.ssm\.") as e:
+        convert(path, output_dir=tmp_path / "out", show_bar=False)
+    assert "\n" not in str(e.value)
+
+
+def greedy_mlx(directory, ids: list[int], n: int) -> list[int]:
+    model, _ = load(str(directory))
+    steps = generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0))
+    return [int(token) for token, _ in steps]
+
+
+def test_llama_cpp_runs_the_written_qwen35_gguf_to_our_greedy_tokens(qwen3_5):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, gguf_file, out = qwen3_5
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, n_threads=1, verbose=False)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True)
+    llm.eval(ids)
+    theirs = []
+    for _ in range(12):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    assert theirs == greedy_mlx(out, ids, 12)
+
+
+def test_a_qwen35_moe_gguf_is_refused_in_one_line(tmp_path):
+    import gguf
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'qwen35moe' .* not supported") as e:
         convert(path, output_dir=tmp_path / "out", show_bar=False)
     assert "\n" not in str(e.value)
