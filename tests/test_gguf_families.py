@@ -1,6 +1,7 @@
 """GGUF import of the hybrid families: a tiny ``qwen3_5`` written the way llama.cpp's
 converter writes ``qwen35`` (V heads tiled, ``A = -exp(A_log)``, conv1d squeezed) converts
-back into the same weights, config and greedy tokens as stock mlx-lm's model."""
+back into the same weights, config and greedy tokens as stock mlx-lm's model, and
+llama.cpp itself (llama-cpp-python, where installed) runs that file to the same tokens."""
 
 from __future__ import annotations
 
