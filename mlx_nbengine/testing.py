@@ -351,6 +351,19 @@ _GGUF_GEMMA3_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 
+_GGUF_QWEN35_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+_GGUF_QWEN35_BARE_NAMES = {"linear_attn.A_log": "ssm_a.", "linear_attn.dt_bias": "ssm_dt.bias"}
+
 
 def _llama_cpp_rope_factors(config: dict[str, Any]) -> Any:
     """The ``rope_freqs`` tensor llama.cpp writes for a Llama 3.x ``rope_scaling``."""
@@ -383,10 +396,12 @@ def make_tiny_gguf(
 ) -> Path:
     """Write a tiny model as a llama.cpp-style GGUF file at `path` and return it.
 
-    `family` is ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"gemma3_text"`` (GGUF arch ``gemma3``,
-    six layers in Gemma 3's fixed 5-sliding-1-global layout). The weights come
-    from `source` (a `make_tiny_model` directory of that family, whose config.json a
-    gemma3_text GGUF rewrites to Gemma 3's layout, as llama.cpp assumes it) or a fresh one;
+    `family` is ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"`` (GGUF arch ``gemma3``,
+    six layers in Gemma 3's fixed 5-sliding-1-global layout) or ``"qwen3_5"`` (GGUF arch
+    ``qwen35``: V heads tiled over K heads, ``A = -exp(A_log)``, conv1d squeezed and F32).
+    The weights come from `source` (a `make_tiny_model` directory of that family, whose
+    config.json a gemma3_text GGUF rewrites to Gemma 3's layout, as llama.cpp assumes it) or
+    a fresh one;
     2-D matrices are stored as `quant` (``"F32"`` or ``"Q8_0"``), everything else
     as F32, with llama.cpp's own rewrites (llama Q/K row permutation, Gemma norms
     stored as ``1 + w``, a llama source's ``llama3`` ``rope_scaling`` stored as the
@@ -396,9 +411,9 @@ def make_tiny_gguf(
     import tempfile
 
     path = Path(path)
-    if family not in ("llama", "gemma3_text", "qwen2", "qwen3"):
+    if family not in ("llama", "gemma3_text", "qwen2", "qwen3", "qwen3_5"):
         raise ValueError(
-            f"make_tiny_gguf supports llama, gemma3_text, qwen2 and qwen3, not {family!r}"
+            f"make_tiny_gguf supports llama, gemma3_text, qwen2, qwen3 and qwen3_5, not {family!r}"
         )
     if source is None:
         # A fresh source model, in a folder removed once the GGUF file is written.
@@ -419,13 +434,17 @@ def _write_tiny_gguf(family: str, path: Path, source: Path, quant: str) -> Path:
         # GGUF has no field for these; llama.cpp assumes Gemma 3's values, so the source must too.
         config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
         (source / "config.json").write_text(json.dumps(config, indent=2))
-    arch = {"gemma3_text": "gemma3"}.get(family, family)
+    arch = {"gemma3_text": "gemma3", "qwen3_5": "qwen35"}.get(family, family)
     weights = {
-        k: np.array(v.astype(mx.float32))
+        k.removeprefix("language_model."): np.array(v.astype(mx.float32))
         for k, v in mx.load(str(source / "model.safetensors")).items()
     }
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen35":
+        config = {**config["text_config"], "tie_word_embeddings": config["tie_word_embeddings"]}
+        weights = _llama_cpp_qwen35(weights, config)
+        _add_gguf_qwen35_hparams(writer, config)
     _add_gguf_hparams(writer, arch, config)
     _add_gguf_tokenizer(writer, source)
     _add_gguf_tensors(writer, arch, config, weights, quant)
@@ -454,6 +473,57 @@ def _add_gguf_hparams(writer: Any, arch: str, config: dict[str, Any]) -> None:
     if arch == "llama" and scaling.get("rope_type") == "llama3":
         writer.add_uint32(f"{arch}.rope.dimension_count", config["head_dim"])
         writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(config))
+
+
+def _tiled_v_heads(w: Any, axis: int, *, n_k: int, head_dim: int) -> Any:
+    # llama.cpp's converter stores linear-attention V heads tiled over the K heads.
+    import numpy as np
+
+    w = np.moveaxis(w, axis, 0)
+    n = w.shape[0]
+    w = w.reshape(n_k, n // head_dim // n_k, head_dim, *w.shape[1:]).swapaxes(0, 1)
+    return np.moveaxis(w.reshape(n, *w.shape[3:]), 0, axis)
+
+
+def _llama_cpp_qwen35(weights: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen 3.5's linear-attention tensors as llama.cpp's converter rewrites them (its norms
+    are already stored with the 1 added, as llama.cpp stores them)."""
+    import numpy as np
+
+    n_k, head_v = config["linear_num_key_heads"], config["linear_value_head_dim"]
+    qk = 2 * n_k * config["linear_key_head_dim"]
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("A_log"):
+            w = -np.exp(w)
+        if name.endswith(("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
+            w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=1)
+        elif name.endswith("in_proj_z.weight"):
+            w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=head_v)
+        elif name.endswith("out_proj.weight"):
+            w = _tiled_v_heads(w, 1, n_k=n_k, head_dim=head_v)
+        elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            w = np.concatenate([w[:qk], _tiled_v_heads(w[qk:], 0, n_k=n_k, head_dim=head_v)])
+        if name.endswith("conv1d.weight"):
+            w = w[:, :, 0]
+        out[name] = w
+    return out
+
+
+def _add_gguf_qwen35_hparams(writer: Any, config: dict[str, Any]) -> None:
+    """Qwen 3.5's gated-delta sizes, full-attention interval and partial rope."""
+    n_v = config["linear_num_value_heads"]
+    writer.add_uint32("qwen35.ssm.conv_kernel", config["linear_conv_kernel_dim"])
+    writer.add_uint32("qwen35.ssm.state_size", config["linear_key_head_dim"])
+    writer.add_uint32("qwen35.ssm.group_count", config["linear_num_key_heads"])
+    writer.add_uint32("qwen35.ssm.time_step_rank", n_v)
+    writer.add_uint32("qwen35.ssm.inner_size", config["linear_value_head_dim"] * n_v)
+    writer.add_uint32("qwen35.full_attention_interval", config["full_attention_interval"])
+    rope = config["rope_parameters"]
+    rope_dims = int(config["head_dim"] * rope["partial_rotary_factor"])
+    writer.add_uint32("qwen35.rope.dimension_count", rope_dims)
+    writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+    config["rope_theta"] = rope["rope_theta"]
 
 
 def _add_gguf_tokenizer(writer: Any, source: Path) -> None:
@@ -486,7 +556,9 @@ def _add_gguf_tensors(
     import numpy as np
     from gguf.quants import quantize
 
-    layer_names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    layer_names = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES, "qwen35": _GGUF_QWEN35_LAYER_NAMES}.get(
+        arch, _GGUF_LAYER_NAMES
+    )
     qtype = getattr(gguf.GGMLQuantizationType, quant)
     for name, w in weights.items():
         if name == "model.embed_tokens.weight":
@@ -497,8 +569,10 @@ def _add_gguf_tensors(
             gguf_name = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
+            if rest in _GGUF_QWEN35_BARE_NAMES:
+                rest = _GGUF_QWEN35_BARE_NAMES[rest]
             module, _, kind = rest.rpartition(".")
-            gguf_name = f"blk.{layer}.{layer_names[module]}.{kind}"
+            gguf_name = f"blk.{layer}.{layer_names.get(module, module)}.{kind}".removesuffix(".")
         if arch == "llama" and gguf_name.endswith("attn_q.weight"):
             w = _llama_cpp_permute(w, config["num_attention_heads"])
         elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
@@ -506,7 +580,8 @@ def _add_gguf_tensors(
         if arch == "gemma3" and gguf_name.endswith("norm.weight"):
             w = w + 1.0
         w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        quantizable = w.ndim == 2 and w.shape[1] % 32 == 0  # conv1d kernels stay F32
+        if quantizable and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, w)

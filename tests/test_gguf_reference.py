@@ -7,11 +7,12 @@ model (`make_tiny_model`, safetensors) is written with the `gguf` package alone,
 llama.cpp's converter uses it: tensor names from `gguf.get_tensor_name_map` (built from
 ``gguf.TENSOR_NAMES`` per architecture), hyper-parameters through the writer's named
 setters (``gguf.Keys``), llama.cpp's rewrites of the weights (llama's Q/K row interleave,
-Gemma's norms stored as ``1 + w``), the vocabulary as ``gpt2`` tokens with token types from
-the Hugging Face tokenizer, and merges, special token ids, ``add_bos_token`` and the chat
-template from `gguf.SpecialVocab`. The imported model's logits are compared with the
-source's, loaded from its safetensors (for F16 and Q8_0 files: with its weights rounded
-as the file holds them).
+Gemma's norms stored as ``1 + w``; Qwen 3.5's linear-attention V heads tiled over the K
+heads, ``A = -exp(A_log)``, conv1d kernels squeezed), the vocabulary as ``gpt2`` tokens
+with token types from the Hugging Face tokenizer, and merges, special token ids,
+``add_bos_token`` and the chat template from `gguf.SpecialVocab`. The imported model's
+logits are compared with the source's, loaded from its safetensors (for F16 and Q8_0
+files: with its weights rounded as the file holds them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ARCHS = {
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "qwen3_5": gguf.MODEL_ARCH.QWEN35,
 }
 SAMPLE = "The Eiffel Tower is located in the city of Paris. 123 def add(a, b):"
 TEXTS = (SAMPLE, "  two spaces\nand a newline", "<|im_start|>user\nhi<|im_end|>")
@@ -88,6 +90,40 @@ def interleave_rotary_halves(w: np.ndarray, n_head: int) -> np.ndarray:
     return w[order]
 
 
+def tile_v_heads(w: np.ndarray, axis: int, n_k: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's reordering of Qwen 3.5's linear-attention V heads along `axis`: file
+    head ``j * n_k + k`` is Hugging Face head ``k * per_k + j`` (V heads grouped by K head
+    become tiled over the K heads)."""
+    n_heads = w.shape[axis] // head_dim
+    per_k = n_heads // n_k
+    j, k = np.meshgrid(np.arange(per_k), np.arange(n_k), indexing="ij")
+    heads = (k * per_k + j).ravel()
+    order = (heads[:, None] * head_dim + np.arange(head_dim)).ravel()
+    return np.take(w, order, axis=axis)
+
+
+def qwen35_like_llama_cpp(hf_name: str, w: np.ndarray, text: dict) -> tuple[str, np.ndarray]:
+    """A Qwen 3.5 tensor as llama.cpp's converter rewrites it (the name it maps, the array);
+    mlx-lm's norms already hold the 1 that llama.cpp adds to Hugging Face's."""
+    n_k, head_v = text["linear_num_key_heads"], text["linear_value_head_dim"]
+    qk = 2 * n_k * text["linear_key_head_dim"]
+    if hf_name.endswith(".A_log"):
+        w = -np.exp(w)
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    if hf_name.endswith((".A_log", ".dt_proj.bias", "in_proj_a.weight", "in_proj_b.weight")):
+        w = tile_v_heads(w, 0, n_k, 1)
+    elif hf_name.endswith("in_proj_z.weight"):
+        w = tile_v_heads(w, 0, n_k, head_v)
+    elif hf_name.endswith("out_proj.weight"):
+        w = tile_v_heads(w, 1, n_k, head_v)
+    elif hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        w = np.concatenate([w[:qk], tile_v_heads(w[qk:], 0, n_k, head_v)])
+    if hf_name.endswith("conv1d.weight"):
+        w = w.squeeze()
+    return hf_name, w
+
+
 def add_vocab(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
     """The tokenizer metadata of a byte-level BPE model, as llama.cpp's converter writes it:
     every id up to the model's vocabulary size (unknown ids as unused ``[PAD<id>]``),
@@ -119,6 +155,8 @@ def add_vocab(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
 def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Path:
     arch = ARCHS[family]
     hp = json.loads((src / "config.json").read_text())
+    if arch == gguf.MODEL_ARCH.QWEN35:
+        hp = {**hp["text_config"], **hp["text_config"]["rope_parameters"]}
     n_layers = hp["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"tiny {family}")
@@ -137,6 +175,15 @@ def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Pa
         writer.add_rope_dimension_count(hp["head_dim"])
     if arch == gguf.MODEL_ARCH.GEMMA3:
         writer.add_sliding_window(hp["sliding_window"])
+    if arch == gguf.MODEL_ARCH.QWEN35:
+        writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(hp["linear_key_head_dim"])
+        writer.add_ssm_group_count(hp["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+        writer.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+        writer.add_full_attention_interval(hp["full_attention_interval"])
+        writer.add_rope_dimension_count(int(hp["head_dim"] * hp["partial_rotary_factor"]))
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     assert outtype in OUTTYPES
     file_type = {
         "F32": gguf.LlamaFileType.ALL_F32,
@@ -149,16 +196,19 @@ def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Pa
 
     names = gguf.get_tensor_name_map(arch, n_layers)
     for hf_name, value in mx.load(str(src / "model.safetensors")).items():
+        w = np.array(value.astype(mx.float32))
+        if arch == gguf.MODEL_ARCH.QWEN35:
+            hf_name, w = qwen35_like_llama_cpp(hf_name.removeprefix("language_model."), w, hp)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"gguf's tensor map has no name for {hf_name}"
-        w = np.array(value.astype(mx.float32))
         if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("self_attn.q_proj.weight"):
             w = interleave_rotary_halves(w, hp["num_attention_heads"])
         elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("self_attn.k_proj.weight"):
             w = interleave_rotary_halves(w, hp["num_key_value_heads"])
         if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
             w = w + 1.0
-        if w.ndim < 2 or outtype == "F32":  # 1-D tensors (norms, biases) stay F32
+        # 1-D tensors (norms, biases) and conv kernels stay F32, as llama.cpp keeps them.
+        if w.ndim < 2 or outtype == "F32" or name.endswith("ssm_conv1d.weight"):
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
         elif outtype == "F16":
             writer.add_tensor(name, w.astype(np.float16))
@@ -180,11 +230,21 @@ def rounded_copy(src: Path, directory: Path, outtype: str) -> Path:
         if f.name != "model.safetensors":
             (directory / f.name).write_bytes(f.read_bytes())
     qtype = getattr(gguf.GGMLQuantizationType, outtype)
+    text = json.loads((src / "config.json").read_text()).get("text_config", {})
+
+    def rounded(w: np.ndarray) -> np.ndarray:
+        return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+
     weights = {}
     for name, value in mx.load(str(src / "model.safetensors")).items():
         w = np.array(value.astype(mx.float32))
-        if w.ndim == 2:
-            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+        if name.endswith("linear_attn.out_proj.weight"):
+            # Q8_0 blocks run along the columns, which the file holds with V heads tiled.
+            n_k, head_v = text["linear_num_key_heads"], text["linear_value_head_dim"]
+            order = tile_v_heads(np.arange(w.shape[1])[None], 1, n_k, head_v)[0]
+            w = rounded(w[:, order])[:, np.argsort(order)]
+        elif w.ndim == 2:
+            w = rounded(w)
         weights[name] = mx.array(w.astype(np.float32))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     return directory

@@ -21,7 +21,12 @@ Terms:
   the cache's conversions of the same file by other converter versions (never used
   again) are deleted.
 
-Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``; tensor types:
+Qwen 3.5 (``qwen35``, mlx-lm's ``qwen3_5``) also gets its gated-delta layers back:
+``A = -exp(A_log)`` logged again, the squeezed conv1d kernel given its axis back, and the
+linear attention's V heads, which llama.cpp tiles over the K heads, grouped by K head again.
+
+Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``, ``qwen35`` (dense, text
+only); tensor types:
 whatever `gguf.quants.dequantize` handles (F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K...).
 """
 
@@ -66,12 +71,19 @@ def converter_tag(dtype: str) -> str:
 
 _SAMPLE_BYTES = 1 << 20
 
-_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {
+    "llama": "llama",
+    "gemma3": "gemma3_text",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen35": "qwen3_5",
+}
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 
 # GGUF tensor name (after "blk.N.") -> mlx-lm name (after "model.layers.N.").
@@ -95,6 +107,21 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Qwen 3.5: the full-attention layers' norms, plus the gated-delta (linear attention) layers.
+_QWEN35_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# Tensors without a ``.weight``/``.bias`` kind: GGUF name (after "blk.N.") -> mlx-lm name.
+_QWEN35_BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen35": _QWEN35_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -204,6 +231,36 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
     eos = list(dict.fromkeys(eos))
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return _qwen35_config(meta, config) if arch == "qwen35" else config
+
+
+def _qwen35_config(meta: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's nested ``qwen3_5`` config around the common `text` fields."""
+
+    def get(key: str) -> Any:
+        if f"qwen35.{key}" not in meta:
+            raise GGUFError(f"This qwen35 GGUF lacks 'qwen35.{key}', which the model needs.")
+        return meta[f"qwen35.{key}"]
+
+    outer = ("model_type", "architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    config = {key: text[key] for key in outer if key in text}
+    n_v, n_k = get("ssm.time_step_rank"), get("ssm.group_count")
+    text = {
+        **text,
+        "model_type": "qwen3_5_text",
+        "full_attention_interval": get("full_attention_interval"),
+        "linear_num_value_heads": n_v,
+        "linear_num_key_heads": n_k,
+        "linear_key_head_dim": get("ssm.state_size"),
+        "linear_value_head_dim": get("ssm.inner_size") // n_v,
+        "linear_conv_kernel_dim": get("ssm.conv_kernel"),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": text["rope_theta"],
+            "partial_rotary_factor": get("rope.dimension_count") / text["head_dim"],
+        },
+    }
+    config["text_config"] = {k: v for k, v in text.items() if k != "architectures"}
     return config
 
 
@@ -279,12 +336,16 @@ def _mlx_name(gguf_name: str, arch: str) -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base in _SKIPPED:
         return None
+    prefix = "language_model." if arch == "qwen35" else ""  # mlx-lm's qwen3_5 nests its LM
     if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{kind}"
+        return f"{prefix}{_GLOBAL_NAMES[base]}.{kind}"
+    bare = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if arch == "qwen35" and bare and bare.group(2) in _QWEN35_BARE_NAMES:
+        return f"{prefix}model.layers.{bare.group(1)}.{_QWEN35_BARE_NAMES[bare.group(2)]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
     if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
+        return f"{prefix}model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
     raise UnsupportedModelError(
         f"GGUF tensor '{gguf_name}' has no counterpart in the {arch} model; "
         "the file's layout is not one this converter knows."
@@ -317,6 +378,39 @@ def _tensor(tensor, arch: str, config: dict[str, Any]) -> np.ndarray:
             w = _unpermute(w, config["num_key_value_heads"])
     if arch == "gemma3" and name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp stored 1 + w; mlx-lm's Gemma RMSNorm adds the 1 back
+    if arch == "qwen35":
+        w = _qwen35_tensor(name, w, config["text_config"])
+    return w
+
+
+def _grouped_v_heads(w: np.ndarray, axis: int, *, n_k: int, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's V-head reorder along `axis`: it stores the linear attention's V heads
+    tiled over the K heads (k0 k1 k0 k1...); mlx-lm groups them by K head (k0 k0 k1 k1...)."""
+    w = np.moveaxis(w, axis, 0)
+    n = w.shape[0]
+    per_k = n // head_dim // n_k
+    w = w.reshape(per_k, n_k, head_dim, *w.shape[1:]).swapaxes(0, 1).reshape(n, *w.shape[1:])
+    return np.moveaxis(w, 0, axis)
+
+
+def _qwen35_tensor(name: str, w: np.ndarray, text: dict[str, Any]) -> np.ndarray:
+    """A Qwen 3.5 tensor back in mlx-lm's form (its norms are stored as mlx-lm keeps them)."""
+    n_k, n_v = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    head_v = text["linear_value_head_dim"]
+    qk = 2 * n_k * text["linear_key_head_dim"]
+    regroup = n_k != n_v
+    if name.endswith(".ssm_a"):
+        w = np.log(-w)  # llama.cpp stores A = -exp(A_log)
+    if regroup and name.endswith((".ssm_a", ".ssm_dt.bias", "ssm_alpha.weight", "ssm_beta.weight")):
+        w = _grouped_v_heads(w, 0, n_k=n_k, head_dim=1)
+    elif regroup and name.endswith("attn_gate.weight"):
+        w = _grouped_v_heads(w, 0, n_k=n_k, head_dim=head_v)
+    elif regroup and name.endswith("ssm_out.weight"):
+        w = _grouped_v_heads(w, 1, n_k=n_k, head_dim=head_v)
+    elif regroup and name.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        w = np.concatenate([w[:qk], _grouped_v_heads(w[qk:], 0, n_k=n_k, head_dim=head_v)])
+    if name.endswith("ssm_conv1d.weight"):
+        w = w[:, :, None]  # llama.cpp squeezed the conv's input-channel axis
     return w
 
 
@@ -492,7 +586,8 @@ def _model_config(reader: Any, meta: dict[str, Any], path: Path) -> tuple[str, d
         raise GGUFError(f"'{path}' has no tokenizer in its metadata, so it cannot be used alone.")
     tensor_names = {t.name for t in reader.tensors}
     config = _config(meta, arch, tensor_names)
-    if None in (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]):
+    text = config.get("text_config", config)
+    if None in (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]):
         raise GGUFError(f"'{path}' lacks the {arch}.* hyper-parameters needed to build the model.")
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:

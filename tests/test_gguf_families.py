@@ -1,0 +1,130 @@
+"""GGUF import of the hybrid families: a tiny ``qwen3_5`` written the way llama.cpp's
+converter writes ``qwen35`` (V heads tiled, ``A = -exp(A_log)``, conv1d squeezed) converts
+back into the same weights, config and greedy tokens as stock mlx-lm's model, and
+llama.cpp itself (llama-cpp-python, where installed) runs that file to the same tokens."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import generate, load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_nbengine.errors import GGUFError, UnsupportedModelError
+from mlx_nbengine.models.gguf import convert
+from mlx_nbengine.testing import make_tiny_gguf, make_tiny_model
+
+PROMPT = "The Eiffel Tower is located in the city of"
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """A tiny qwen3_5 source, its F32 GGUF, and that GGUF converted."""
+    base = tmp_path_factory.mktemp("qwen35")
+    src = make_tiny_model("qwen3_5", base / "src")
+    gguf_file = make_tiny_gguf("qwen3_5", base / "tiny.gguf", source=src, quant="F32")
+    out = convert(gguf_file, output_dir=base / "out", dtype="float32", show_bar=False)
+    return src, gguf_file, out
+
+
+def test_qwen35_round_trip_gives_every_weight_back(qwen3_5):
+    src, _, out = qwen3_5
+    before = mx.load(str(src / "model.safetensors"))
+    after = mx.load(str(out / "model.safetensors"))
+    assert set(after) == set(before)
+    for name, w in before.items():
+        assert np.allclose(np.array(after[name]), np.array(w), atol=1e-6), name
+
+
+def test_qwen35_config_matches_the_source(qwen3_5):
+    src, _, out = qwen3_5
+    source = json.loads((src / "config.json").read_text())
+    result = json.loads((out / "config.json").read_text())
+    assert result["model_type"] == "qwen3_5"
+    text, rope = dict(source["text_config"]), source["text_config"]["rope_parameters"]
+    del text["rope_parameters"]  # its type key is spelled as mlx-lm rewrote it
+    for key, value in text.items():
+        assert result["text_config"][key] == pytest.approx(value), key
+    got = result["text_config"]["rope_parameters"]
+    assert got["rope_theta"] == rope["rope_theta"]
+    assert got["partial_rotary_factor"] == rope["partial_rotary_factor"]
+
+
+def test_qwen35_greedy_tokens_equal_stock_mlx_lm(qwen3_5):
+    src, _, out = qwen3_5
+    answers = []
+    for directory in (src, out):
+        model, tokenizer = load(str(directory))
+        answers.append(generate(model, tokenizer, PROMPT, max_tokens=16, sampler=make_sampler(0.0)))
+    assert answers[0] == answers[1]
+
+
+def test_qwen35_q8_0_converts_close_to_the_source(tmp_path):
+    src = make_tiny_model("qwen3_5", tmp_path / "src")
+    gguf_file = make_tiny_gguf("qwen3_5", tmp_path / "q8.gguf", source=src, quant="Q8_0")
+    out = convert(gguf_file, output_dir=tmp_path / "out", dtype="float32", show_bar=False)
+    before = mx.load(str(src / "model.safetensors"))
+    after = mx.load(str(out / "model.safetensors"))
+    for name, w in before.items():
+        w = np.array(w)
+        assert np.abs(np.array(after[name]) - w).max() <= 0.01 * np.abs(w).max() + 1e-6, name
+
+
+def test_qwen35_without_its_linear_attention_sizes_is_one_line(qwen3_5, tmp_path):
+    import gguf
+
+    _, gguf_file, _ = qwen3_5
+    reader = gguf.GGUFReader(str(gguf_file))
+    path = tmp_path / "partial.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_uint32("qwen35.embedding_length", 64)
+    writer.add_uint32("qwen35.block_count", 4)
+    writer.add_uint32("qwen35.attention.head_count", 2)
+    writer.add_token_list(list(reader.fields["tokenizer.ggml.tokens"].contents()))
+    writer.add_tensor("token_embd.weight", np.zeros((512, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"lacks 'qwen35\.ssm\.") as e:
+        convert(path, output_dir=tmp_path / "out", show_bar=False)
+    assert "\n" not in str(e.value)
+
+
+def greedy_mlx(directory, ids: list[int], n: int) -> list[int]:
+    model, _ = load(str(directory))
+    steps = generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0))
+    return [int(token) for token, _ in steps]
+
+
+def test_llama_cpp_runs_the_written_qwen35_gguf_to_our_greedy_tokens(qwen3_5):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, gguf_file, out = qwen3_5
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, n_threads=1, verbose=False)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True)
+    llm.eval(ids)
+    theirs = []
+    for _ in range(12):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    assert theirs == greedy_mlx(out, ids, 12)
+
+
+def test_a_qwen35_moe_gguf_is_refused_in_one_line(tmp_path):
+    import gguf
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'qwen35moe' .* not supported") as e:
+        convert(path, output_dir=tmp_path / "out", show_bar=False)
+    assert "\n" not in str(e.value)
