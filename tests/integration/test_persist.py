@@ -3,7 +3,7 @@ outlives the process, for the same model only; a busy DIR, a full disk and an un
 handled without losing an answer.
 
 The restart test runs real second (and third) Python processes on a tiny model; the rest
-runs engines in this process. Store-level faults are in tests/cache/test_store_faults.py.
+runs engines in this process. Store-level faults are in tests/integration/test_store_faults.py.
 """
 
 from __future__ import annotations
