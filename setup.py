@@ -3,7 +3,7 @@
 setuptools' ``editable_wheel`` installs the data files (the lab extension, under
 ``share/jupyter/labextensions/``) only where ``distribution.has_data()`` says there are
 some, and `Distribution` names that method ``has_data_files``: ``pip install -e .`` would
-leave JupyterLab without the extension. tests/test_labextension.py checks the editable
+leave JupyterLab without the extension. tests/integration/test_labextension.py checks the editable
 install of the test environment has it.
 """
 

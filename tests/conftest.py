@@ -9,16 +9,34 @@ and returns its path; tests that need a model load it with
 Every test runs offline: `offline_hub` (autouse, whole session) sets ``HF_HUB_OFFLINE=1``
 and points ``HF_HOME`` / ``HF_HUB_CACHE`` at an empty temporary folder, so no test reads
 the machine's Hugging Face cache or reaches the network (kernels started by tests inherit it).
+
+Layout: the tests mirror the package (``cache/``, ``engine/``, ``models/``, ``notebook/``,
+``server/``, ``project/`` for the repository-wide checks), plus ``integration/`` (compiled
+kernels, subprocesses, Jupyter kernels, ranks, the agent CLIs, llama.cpp, the default model)
+and ``browser/`` (Chromium). A test gets the marker of its folder (`MARKED_FOLDERS`), so
+``pytest -m "not integration and not browser"`` is the everyday run. The helpers here
+(`fakes`, `needs`, `kernelwatch`, ...) and every test folder are on ``sys.path``: tests
+import helpers and each other's modules by their bare names.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from mlx_nbengine._blas import ensure_fast_blas
+
+TESTS = Path(__file__).resolve().parent
+# The package's folders (unit tests) and the folders whose tests carry a marker.
+UNIT_FOLDERS = ("cache", "engine", "models", "notebook", "server", "project")
+MARKED_FOLDERS = ("integration", "browser")
+
+for _folder in (*UNIT_FOLDERS, *MARKED_FOLDERS):
+    if str(TESTS / _folder) not in sys.path:
+        sys.path.append(str(TESTS / _folder))
 
 # Before any test imports MLX: bind MLX's matmuls to the optimized BLAS (Linux CPU).
 ensure_fast_blas()
@@ -32,6 +50,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     if IN_CI and (absent := missing_in_ci()):
         pytest.exit("CI=true, but " + "; ".join(absent), returncode=1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The marker comes from where the test lives: tests/integration/... is `integration`.
+    for item in items:
+        folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        if folder in MARKED_FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""The kernel sets a test of our CPU kernels runs on (tests/test_qkernels.py,
+"""The kernel sets a test of our CPU kernels runs on (tests/integration/test_qkernels.py,
 test_rowops.py, test_attention_kernel.py, test_decode_layer.py): each vectorized set this
 CPU has, and the portable one always.
 

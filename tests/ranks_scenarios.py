@@ -1,6 +1,6 @@
 """Scenarios of a model sharded over two local ranks, each run in a process of its own.
 
-`tests/test_ranks.py` runs ``python tests/ranks_scenarios.py SCENARIO MODEL CACHE_DIR
+`tests/integration/test_ranks.py` runs ``python tests/ranks_scenarios.py SCENARIO MODEL CACHE_DIR
 [SHARD]`` with a timeout and reads the one JSON line it prints last. A process of its own
 per scenario: MLX makes one distributed group per process, for its whole life, so every
 sharded engine needs a fresh process (a kernel restart, in a notebook).
@@ -199,7 +199,7 @@ def main() -> None:
         return
     if scenario == "behaviour":
         result = behaviour(model, cache_dir, rest[0] if rest else None)
-    elif scenario == "ssh":  # rank 1 over ssh (tests/test_ranks.py: where sshd lets us in)
+    elif scenario == "ssh":  # rank 1 over ssh (integration/test_ranks.py: where sshd lets us in)
         cold = single_process(model, cache_dir)
         engine = Engine.load(model, hosts=["127.0.0.1", rest[0]], block_size=16)
         worker = engine.stats()["sharded"]["workers"][0]

@@ -1,6 +1,6 @@
 """The pinned agent CLIs (Codex, Claude Code) run against a server on 127.0.0.1.
 
-Shared by `tests/test_agent_clis.py` (against our server) and `capture.py` (against
+Shared by `tests/integration/test_agent_clis.py` (against our server) and `capture.py` (against
 `recorder.Recorder`, for the first-request fixtures). Each run gets homes of its own under
 the folder it is given (HOME, CODEX_HOME, the XDG folders), stdin from /dev/null, proxies
 pointed at a closed port (so anything not on loopback fails at once; loopback is exempt)
