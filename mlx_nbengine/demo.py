@@ -17,7 +17,7 @@ Terms:
 - *quick run* (``--quick``): the story's `%%llm` cells sent straight to an `Engine` (no
   kernel, no notebook), with each answer's blocks drawn as one line of letters.
 - *row*: one `%%llm` answer of the story: prompt tokens, tokens restored (from memory /
-  from disk), tokens computed, time to first token (`render.answer_facts`). The notebook
+  from disk), tokens computed, time to first token (`summary.answer_facts`). The notebook
   face puts these facts in each answer display's metadata; the notebook run reads them
   back from the saved notebook, the quick run takes them from its completions.
 - *document*: answers whose prompts share their first block (the same long document) are
@@ -47,7 +47,7 @@ from mlx_nbengine.engine import Engine
 from mlx_nbengine.engine.results import Report
 from mlx_nbengine.models.loader import resolve
 from mlx_nbengine.notebook.export import notebook_to_html
-from mlx_nbengine.notebook.render import ANSWER_METADATA_KEY, answer_facts, summary_line
+from mlx_nbengine.notebook.summary import ANSWER_METADATA_KEY, answer_facts, summary_line
 
 __all__ = [
     "CellFailed",

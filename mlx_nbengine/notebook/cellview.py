@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mlx_nbengine.notebook.answerview import AnswerView, TerminalView
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict, image_dicts, image_spans
-from mlx_nbengine.notebook.render import AnswerView, StripFeed, TerminalView
+from mlx_nbengine.notebook.stripfeed import StripFeed
 
 __all__ = ["answer_view", "image_thumbs", "show_block_map", "strip_feed", "warn_saving", "widgets"]
 

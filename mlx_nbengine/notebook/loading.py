@@ -17,8 +17,9 @@ from typing import Any
 
 from mlx_nbengine.errors import EngineError, SessionError
 from mlx_nbengine.models import sources
-from mlx_nbengine.notebook.render import format_bytes, progress_bundle
+from mlx_nbengine.notebook.render import progress_bundle
 from mlx_nbengine.notebook.streaming import short_error
+from mlx_nbengine.notebook.words import format_bytes
 
 __all__ = ["load_with_progress", "starts_with_download", "takes_progress"]
 

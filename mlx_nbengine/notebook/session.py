@@ -32,17 +32,10 @@ from mlx_nbengine.models import list_local_models, sources
 from mlx_nbengine.models.default import INSTALL_COMMAND
 from mlx_nbengine.notebook import cellview
 from mlx_nbengine.notebook.chat import ChatBook, turn_key
+from mlx_nbengine.notebook.imagesview import images_bundle
 from mlx_nbengine.notebook.livestore import LiveStores
 from mlx_nbengine.notebook.loading import load_with_progress
 from mlx_nbengine.notebook.prompting import build_prompt, sampling_options
-from mlx_nbengine.notebook.render import (
-    cache_rows,
-    format_bytes,
-    images_bundle,
-    key_value_bundle,
-    models_bundle,
-    models_text,
-)
 from mlx_nbengine.notebook.streaming import (
     CANCEL_GRACE_S,
     BackgroundAnswer,
@@ -50,6 +43,8 @@ from mlx_nbengine.notebook.streaming import (
     follow,
     short_error,
 )
+from mlx_nbengine.notebook.tables import cache_rows, key_value_bundle, models_bundle, models_text
+from mlx_nbengine.notebook.words import format_bytes
 
 __all__ = [
     "LLMSession",

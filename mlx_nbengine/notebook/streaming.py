@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_nbengine.engine.results import Finished
 from mlx_nbengine.errors import EngineError
-from mlx_nbengine.notebook.render import AnswerView, prefill_stop_phrase, stopped_in_prefill
+from mlx_nbengine.notebook.answerview import AnswerView
+from mlx_nbengine.notebook.summary import prefill_stop_phrase, stopped_in_prefill
 
 if TYPE_CHECKING:
     from mlx_nbengine.notebook.prompting import ChatTurn

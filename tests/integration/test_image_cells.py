@@ -28,7 +28,7 @@ from test_kernel import (  # noqa: E402
     widget_state,
 )
 
-# The summary line that ends a finished answer (see render.summary_line).
+# The summary line that ends a finished answer (see summary.summary_line).
 SUMMARY = re.compile(
     r"\d[\d,]* prompt tokens(: [\d,]+ restored.*computed|, all computed); .*"
     r"(end of text after|stopped at max tokens \(|stopped after)"

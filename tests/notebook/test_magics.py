@@ -32,17 +32,13 @@ from mlx_nbengine.engine.results import BlockReport, Completion, Finished
 from mlx_nbengine.engine.results import Report as EngineReport
 from mlx_nbengine.errors import ImageError, ModelDownloadError, ModelNotFoundError
 from mlx_nbengine.notebook import magics as magics_mod
+from mlx_nbengine.notebook.answerview import AnswerView, TerminalView
 from mlx_nbengine.notebook.chat import Conversation, PendingTurnError, turn_key
-from mlx_nbengine.notebook.render import (
-    AnswerView,
-    StripFeed,
-    TerminalView,
-    cache_rows,
-    escape_markdown_html,
-    pre_text,
-    summary_line,
-)
+from mlx_nbengine.notebook.render import escape_markdown_html, pre_text
 from mlx_nbengine.notebook.streaming import GenerationInterrupted
+from mlx_nbengine.notebook.stripfeed import StripFeed
+from mlx_nbengine.notebook.summary import summary_line
+from mlx_nbengine.notebook.tables import cache_rows
 
 # -- a fake engine speaking the engine's own types (mlx_nbengine.engine.results, events) ----
 

@@ -18,7 +18,7 @@ from mlx_nbengine.engine import BlockEvent
 from mlx_nbengine.engine.events import Finished
 from mlx_nbengine.notebook import widgets
 from mlx_nbengine.notebook.blockinfo import block_dicts, edit_dict
-from mlx_nbengine.notebook.render import StripFeed
+from mlx_nbengine.notebook.stripfeed import StripFeed
 
 BS = 16
 
