@@ -192,7 +192,7 @@ def _default_dtype() -> str | None:
     return "float32" if _on_cpu() else None
 
 
-# The default model's weights on the CPU where our kernels run (tests/test_default_q8.py
+# The default model's weights on the CPU where our kernels run (tests/integration/test_default_q8.py
 # measures what it loses against float32).
 DEFAULT_CPU_BITS = 8
 DEFAULT_CPU_GROUP_SIZE = 32

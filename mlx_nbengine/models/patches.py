@@ -1,6 +1,6 @@
 """Every reach into mlx-lm's and mlx-vlm's private parts, where they offer no public way.
 
-Each function says why it reaches. tests/test_patches.py checks each against the installed
+Each function says why it reaches. tests/models/test_patches.py checks each against the installed
 libraries, so a change underneath fails there, by name, not somewhere in a restore.
 
 - *window cache*: mlx-lm's `RotatingKVCache`, a buffer of the last ``max_size`` tokens that
