@@ -40,6 +40,8 @@ SOURCES = (
     "blas.h",
     "block_tail.cpp",
     "block_tail.h",
+    "gated_delta.cpp",
+    "gated_delta.h",
     "gated_mlp.cpp",
     "gated_mlp.h",
     "qgemm.cpp",

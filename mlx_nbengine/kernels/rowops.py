@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_nbengine.kernels as _kernels
 from mlx_nbengine import _blas
 
-__all__ = ["gelu_tanh_mul", "rms_norm", "rope"]
+__all__ = ["gelu_tanh_mul", "rms_norm", "rope", "silu_mul"]
 
 
 def _module():
@@ -30,6 +30,17 @@ def gelu_tanh_mul(
     fit) for float32 arrays of one shape on the CPU: a GELU-gated MLP's activation, split
     over `threads` (default: the step's BLAS thread count)."""
     return _module().gelu_tanh_mul(
+        gate, up, isa or _kernels.status().isa, threads or _blas.current_threads()
+    )
+
+
+def silu_mul(
+    gate: mx.array, up: mx.array, *, isa: str | None = None, threads: int | None = None
+) -> mx.array:
+    """``silu(gate) * up`` for float32 arrays of one shape on the CPU (SwiGLU's activation;
+    silu(x) = x / (1 + exp(-x)), exp by the attention kernels' polynomial), split over
+    `threads` (default: the step's BLAS thread count)."""
+    return _module().silu_mul(
         gate, up, isa or _kernels.status().isa, threads or _blas.current_threads()
     )
 

@@ -203,3 +203,38 @@ def test_gelu_tanh_mul_gives_an_element_the_same_bits_wherever_it_falls(isa):
 def test_gelu_tanh_mul_refuses_arrays_that_do_not_fit():
     with pytest.raises(ValueError, match="one shape"):
         rowops.gelu_tanh_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_mul_matches_silu_times_up(isa):
+    # silu(x) = x / (1 + exp(-x)) with the attention kernels' exp (a few float32 ulps) and a
+    # divide: within 16 eps of the result's magnitude, measured at most 8.
+    isa_or_skip(isa)
+    for shape in ((1, 3584), (3, 37), (1030, 64), (5,)):
+        g, u = normal(shape, 41) * 4, normal(shape, 42)
+        got = np.array(rowops.silu_mul(g, u, isa=isa))
+        x = np.array(g, dtype=np.float64)
+        want = x / (1 + np.exp(-x)) * np.array(u, dtype=np.float64)
+        bound = 16 * EPS32 * np.abs(want) + 1e-30
+        assert got.shape == shape and np.all(np.abs(got - want) <= bound), shape
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_mul_is_exact_at_the_ends_of_exps_range(isa):
+    # Past exp's range (-x > 88) silu is below 1e-34 in magnitude, and so is ours.
+    isa_or_skip(isa)
+    g = mx.array([-1000.0, -100.0, -88.5, -87.0, 0.0, 1e-30, 87.0, 89.0, 100.0, 1000.0] * 3)
+    got = np.array(rowops.silu_mul(g, mx.ones_like(g), isa=isa))
+    x = np.array(g, dtype=np.float64)
+    want = x / (1 + np.exp(np.minimum(-x, 700)))
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - want) <= 16 * EPS32 * np.abs(want) + 1e-34)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_mul_gives_an_element_the_same_bits_wherever_it_falls(isa):
+    isa_or_skip(isa)
+    g, u = normal((9001,), 43) * 3, normal((9001,), 44)
+    whole = rowops.silu_mul(g, u, isa=isa, threads=2)
+    part = rowops.silu_mul(g[5:], u[5:], isa=isa, threads=1)
+    assert mx.array_equal(whole[5:], part).item()

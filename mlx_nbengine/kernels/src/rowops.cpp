@@ -160,6 +160,73 @@ MNB_AVX512 void gelu_mul_avx512(const float* g, const float* u, float* o, int64_
 #undef MNB_GELU_BODY
 #endif
 
+// --- silu(gate) * up ----------------------------------------------------------------------
+
+constexpr float kSiluExpMax = 88.0f; // exp(88) < FLT_MAX: 2^127 still fits the exponent
+
+// One element, as the vector forms compute each lane (FMA where they use it): silu(x) * u with
+// silu(x) = x / (1 + exp(-x)), exp by attention_math.h's polynomial on -x clamped to
+// [kExpMin, kSiluExpMax] (past them silu is 0 or x to float rounding).
+template <bool FMA>
+MNB_INLINE float silu_mul_one(float x, float u) {
+  auto madd = [](float a, float b, float c) { return FMA ? std::fma(a, b, c) : a * b + c; };
+  const float t = std::min(kSiluExpMax, std::max(attn::kExpMin, -x));
+  const float n = __builtin_rintf(t * attn::kLog2e);
+  const float r = (t - n * attn::kLn2Hi) - n * attn::kLn2Lo;
+  float p = attn::kExpC[0];
+  for (int i = 1; i < 8; ++i) {
+    p = madd(p, r, attn::kExpC[i]);
+  }
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return (x / (1.0f + p * scale)) * u;
+}
+
+void silu_mul_portable(const float* g, const float* u, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    o[i] = silu_mul_one<false>(g[i], u[i]);
+  }
+}
+
+#if defined(__x86_64__)
+// The vector forms, one per width: the same operations lane by lane as silu_mul_one<true>.
+#define MNB_SILU_BODY(W, V, P, ROUND, CAST)                                             \
+  int64_t i = 0;                                                                        \
+  for (; i + W <= n; i += W) {                                                          \
+    const V x = P##_loadu_ps(g + i);                                                    \
+    const V t = P##_min_ps(P##_set1_ps(kSiluExpMax),                                    \
+                           P##_max_ps(P##_set1_ps(attn::kExpMin),                       \
+                                      P##_sub_ps(P##_setzero_ps(), x)));                \
+    const V k = ROUND(P##_mul_ps(t, P##_set1_ps(attn::kLog2e)));                        \
+    const V r = P##_sub_ps(P##_sub_ps(t, P##_mul_ps(k, P##_set1_ps(attn::kLn2Hi))),     \
+                           P##_mul_ps(k, P##_set1_ps(attn::kLn2Lo)));                   \
+    V p = P##_set1_ps(attn::kExpC[0]);                                                  \
+    for (int c = 1; c < 8; ++c) {                                                       \
+      p = P##_fmadd_ps(p, r, P##_set1_ps(attn::kExpC[c]));                              \
+    }                                                                                   \
+    const V scale = CAST(P##_slli_epi32(                                                \
+        P##_add_epi32(P##_cvtps_epi32(k), P##_set1_epi32(127)), 23));                   \
+    const V e = P##_add_ps(P##_set1_ps(1.0f), P##_mul_ps(p, scale));                    \
+    P##_storeu_ps(o + i, P##_mul_ps(P##_div_ps(x, e), P##_loadu_ps(u + i)));           \
+  }                                                                                     \
+  for (; i < n; ++i) {                                                                  \
+    o[i] = silu_mul_one<true>(g[i], u[i]);                                              \
+  }
+
+#define MNB_ROUND256(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define MNB_ROUND512(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+MNB_AVX2 void silu_mul_avx2(const float* g, const float* u, float* o, int64_t n) {
+  MNB_SILU_BODY(8, __m256, _mm256, MNB_ROUND256, _mm256_castsi256_ps)
+}
+MNB_AVX512 void silu_mul_avx512(const float* g, const float* u, float* o, int64_t n) {
+  MNB_SILU_BODY(16, __m512, _mm512, MNB_ROUND512, _mm512_castsi512_ps)
+}
+#undef MNB_ROUND256
+#undef MNB_ROUND512
+#undef MNB_SILU_BODY
+#endif
+
 // --- RoPE ----------------------------------------------------------------------------------
 
 struct RopeJob {
@@ -317,21 +384,43 @@ void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* ta
   rope_portable(job);
 }
 
+void silu_mul_for(Isa isa, const float* gate, const float* up, float* out, int64_t n) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) {
+    return silu_mul_avx512(gate, up, out, n);
+  }
+  if (isa == Isa::avx2) {
+    return silu_mul_avx2(gate, up, out, n);
+  }
+#endif
+  silu_mul_portable(gate, up, out, n);
+}
+
 // --- the operations ------------------------------------------------------------------------
 
-mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads) {
+mx::array gated_activation(const mx::array& gate, const mx::array& up, bool silu, Isa isa,
+                           int threads) {
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape()) {
-    throw std::invalid_argument("gelu_tanh_mul: gate and up must be float32 of one shape");
+    throw std::invalid_argument(std::string(silu ? "silu_mul" : "gelu_tanh_mul") +
+                                ": gate and up must be float32 of one shape");
   }
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(
       gate.shape(),
       mx::float32,
-      std::make_shared<GeluTanhMul>(s, usable(isa), std::max(1, threads)),
+      std::make_shared<GatedActivation>(s, silu, usable(isa), std::max(1, threads)),
       {contiguous_input(gate, s), contiguous_input(up, s)});
 }
 
-void GeluTanhMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads) {
+  return gated_activation(gate, up, false, isa, threads);
+}
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads) {
+  return gated_activation(gate, up, true, isa, threads);
+}
+
+void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) {
@@ -341,16 +430,17 @@ void GeluTanhMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   const mx::array g = inputs[0], u = inputs[1];
   float* op = out.data<float>();
   const Isa isa = isa_;
+  const bool silu = silu_;
   const int64_t n = int64_t(out.size());
   // Small arrays (a decode step's) on one thread: waking the others costs more.
   const int threads = n < (int64_t(1) << 16) ? 1 : threads_;
-  encoder.dispatch([g, u, op, isa, n, threads]() {
-    auto fn = gelu_mul_portable;
+  encoder.dispatch([g, u, op, isa, silu, n, threads]() {
+    auto fn = silu ? silu_mul_portable : gelu_mul_portable;
 #if defined(__x86_64__)
     if (isa == Isa::avx512) {
-      fn = gelu_mul_avx512;
+      fn = silu ? silu_mul_avx512 : gelu_mul_avx512;
     } else if (isa == Isa::avx2) {
-      fn = gelu_mul_avx2;
+      fn = silu ? silu_mul_avx2 : gelu_mul_avx2;
     }
 #endif
     const float* gp = g.data<float>();
@@ -365,13 +455,13 @@ void GeluTanhMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   });
 }
 
-void GeluTanhMul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("gelu_tanh_mul runs on the CPU only");
+void GatedActivation::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("gated activations run on the CPU only");
 }
 
-bool GeluTanhMul::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const GeluTanhMul&>(other);
-  return isa_ == o.isa_ && threads_ == o.threads_;
+bool GatedActivation::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedActivation&>(other);
+  return silu_ == o.silu_ && isa_ == o.isa_ && threads_ == o.threads_;
 }
 
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, Isa isa) {

@@ -49,6 +49,11 @@ mx::array rope(
 // (scalar on x86). tanh by the rational fit of attention_math.h.
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads);
 
+// silu(gate) * up, elementwise, for float32 arrays of one shape: SwiGLU's activation (Llama's,
+// Qwen's MLP; Qwen 3.5's gated output norm), one pass instead of MLX's sigmoid, which is
+// scalar on x86. silu(x) = x / (1 + exp(-x)), exp by attention_math.h's polynomial.
+mx::array silu_mul(const mx::array& gate, const mx::array& up, Isa isa, int threads);
+
 // The row passes of rms_norm and rope, for primitives that fuse them (qkv_step.h): row r of
 // x starts at x + starts[r]; out is row-major. RoPE's position of row r is
 // positions[table_row[r]]; rope_inv_freq is the frequencies rope takes for `base`.
@@ -58,22 +63,26 @@ void norm_rows_for(Isa isa, const float* x, const int64_t* starts, const float* 
 void norm_dense_rows(Isa isa, const float* x, const float* w, float* out, int64_t rows, int n,
                      float eps);
 std::vector<float> rope_inv_freq(float base, int half);
+// silu(gate) * up over n contiguous floats (silu_mul's pass, for primitives that fuse it).
+void silu_mul_for(Isa isa, const float* gate, const float* up, float* out, int64_t n);
 void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* table_row,
                    const std::vector<float>& inv_freq, const std::vector<int64_t>& positions,
                    float scale, float* out, int64_t rows, int n, int dims, bool traditional);
 
-class GeluTanhMul : public mx::UnaryPrimitive {
+// gelu_tanh_mul (silu false) and silu_mul (silu true).
+class GatedActivation : public mx::UnaryPrimitive {
  public:
-  GeluTanhMul(mx::Stream stream, Isa isa, int threads)
-      : mx::UnaryPrimitive(stream), isa_(isa), threads_(threads) {}
+  GatedActivation(mx::Stream stream, bool silu, Isa isa, int threads)
+      : mx::UnaryPrimitive(stream), silu_(silu), isa_(isa), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return "MnbGeluTanhMul";
+    return silu_ ? "MnbSiluMul" : "MnbGeluTanhMul";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
+  bool silu_;
   Isa isa_;
   int threads_;
 };

@@ -1,10 +1,12 @@
-// The Python face of the row operations (rowops.h), added to module mlx_nbengine_qmv by
+// The Python face of the row operations (rowops.h) and the gated delta rule (gated_delta.h), added to module mlx_nbengine_qmv by
 // bindings.cpp.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include "gated_delta.h"
 #include "rowops.h"
 
 namespace nb = nanobind;
@@ -20,6 +22,15 @@ void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
       "isa"_a,
       "threads"_a,
       "gelu_tanh(gate) * up of float32 arrays on the CPU.");
+  m.def(
+      "silu_mul",
+      [parse_isa](const mnb::mx::array& gate, const mnb::mx::array& up, const std::string& isa,
+                  int threads) { return mnb::silu_mul(gate, up, parse_isa(isa), threads); },
+      "gate"_a,
+      "up"_a,
+      "isa"_a,
+      "threads"_a,
+      "silu(gate) * up of float32 arrays on the CPU.");
   m.def(
       "rms_norm",
       [parse_isa](const mnb::mx::array& x,
@@ -52,4 +63,37 @@ void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
       "freqs"_a.none(),
       "isa"_a,
       "mx.fast.rope of a float32 array on the CPU (offset: an int32 array).");
+  m.def(
+      "conv_silu",
+      [parse_isa](const mnb::mx::array& x, const mnb::mx::array& w, const std::string& isa,
+                  int threads) { return mnb::conv_silu(x, w, parse_isa(isa), threads); },
+      "x"_a,
+      "w"_a,
+      "isa"_a,
+      "threads"_a,
+      "silu(depthwise conv1d(x, w)) of float32 arrays on the CPU (see gated_delta.h).");
+  m.def(
+      "gated_delta",
+      [parse_isa](const mnb::mx::array& q,
+                  const mnb::mx::array& k,
+                  const mnb::mx::array& v,
+                  const mnb::mx::array& g,
+                  const mnb::mx::array& beta,
+                  const mnb::mx::array& state,
+                  const std::optional<mnb::mx::array>& mask,
+                  const std::string& isa,
+                  int threads) {
+        auto out = mnb::gated_delta(q, k, v, g, beta, state, mask, parse_isa(isa), threads);
+        return nb::make_tuple(out[0], out[1]);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a.none(),
+      "isa"_a,
+      "threads"_a,
+      "The gated delta rule of float32 arrays on the CPU: (y, state) (see gated_delta.h).");
 }

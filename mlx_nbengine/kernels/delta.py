@@ -1,0 +1,61 @@
+"""The gated delta rule (Qwen 3.5's linear attention) as our own CPU primitive
+(src/gated_delta.h), in the kernels' one module.
+
+mlx-lm runs ``gated_delta_update`` on Metal kernels only; on the CPU it falls to
+``gated_delta_ops``, a Python loop that calls a compiled step once per token and layer.
+`gated_delta` runs every token of a step in one primitive. `models/deltaroute.py` routes
+the hybrid family's layers here.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+import mlx_nbengine.kernels as _kernels
+from mlx_nbengine import _blas
+
+__all__ = ["conv_silu", "gated_delta"]
+
+
+def gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    mask: mx.array | None = None,
+    *,
+    isa: str | None = None,
+    threads: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """``gated_delta_ops(q, k, v, g, beta, state, mask)`` on the CPU: q, k [B, T, Hk, Dk],
+    v [B, T, Hv, Dv] (Hv a multiple of Hk), a scalar gate g and beta [B, T, Hv], state
+    [B, Hv, Dv, Dk], mask [B, T] bool or None; all float32. Returns (y [B, T, Hv, Dv],
+    the new state), split over `threads` (default: the step's BLAS thread count)."""
+    if not _kernels.status().active:
+        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
+    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    return module.gated_delta(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        mask,
+        isa or _kernels.status().isa,
+        threads or _blas.current_threads(),
+    )
+
+
+def conv_silu(
+    x: mx.array, w: mx.array, *, isa: str | None = None, threads: int | None = None
+) -> mx.array:
+    """``nn.silu(conv1d(x))`` for the hybrid layer's short convolution (MLX's ``Conv1d`` with
+    groups = channels, no padding, no bias): x [B, S + K - 1, C], w [C, K, 1], float32.
+    Returns [B, S, C]."""
+    if not _kernels.status().active:
+        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
+    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    return module.conv_silu(x, w, isa or _kernels.status().isa, threads or _blas.current_threads())

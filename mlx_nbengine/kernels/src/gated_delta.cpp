@@ -1,0 +1,483 @@
+#include "gated_delta.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "rowops.h"
+#include "workers.h"
+
+// The bodies are plain loops over contiguous floats, written once (always inlined) and
+// compiled three times: for the baseline and inside functions that carry the avx2 or avx512
+// target, where the compiler vectorizes them for that set. Which runs is chosen at run time.
+#define MNB_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__)
+#define MNB_AVX2 __attribute__((target("avx2,fma")))
+#define MNB_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+
+namespace mnb {
+
+namespace {
+
+struct DeltaJob {
+  const float* q;
+  const float* k;
+  const float* v;
+  const float* g;
+  const float* beta;
+  const float* state;
+  const bool* mask; // null: every token counts
+  float* y;
+  float* state_out;
+  int64_t B, T, Hk, Hv, Dk, Dv;
+};
+
+// The state is worked on transposed, St [Dk][Dvp] (Dvp: Dv rounded up to kLanes, the pad rows
+// zero and never changed), so kLanes rows of the state are a few vectors: a row's products with
+// k and q accumulate lane-wise over Dk, with no sums across lanes.
+constexpr int kLanes = 32;
+
+// One token's pass over kLanes rows [r0, r0 + kLanes): the update St = g St + delta k^T
+// (skipped for a masked token), then, where a next token exists, the rows' products with
+// its k and q (a, b), from the updated rows while they are in registers.
+template <bool UPDATE, bool NEXT>
+MNB_INLINE void block_pass(float* __restrict st, int64_t dk_n, int64_t stride, float g,
+                           const float* __restrict delta, const float* __restrict k,
+                           const float* __restrict k_next,
+                           const float* __restrict q_next, float* __restrict a,
+                           float* __restrict b) {
+  float a0[kLanes] = {}, a1[kLanes] = {}, b0[kLanes] = {}, b1[kLanes] = {};
+  int64_t i = 0;
+  for (; i + 2 <= dk_n; i += 2) {
+    float* s0 = st + i * stride;
+    float* s1 = s0 + stride;
+    for (int j = 0; j < kLanes; ++j) {
+      float x0 = s0[j], x1 = s1[j];
+      if constexpr (UPDATE) {
+        x0 = x0 * g + delta[j] * k[i];
+        x1 = x1 * g + delta[j] * k[i + 1];
+        s0[j] = x0;
+        s1[j] = x1;
+      }
+      if constexpr (NEXT) {
+        a0[j] += x0 * k_next[i];
+        a1[j] += x1 * k_next[i + 1];
+        b0[j] += x0 * q_next[i];
+        b1[j] += x1 * q_next[i + 1];
+      }
+    }
+  }
+  for (; i < dk_n; ++i) {
+    float* s0 = st + i * stride;
+    for (int j = 0; j < kLanes; ++j) {
+      float x0 = s0[j];
+      if constexpr (UPDATE) {
+        x0 = x0 * g + delta[j] * k[i];
+        s0[j] = x0;
+      }
+      if constexpr (NEXT) {
+        a0[j] += x0 * k_next[i];
+        b0[j] += x0 * q_next[i];
+      }
+    }
+  }
+  if constexpr (NEXT) {
+    for (int j = 0; j < kLanes; ++j) {
+      a[j] = a0[j] + a1[j];
+      b[j] = b0[j] + b1[j];
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// block_pass with the vector sets' intrinsics (compilers vectorize the loops above poorly):
+// kLanes rows as two AVX-512 registers, or four AVX2 registers, two dk accumulators each.
+#define MNB_BLOCK_PASS(NAME, TARGET, V, P, H)                                              \
+  template <bool UPDATE, bool NEXT>                                                         \
+  TARGET inline void NAME(float* __restrict st, int64_t dk_n, int64_t stride, float g,      \
+                          const float* __restrict delta, const float* __restrict k,         \
+                          const float* __restrict k_next, const float* __restrict q_next,   \
+                          float* __restrict a, float* __restrict b) {                       \
+    constexpr int W = kLanes / H;                                                           \
+    const V vg = P##_set1_ps(g);                                                            \
+    V vd[H], a0[H], a1[H], b0[H], b1[H];                                                    \
+    for (int h = 0; h < H; ++h) {                                                           \
+      vd[h] = P##_loadu_ps(delta + h * W);                                                  \
+      a0[h] = a1[h] = b0[h] = b1[h] = P##_setzero_ps();                                     \
+    }                                                                                       \
+    int64_t i = 0;                                                                          \
+    for (; i + 2 <= dk_n; i += 2) {                                                         \
+      float* s0 = st + i * stride;                                                          \
+      float* s1 = s0 + stride;                                                              \
+      for (int h = 0; h < H; ++h) {                                                         \
+        V x0 = P##_loadu_ps(s0 + h * W), x1 = P##_loadu_ps(s1 + h * W);                     \
+        if constexpr (UPDATE) {                                                             \
+          x0 = P##_fmadd_ps(vd[h], P##_set1_ps(k[i]), P##_mul_ps(x0, vg));                  \
+          x1 = P##_fmadd_ps(vd[h], P##_set1_ps(k[i + 1]), P##_mul_ps(x1, vg));              \
+          P##_storeu_ps(s0 + h * W, x0);                                                    \
+          P##_storeu_ps(s1 + h * W, x1);                                                    \
+        }                                                                                   \
+        if constexpr (NEXT) {                                                               \
+          a0[h] = P##_fmadd_ps(x0, P##_set1_ps(k_next[i]), a0[h]);                          \
+          a1[h] = P##_fmadd_ps(x1, P##_set1_ps(k_next[i + 1]), a1[h]);                      \
+          b0[h] = P##_fmadd_ps(x0, P##_set1_ps(q_next[i]), b0[h]);                          \
+          b1[h] = P##_fmadd_ps(x1, P##_set1_ps(q_next[i + 1]), b1[h]);                      \
+        }                                                                                   \
+      }                                                                                     \
+    }                                                                                       \
+    for (; i < dk_n; ++i) {                                                                 \
+      float* s0 = st + i * stride;                                                          \
+      for (int h = 0; h < H; ++h) {                                                         \
+        V x0 = P##_loadu_ps(s0 + h * W);                                                    \
+        if constexpr (UPDATE) {                                                             \
+          x0 = P##_fmadd_ps(vd[h], P##_set1_ps(k[i]), P##_mul_ps(x0, vg));                  \
+          P##_storeu_ps(s0 + h * W, x0);                                                    \
+        }                                                                                   \
+        if constexpr (NEXT) {                                                               \
+          a0[h] = P##_fmadd_ps(x0, P##_set1_ps(k_next[i]), a0[h]);                          \
+          b0[h] = P##_fmadd_ps(x0, P##_set1_ps(q_next[i]), b0[h]);                          \
+        }                                                                                   \
+      }                                                                                     \
+    }                                                                                       \
+    if constexpr (NEXT) {                                                                   \
+      for (int h = 0; h < H; ++h) {                                                         \
+        P##_storeu_ps(a + h * W, P##_add_ps(a0[h], a1[h]));                                 \
+        P##_storeu_ps(b + h * W, P##_add_ps(b0[h], b1[h]));                                 \
+      }                                                                                     \
+    }                                                                                       \
+  }
+
+MNB_BLOCK_PASS(block_pass_avx2, MNB_AVX2, __m256, _mm256, 4)
+MNB_BLOCK_PASS(block_pass_avx512, MNB_AVX512, __m512, _mm512, 2)
+#undef MNB_BLOCK_PASS
+#endif
+
+// The block pass of kernel set `S` (0 portable, 1 avx2, 2 avx512).
+template <int S, bool UPDATE, bool NEXT>
+MNB_INLINE void pass_of(float* st, int64_t dk_n, int64_t stride, float g, const float* delta,
+                        const float* k, const float* k_next, const float* q_next, float* a,
+                        float* b) {
+#if defined(__x86_64__)
+  if constexpr (S == 2) {
+    return block_pass_avx512<UPDATE, NEXT>(st, dk_n, stride, g, delta, k, k_next, q_next, a, b);
+  } else if constexpr (S == 1) {
+    return block_pass_avx2<UPDATE, NEXT>(st, dk_n, stride, g, delta, k, k_next, q_next, a, b);
+  }
+#endif
+  block_pass<UPDATE, NEXT>(st, dk_n, stride, g, delta, k, k_next, q_next, a, b);
+}
+
+// Every token of heads [u0, u1) (a unit is one batch row's value head). Per token, with
+// a = S k and b = S q read from the state before it (S decays by g, then gains delta k^T):
+//   kv = g a;  delta = (v - kv) beta;  y = g b + delta (k . q)
+// which is gated_delta_ops' y = (g S + delta k^T) q, rearranged so one pass over the state
+// per token both updates it and reads the next token's a and b. Rows evolve independently,
+// so each block of kLanes rows (16 KB for Dk 128) runs through every token while it stays in
+// the core's first-level cache.
+template <int S>
+MNB_INLINE void heads_run(const DeltaJob& j, int64_t u0, int64_t u1) {
+  const int64_t dk_n = j.Dk, dv_n = j.Dv, group = j.Hv / j.Hk;
+  const int64_t dvp = (dv_n + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> st(static_cast<size_t>(dk_n * dvp)), kq(static_cast<size_t>(j.T));
+  alignas(64) float a[kLanes], b[kLanes], delta[kLanes], v[kLanes] = {}, yb[kLanes];
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t bi = u / j.Hv, hv = u % j.Hv, hk = hv / group;
+    const float* s_in = j.state + u * dv_n * dk_n;
+    std::fill(st.begin(), st.end(), 0.0f);
+    for (int64_t r = 0; r < dv_n; ++r) {
+      for (int64_t i = 0; i < dk_n; ++i) {
+        st[size_t(i * dvp + r)] = s_in[r * dk_n + i];
+      }
+    }
+    auto key = [&](int64_t t) { return j.k + ((bi * j.T + t) * j.Hk + hk) * dk_n; };
+    auto query = [&](int64_t t) { return j.q + ((bi * j.T + t) * j.Hk + hk) * dk_n; };
+    for (int64_t t = 0; t < j.T; ++t) {
+      const float *k = key(t), *q = query(t);
+      float dot = 0.0f;
+      for (int64_t i = 0; i < dk_n; ++i) {
+        dot += k[i] * q[i];
+      }
+      kq[size_t(t)] = dot;
+    }
+    for (int64_t r0 = 0; r0 < dvp; r0 += kLanes) {
+      float* rows = st.data() + r0;
+      const int64_t live = std::min<int64_t>(kLanes, dv_n - r0); // the rest are pad rows
+      if (j.T > 0) { // the first token's a and b: a pass that reads only
+        pass_of<S, false, true>(rows, dk_n, dvp, 1.0f, delta, key(0), key(0), query(0), a, b);
+      }
+      for (int64_t t = 0; t < j.T; ++t) {
+        const int64_t bt = bi * j.T + t;
+        const float g = j.g[bt * j.Hv + hv], beta = j.beta[bt * j.Hv + hv];
+        const float* vt = j.v + (bt * j.Hv + hv) * dv_n + r0;
+        float* y = j.y + (bt * j.Hv + hv) * dv_n + r0;
+        for (int64_t r = 0; r < live; ++r) {
+          v[r] = vt[r];
+        }
+        const float kqt = kq[size_t(t)];
+        for (int r = 0; r < kLanes; ++r) {
+          delta[r] = (v[r] - g * a[r]) * beta;
+          yb[r] = g * b[r] + delta[r] * kqt;
+        }
+        for (int64_t r = 0; r < live; ++r) {
+          y[r] = yb[r];
+        }
+        // A masked token (a pad) gives its y and leaves the state as it was.
+        const bool update = j.mask == nullptr || j.mask[bt];
+        const bool last = t + 1 == j.T;
+        const float* k = key(t);
+        if (update && !last) {
+          pass_of<S, true, true>(rows, dk_n, dvp, g, delta, k, key(t + 1), query(t + 1), a, b);
+        } else if (update) {
+          pass_of<S, true, false>(rows, dk_n, dvp, g, delta, k, nullptr, nullptr, a, b);
+        } else if (!last) {
+          pass_of<S, false, true>(rows, dk_n, dvp, g, delta, k, key(t + 1), query(t + 1), a, b);
+        }
+      }
+    }
+    float* s_out = j.state_out + u * dv_n * dk_n;
+    for (int64_t r = 0; r < dv_n; ++r) {
+      for (int64_t i = 0; i < dk_n; ++i) {
+        s_out[r * dk_n + i] = st[size_t(i * dvp + r)];
+      }
+    }
+  }
+}
+
+void heads_portable(const DeltaJob& j, int64_t u0, int64_t u1) {
+  heads_run<0>(j, u0, u1);
+}
+#if defined(__x86_64__)
+MNB_AVX2 void heads_avx2(const DeltaJob& j, int64_t u0, int64_t u1) {
+  heads_run<1>(j, u0, u1);
+}
+MNB_AVX512 void heads_avx512(const DeltaJob& j, int64_t u0, int64_t u1) {
+  heads_run<2>(j, u0, u1);
+}
+#endif
+
+// Rows [t0, t1) of one batch row's convolution: out row t = sum_j wt[j] * x row (t + j),
+// each over C contiguous channels (wt: the weights transposed, [K, C]).
+MNB_INLINE void conv_rows(const float* __restrict x, const float* __restrict wt,
+                          float* __restrict out, int64_t t0, int64_t t1, int K, int64_t C) {
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + t * C;
+    const float* w0 = wt;
+    const float* x0 = x + t * C;
+    for (int64_t c = 0; c < C; ++c) {
+      o[c] = w0[c] * x0[c];
+    }
+    for (int j = 1; j < K; ++j) {
+      const float* wj = wt + j * C;
+      const float* xj = x + (t + j) * C;
+      for (int64_t c = 0; c < C; ++c) {
+        o[c] += wj[c] * xj[c];
+      }
+    }
+  }
+}
+
+void conv_portable(const float* x, const float* wt, float* out, int64_t t0, int64_t t1, int K,
+                   int64_t C) {
+  conv_rows(x, wt, out, t0, t1, K, C);
+}
+#if defined(__x86_64__)
+MNB_AVX2 void conv_avx2(const float* x, const float* wt, float* out, int64_t t0, int64_t t1,
+                        int K, int64_t C) {
+  conv_rows(x, wt, out, t0, t1, K, C);
+}
+MNB_AVX512 void conv_avx512(const float* x, const float* wt, float* out, int64_t t0, int64_t t1,
+                            int K, int64_t C) {
+  conv_rows(x, wt, out, t0, t1, K, C);
+}
+#endif
+
+mx::array float32_input(const mx::array& a, const char* what, mx::Stream s) {
+  if (a.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string("gated_delta: ") + what + " must be float32");
+  }
+  return contiguous_input(a, s);
+}
+
+} // namespace
+
+mx::array conv_silu(const mx::array& x, const mx::array& w, Isa isa, int threads) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || x.ndim() != 3 ||
+      w.ndim() != 3 || w.shape(2) != 1 || w.shape(0) != x.shape(2) || x.shape(1) < w.shape(1)) {
+    throw std::invalid_argument(
+        "conv_silu: x must be float32 [B, S + K - 1, C] and w float32 [C, K, 1]");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  const int K = w.shape(1);
+  return mx::array(
+      {x.shape(0), x.shape(1) - K + 1, x.shape(2)},
+      mx::float32,
+      std::make_shared<ConvSilu>(s, usable(isa), std::max(1, threads)),
+      {contiguous_input(x, s), contiguous_input(w, s)});
+}
+
+void ConvSilu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  const mx::array x = inputs[0], w = inputs[1];
+  float* op = out.data<float>();
+  const Isa isa = isa_;
+  const int64_t B = out.shape(0), S = out.shape(1), C = out.shape(2);
+  const int K = w.shape(1);
+  const int threads = B * S * C < (int64_t(1) << 16) ? 1 : threads_;
+  encoder.dispatch([x, w, op, isa, B, S, C, K, threads]() {
+    auto conv = conv_portable;
+#if defined(__x86_64__)
+    if (isa == Isa::avx512) {
+      conv = conv_avx512;
+    } else if (isa == Isa::avx2) {
+      conv = conv_avx2;
+    }
+#endif
+    std::vector<float> wt(size_t(K) * C), ones(size_t(C), 1.0f);
+    const float* wp = w.data<float>();
+    for (int64_t c = 0; c < C; ++c) {
+      for (int j = 0; j < K; ++j) {
+        wt[size_t(j) * C + c] = wp[c * K + j];
+      }
+    }
+    const float* xp = x.data<float>();
+    // Chunks of 16 rows of one batch row: each row the same function wherever it falls.
+    constexpr int64_t kRows = 16;
+    const int64_t per = (S + kRows - 1) / kRows;
+    workers().run(threads, int(B * per), 1, [&](int c0, int c1) {
+      for (int ci = c0; ci < c1; ++ci) {
+        const int64_t b = ci / per, t0 = (ci % per) * kRows, t1 = std::min(S, t0 + kRows);
+        const float* xb = xp + b * (S + K - 1) * C;
+        float* ob = op + b * S * C;
+        conv(xb, wt.data(), ob, t0, t1, K, C);
+        for (int64_t t = t0; t < t1; ++t) {
+          silu_mul_for(isa, ob + t * C, ones.data(), ob + t * C, C);
+        }
+      }
+    });
+  });
+}
+
+void ConvSilu::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("conv_silu runs on the CPU only");
+}
+
+bool ConvSilu::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ConvSilu&>(other);
+  return isa_ == o.isa_ && threads_ == o.threads_;
+}
+
+std::vector<mx::array> gated_delta(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& g,
+    const mx::array& beta,
+    const mx::array& state,
+    const std::optional<mx::array>& mask,
+    Isa isa,
+    int threads) {
+  if (q.ndim() != 4 || k.shape() != q.shape() || v.ndim() != 4) {
+    throw std::invalid_argument("gated_delta: q and k must be [B, T, Hk, Dk], v [B, T, Hv, Dv]");
+  }
+  const int B = q.shape(0), T = q.shape(1), Hk = q.shape(2), Dk = q.shape(3);
+  const int Hv = v.shape(2), Dv = v.shape(3);
+  if (v.shape(0) != B || v.shape(1) != T || Hk == 0 || Hv % Hk != 0) {
+    throw std::invalid_argument("gated_delta: v must be [B, T, Hv, Dv] with Hv a multiple of Hk");
+  }
+  const mx::Shape gates{B, T, Hv};
+  if (g.shape() != gates || beta.shape() != gates) {
+    throw std::invalid_argument("gated_delta: g and beta must be [B, T, Hv] (a scalar gate per head)");
+  }
+  if (state.shape() != mx::Shape{B, Hv, Dv, Dk}) {
+    throw std::invalid_argument("gated_delta: state must be [B, Hv, Dv, Dk]");
+  }
+  if (mask && (mask->dtype() != mx::bool_ || mask->shape() != mx::Shape{B, T})) {
+    throw std::invalid_argument("gated_delta: mask must be bool [B, T]");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{
+      float32_input(q, "q", s),
+      float32_input(k, "k", s),
+      float32_input(v, "v", s),
+      float32_input(g, "g", s),
+      float32_input(beta, "beta", s),
+      float32_input(state, "state", s)};
+  if (mask) {
+    inputs.push_back(contiguous_input(*mask, s));
+  }
+  return mx::array::make_arrays(
+      {{B, T, Hv, Dv}, state.shape()},
+      {mx::float32, mx::float32},
+      std::make_shared<GatedDelta>(s, bool(mask), usable(isa), std::max(1, threads)),
+      std::move(inputs));
+}
+
+void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+  }
+  const auto& q = inputs[0];
+  const auto& v = inputs[2];
+  DeltaJob job{
+      nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+      outputs[0].data<float>(), outputs[1].data<float>(),
+      q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)};
+  const Isa isa = isa_;
+  const int64_t units = job.B * job.Hv;
+  // A small step (a tiny model's) on one thread: waking the others costs more.
+  const int64_t work = units * std::max<int64_t>(job.T, 1) * job.Dv * job.Dk;
+  const int threads = work < (int64_t(1) << 15) ? 1 : int(std::min<int64_t>(threads_, units));
+  encoder.dispatch([inputs, job, isa, units, threads]() mutable {
+    job.q = inputs[0].data<float>();
+    job.k = inputs[1].data<float>();
+    job.v = inputs[2].data<float>();
+    job.g = inputs[3].data<float>();
+    job.beta = inputs[4].data<float>();
+    job.state = inputs[5].data<float>();
+    job.mask = inputs.size() > 6 ? inputs[6].data<bool>() : nullptr;
+    auto fn = heads_portable;
+#if defined(__x86_64__)
+    if (isa == Isa::avx512) {
+      fn = heads_avx512;
+    } else if (isa == Isa::avx2) {
+      fn = heads_avx2;
+    }
+#endif
+    if (units == 0) {
+      return;
+    }
+    workers().run(threads, int(units), 1, [&](int u0, int u1) { fn(job, u0, u1); });
+  });
+}
+
+void GatedDelta::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("gated_delta runs on the CPU only");
+}
+
+bool GatedDelta::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDelta&>(other);
+  return has_mask_ == o.has_mask_ && isa_ == o.isa_ && threads_ == o.threads_;
+}
+
+} // namespace mnb

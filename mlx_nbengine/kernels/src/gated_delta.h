@@ -1,0 +1,84 @@
+// The gated delta rule (the linear attention of Qwen 3.5's hybrid layers) as an MLX primitive
+// on the CPU device.
+//
+// mlx-lm computes it with Metal kernels only; everywhere else gated_delta_ops runs a Python
+// loop that calls a compiled step once per token and layer (about 2 ms a token on x86). Here
+// one primitive runs every token of a step: each (batch row, value head) owns its state
+// [Dv, Dk] (float32, 64 KB for heads of 128, kept in the core's cache over the tokens), and
+// each token is one pass over the state that updates it and reads the next token's products
+// (gated_delta.cpp). Heads are split over the step's threads.
+//
+// Per token t and value head h (key head h / (Hv / Hk)), as gated_delta_ops computes it:
+//   S = S * g[t, h];  kv = S k;  delta = (v - kv) * beta[t, h];  S = S + delta k^T;  y = S q
+// A row whose mask is false computes y from the updated state but keeps the old state.
+//
+// Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk];
+// mask [B, T] (bool) or none. All float32. Outputs: y [B, T, Hv, Dv] and the new state.
+
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "qmatvec.h" // Isa, usable
+
+namespace mnb {
+
+namespace mx = mlx::core;
+
+std::vector<mx::array> gated_delta(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& g,
+    const mx::array& beta,
+    const mx::array& state,
+    const std::optional<mx::array>& mask,
+    Isa isa,
+    int threads);
+
+// The layer's short convolution and its activation: silu(conv1d(x)) with MLX's Conv1d of
+// groups = channels and no padding, x [B, S + K - 1, C] (the K - 1 kept inputs, then the
+// step's), w [C, K, 1] (MLX's layout). Returns [B, S, C]: out[t, c] = silu(sum_j w[c, j]
+// x[t + j, c]). MLX runs a grouped convolution and silu on the CPU as slow scalar loops.
+mx::array conv_silu(const mx::array& x, const mx::array& w, Isa isa, int threads);
+
+class ConvSilu : public mx::UnaryPrimitive {
+ public:
+  ConvSilu(mx::Stream stream, Isa isa, int threads)
+      : mx::UnaryPrimitive(stream), isa_(isa), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MnbConvSilu";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  Isa isa_;
+  int threads_;
+};
+
+class GatedDelta : public mx::Primitive {
+ public:
+  GatedDelta(mx::Stream stream, bool has_mask, Isa isa, int threads)
+      : mx::Primitive(stream), has_mask_(has_mask), isa_(isa), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "MnbGatedDelta";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool has_mask_;
+  Isa isa_;
+  int threads_;
+};
+
+} // namespace mnb
