@@ -26,7 +26,8 @@ On the CPU, quantized layers run on our kernels (`mlx_nbengine.kernels`, routed 
 (`DEFAULT_CPU_BITS`): decode reads a quarter of float32's bytes. ``dtype="float32"`` keeps
 float32. The fingerprint names the variant, so their cached blocks never mix: the weights'
 (``q8g32x``) and each route's on the CPU (`qroute`, `cpu_math`, `attnroute`, `fastops`,
-`layerroute`), a name and a digest of the sources that decide its bits (`kernels.digest`).
+`layerroute`, `deltaroute`), a name and a digest of the sources that decide its bits
+(`kernels.digest`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,15 @@ from mlx_nbengine.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from mlx_nbengine.models import attnroute, cpu_math, fastops, layerroute, patches, qroute
+from mlx_nbengine.models import (
+    attnroute,
+    cpu_math,
+    deltaroute,
+    fastops,
+    layerroute,
+    patches,
+    qroute,
+)
 from mlx_nbengine.models.architectures import model_modality
 from mlx_nbengine.models.default import default_model_dir
 from mlx_nbengine.models.gguf import convert
@@ -223,6 +232,7 @@ def _route(model: Any, routing: Routing, *, requantize: bool) -> str | None:
         variants.append(attnroute.variant() if attnroute.route(routing) else None)
         variants.append(fastops.variant() if fastops.route(model, routing) else None)
         variants.append(layerroute.variant() if layerroute.route(model, routing) else None)
+        variants.append(deltaroute.variant() if deltaroute.route(model, routing) else None)
     return "+".join(v for v in variants if v) or None
 
 

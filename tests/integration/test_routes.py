@@ -17,12 +17,21 @@ import pytest
 from kernelsets import needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import Engine
-from mlx_nbengine.models import attnroute, cpu_math, fastops, layerroute, load, qroute, routes
+from mlx_nbengine.models import (
+    attnroute,
+    cpu_math,
+    deltaroute,
+    fastops,
+    layerroute,
+    load,
+    qroute,
+    routes,
+)
 from mlx_nbengine.models.routes import Body
 from mlx_nbengine.testing import make_tiny_quantized_model
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = (qroute, fastops, attnroute, cpu_math, layerroute)
+MODULES = (qroute, fastops, attnroute, cpu_math, layerroute, deltaroute)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +59,7 @@ def test_every_route_is_registered_and_accepts_the_installed_libraries():
         attnroute.ATTENTION,
         *cpu_math.GELU_MLPS,
         layerroute.LAYER,
+        deltaroute.DELTA,
     }
     assert declared <= registered
     for route in registered:
@@ -59,7 +69,8 @@ def test_every_route_is_registered_and_accepts_the_installed_libraries():
         assert not route.present() or route.refused() is None, route.refused()
 
 
-# Two engines, quantized Gemma 3 (every route but the SwiGLU MLP) and Llama (the SwiGLU MLP):
+# Three engines, quantized Gemma 3 (every route but the SwiGLU MLPs), Llama (the SwiGLU MLP)
+# and the hybrid Qwen 3.5 (its gated delta and MLP):
 # while open, mx.fast is ours; once both are closed every function and method a route
 # replaced is the library's own object again. A process of its own: no other test's model
 # may hold a route meanwhile.
@@ -117,8 +128,9 @@ def test_after_close_every_function_and_method_a_route_replaced_is_the_librarys_
     tiny_q8, tmp_path
 ):
     llama = make_tiny_quantized_model("llama", tmp_path / "llama-q8", bits=8, group_size=32)
+    hybrid = make_tiny_quantized_model("qwen3_5", tmp_path / "qwen3_5-q8", bits=8, group_size=32)
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tiny_q8), str(llama)],
+        [sys.executable, "-c", CHILD, str(tiny_q8), str(llama), str(hybrid)],
         capture_output=True,
         text=True,
         timeout=600,

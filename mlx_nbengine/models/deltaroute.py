@@ -1,0 +1,305 @@
+"""Route Qwen 3.5's linear-attention layers (gated delta) to our CPU primitive: the route of
+mlx-lm's ``qwen3_5.GatedDeltaNet``.
+
+mlx-lm's ``gated_delta_update`` has Metal kernels only. On the CPU it runs
+``gated_delta_ops``, a Python loop that calls a compiled step once per token and layer
+(about 1 ms a token for 16 heads of 128 on x86, in prefill and decode alike), so the hybrid
+family read a prompt at a third of the speed of a dense model of its size. `DELTA`, a
+`routes.InstanceRoute` of a model's ``GatedDeltaNet`` modules (only where the library's
+layer, ``gated_delta_update``, ``gated_delta_ops`` and its step are the bodies restated),
+runs the layer as the library does, with three parts on our kernels:
+
+- the recurrence, `kernels.delta.gated_delta`: every token, head and row of the state in one
+  pass each, split over the step's threads;
+- the short convolution and its silu, `kernels.delta.conv_silu` (MLX runs a grouped
+  convolution and silu on the CPU as scalar loops: 200 ms and 100 ms of a 1,024-token step
+  of a 0.8B layer, against 25 ms and 2 ms);
+- the gated output norm's activation, `kernels.rowops.silu_mul`.
+
+Its results differ from the library's by float32 rounding only: summation order, and the
+exp of silu (tests/integration/test_gated_delta.py states the bounds). The fingerprint names
+the route (`variant`: the kernel set and a digest of the sources that decide its bits), so
+stored recurrent states never mix paths. Anything the primitive does not take (the GPU, training,
+MLX's own kernels) runs the library's layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from mlx_nbengine import kernels
+from mlx_nbengine.kernels import delta, digest, rowops
+from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
+
+__all__ = ["DELTA", "VARIANT_SOURCES", "route", "variant"]
+
+# The files that decide a routed layer's bits (`variant` is their digest): this module and the
+# primitive (its Python face, bindings and source).
+VARIANT_SOURCES = (
+    "models/deltaroute.py",
+    "kernels/delta.py",
+    *digest.COMMON,
+    "kernels/rowops.py",
+    *digest.kernel_source(
+        "gated_delta.h",
+        "gated_delta.cpp",
+        "rowops.h",
+        "rowops.cpp",
+        "rowops_bindings.cpp",
+        "attention_math.h",
+    ),
+)
+
+_MODULE = "mlx_lm.models.qwen3_5"
+_DELTA_MODULE = "mlx_lm.models.gated_delta"
+_NEXT_MODULE = "mlx_lm.models.qwen3_next"
+
+# The library's bodies we restate: the layer (its convolution, recurrence and output norm
+# replaced), the update (the gate and beta it computes), the loop and its step (what the
+# primitive computes), the gated output norm and its activation.
+EXPECTED_LAYER = """\
+B, S, _ = inputs.shape
+if self.sharding_group is not None:
+    inputs = sum_gradients(self.sharding_group)(inputs)
+qkv = self.in_proj_qkv(inputs)
+z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+b = self.in_proj_b(inputs)
+a = self.in_proj_a(inputs)
+if cache is not None and cache[0] is not None:
+    conv_state = cache[0]
+else:
+    conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+if mask is not None:
+    qkv = mx.where(mask[..., None], qkv, 0)
+conv_input = mx.concatenate([conv_state, qkv], axis=1)
+if cache is not None:
+    n_keep = self.conv_kernel_size - 1
+    if cache.lengths is not None:
+        ends = mx.clip(cache.lengths, 0, S)
+        positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+        cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+    else:
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+conv_out = nn.silu(self.conv1d(conv_input))
+q, k, v = [
+    t.reshape(B, S, h, d)
+    for t, h, d in zip(
+        mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+        [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+        [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+    )
+]
+state = cache[1] if cache else None
+q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+out, state = gated_delta_update(
+    q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
+)
+if cache is not None:
+    cache[1] = state
+    cache.advance(S)
+out = self.norm(out, z)
+out = self.out_proj(out.reshape(B, S, -1))
+if self.sharding_group is not None:
+    out = mx.distributed.all_sum(out, group=self.sharding_group)
+return out"""
+
+EXPECTED_UPDATE = """\
+beta = mx.sigmoid(b)
+if allow_neg_eigval:
+    beta = beta * 2.0
+if lower_bound is None:
+    g = compute_g(A_log, a, dt_bias)
+else:
+    g = compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+if state is None:
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+if (
+    not use_kernel
+    or mx.default_device() != mx.gpu
+    or not mx.metal.is_available()
+    or k.shape[-1] < 32
+    or k.shape[-1] % 32 != 0
+):
+    return gated_delta_ops(q, k, v, g, beta, state, mask)
+return gated_delta_kernel(q, k, v, g, beta, state, mask)"""
+
+EXPECTED_OPS = """\
+B, T, Hk, Dk = q.shape
+Hv, Dv = v.shape[-2:]
+if state is None:
+    state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+if (repeat_factor := Hv // Hk) > 1:
+    q = mx.repeat(q, repeat_factor, -2)
+    k = mx.repeat(k, repeat_factor, -2)
+ys = []
+for t in range(T):
+    y, state = _gated_delta_step_ops(
+        q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+        None if mask is None else mask[:, t],
+    )
+    ys.append(y)
+y = mx.stack(ys, axis=1)
+return y, state"""
+
+EXPECTED_STEP = """\
+old_state = state
+if g.ndim == 2:
+    decay = g[..., None, None]
+elif g.ndim == 3:
+    decay = g[..., None, :]
+else:
+    raise ValueError(f"Unsupported gating shape {g.shape}")
+state = state * decay
+kv_mem = (state * k[..., None, :]).sum(axis=-1)
+delta = (v - kv_mem) * beta[..., None]
+state = state + k[..., None, :] * delta[..., None]
+y = (state * q[..., None, :]).sum(axis=-1)
+if mask is not None:
+    mask = mx.expand_dims(mask, axis=(1, 2, 3))
+    state = mx.where(mask, state, old_state)
+return y.astype(q.dtype), state"""
+
+EXPECTED_NORM = """\
+x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
+if gate is not None:
+    return precise_swiglu(hidden_states, gate, x)
+else:
+    return x.astype(hidden_states.dtype)"""
+
+EXPECTED_SWIGLU = """\
+gate = nn.silu(gate.astype(mx.float32))
+x = x.astype(mx.float32)
+return (gate * x).astype(h.dtype)"""
+
+
+def _library_call(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> mx.array:
+    return DELTA.library_class().__call__(layer, inputs, mask, cache)
+
+
+def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> list[mx.array]:
+    """The layer's short convolution of q, k and v (its state kept in ``cache[0]``), split
+    into heads, as the library computes it."""
+    B, S, _ = qkv.shape
+    if cache is not None and cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=qkv.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    if cache is not None:
+        n_keep = layer.conv_kernel_size - 1
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    if conv_input.dtype == mx.float32 and layer.conv1d.weight.dtype == mx.float32:
+        conv_out = delta.conv_silu(conv_input, layer.conv1d.weight)
+    else:
+        conv_out = nn.silu(layer.conv1d(conv_input))
+    return [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+            strict=True,
+        )
+    ]
+
+
+def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
+    """``gated_delta_update`` of the layer's heads on our primitive (the library's gate and
+    beta; a new state is float32 zeros, as the library's)."""
+    beta = mx.sigmoid(b)
+    g = compute_g(layer.A_log, a, layer.dt_bias)
+    if state is None:
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    f32 = mx.float32
+    y, state = delta.gated_delta(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        g.astype(f32),
+        beta.astype(f32),
+        state.astype(f32),
+        mask,
+    )
+    return y.astype(q.dtype), state
+
+
+def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
+    """The layer's output norm, ``silu(z) * rms_norm(out)``, with one pass of our kernel for
+    the activation (MLX's sigmoid is scalar on x86)."""
+    if out.dtype != mx.float32 or z.dtype != mx.float32:
+        return norm(out, z)
+    return rowops.silu_mul(z, mx.fast.rms_norm(out, norm.weight, norm.eps))
+
+
+def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    if self.training or mx.default_device() != mx.cpu or not kernels.status().active:
+        return _library_call(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    if self.sharding_group is not None:
+        inputs = sum_gradients(self.sharding_group)(inputs)
+    qkv = self.in_proj_qkv(inputs)
+    z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+    b = self.in_proj_b(inputs)
+    a = self.in_proj_a(inputs)
+    q, k, v = _convolved(self, qkv, mask, cache)
+    state = cache[1] if cache else None
+    q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+    out, state = _recurrence(self, q, k, v, a, b, state, mask)
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    out = self.out_proj(_gated_norm(self.norm, out, z).reshape(B, S, -1))
+    if self.sharding_group is not None:
+        out = mx.distributed.all_sum(out, group=self.sharding_group)
+    return out
+
+
+DELTA = InstanceRoute(
+    name="gated-delta-qwen3_5",
+    bodies=(
+        Body(_MODULE, "GatedDeltaNet.__call__", EXPECTED_LAYER),
+        Body(_DELTA_MODULE, "gated_delta_update", EXPECTED_UPDATE),
+        Body(_DELTA_MODULE, "gated_delta_ops", EXPECTED_OPS),
+        Body(_DELTA_MODULE, "_gated_delta_step_ops", EXPECTED_STEP),
+        Body(_NEXT_MODULE, "Qwen3NextRMSNormGated.__call__", EXPECTED_NORM),
+        Body("mlx_lm.models.activations", "precise_swiglu", EXPECTED_SWIGLU),
+    ),
+    checked_with="mlx-lm 0.32.2",
+    refusal="Qwen 3.5's linear attention is not on the CPU kernel",
+    fallback="its layers run mlx-lm's gated_delta_ops (a Python loop, about 30x slower)",
+    methods={"__call__": _call},
+    prefix="Cpu",
+)
+
+
+def route(model: Any, routing: Routing) -> bool:
+    """Route `model`'s Qwen 3.5 linear-attention layers (any it has) to the primitive where
+    the kernels are active and the library's bodies are the ones restated; never raises.
+    Returns whether any layer is routed."""
+    if not kernels.status().active:
+        return False
+    return routing.swap(DELTA, model) > 0
+
+
+def variant() -> str | None:
+    """What the fingerprint records for a model whose layers are routed (the kernel set, whose
+    vector widths decide the last bits, and the digest of `VARIANT_SOURCES`)."""
+    if not kernels.status().active:
+        return None
+    return f"delta-{kernels.status().isa}-{digest.of_files(VARIANT_SOURCES)}"

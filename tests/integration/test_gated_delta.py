@@ -1,0 +1,178 @@
+"""Qwen 3.5's linear attention on our CPU kernels (issue 35): the gated delta rule
+(`kernels.delta.gated_delta`) against mlx-lm's ``gated_delta_ops``, the short convolution
+(`kernels.delta.conv_silu`) against MLX's ``Conv1d`` and ``silu``, on every kernel set, and
+the route (`models.deltaroute`) on tiny hybrid models.
+
+The bounds: the primitive rearranges the recurrence (y = g (S q) + delta (k . q), one pass
+over the state per token) and sums in another order than the library, so results differ by
+float32 rounding that grows with the tokens a state has seen. Measured on these shapes and on
+16 heads of 128 over 300 tokens (random unit keys, gates in [0.5, 1]), every kernel set, with
+and without masks: at most 4.2e-7 absolute on y and 1.2e-7 on the state, on values up to
+about 1; the bounds below are about 20x that. The convolution differs by silu's exp (our
+polynomial) and the order of its four products: at most 1.9e-6 absolute on values up to 16.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
+from mlx_lm.models.gated_delta import gated_delta_ops
+
+from mlx_nbengine import Engine, kernels
+from mlx_nbengine.kernels import delta
+from mlx_nbengine.models import deltaroute, load, qroute
+from mlx_nbengine.testing import make_tiny_model, make_tiny_quantized_model
+
+pytestmark = needs_kernels
+
+Y_BOUND = 1e-5
+STATE_BOUND = 2e-6
+CONV_BOUND = 1.2e-5
+
+
+def inputs(b, t, hk, hv, dk, dv, *, seed=0, state=True):
+    keys = mx.random.split(mx.random.key(seed), 7)
+    q = mx.random.normal((b, t, hk, dk), key=keys[0]) * dk**-0.5
+    k = mx.random.normal((b, t, hk, dk), key=keys[1])
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((b, t, hv, dv), key=keys[2])
+    g = mx.random.uniform(0.5, 1.0, (b, t, hv), key=keys[3])
+    beta = mx.random.uniform(0.0, 1.0, (b, t, hv), key=keys[4])
+    s = mx.random.normal((b, hv, dv, dk), key=keys[5]) * 0.1 if state else mx.zeros((b, hv, dv, dk))
+    mask = mx.random.uniform(shape=(b, t), key=keys[6]) > 0.25
+    return q, k, v, g, beta, s, mask
+
+
+def worst(got, want) -> float:
+    return mx.abs(got - want).max().item()
+
+
+SHAPES = (  # (B, T, Hk, Hv, Dk, Dv)
+    (1, 1, 2, 2, 128, 128),  # a decode step, heads of the real shape
+    (2, 37, 2, 4, 128, 128),  # grouped heads (Hv = 2 Hk), two batch rows
+    (1, 300, 1, 2, 16, 16),  # the tiny family's heads: one block of rows, padded
+    (1, 65, 2, 2, 24, 48),  # rows in 1.5 blocks, an odd key width (its tail)
+)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gated_delta_matches_the_librarys_loop(isa):
+    isa_or_skip(isa)
+    for shape in SHAPES:
+        q, k, v, g, beta, s, _ = inputs(*shape)
+        y, state = delta.gated_delta(q, k, v, g, beta, s, isa=isa)
+        want_y, want_state = gated_delta_ops(q, k, v, g, beta, s)
+        assert y.shape == want_y.shape and state.shape == want_state.shape, shape
+        assert worst(y, want_y) <= Y_BOUND, shape
+        assert worst(state, want_state) <= STATE_BOUND, shape
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_masked_token_gives_its_y_and_leaves_the_state_as_it_was(isa):
+    isa_or_skip(isa)
+    q, k, v, g, beta, s, mask = inputs(2, 40, 2, 2, 32, 32, seed=3)
+    mask[:, -1] = False  # the last token a pad too
+    y, state = delta.gated_delta(q, k, v, g, beta, s, mask, isa=isa)
+    want_y, want_state = gated_delta_ops(q, k, v, g, beta, s, mask)
+    assert worst(y, want_y) <= Y_BOUND and worst(state, want_state) <= STATE_BOUND
+    none = mx.zeros((2, 40), dtype=mx.bool_)
+    _, kept = delta.gated_delta(q, k, v, g, beta, s, none, isa=isa)
+    assert mx.array_equal(kept, s).item()  # every token a pad: the state untouched
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_state_carried_between_steps_is_the_state_of_one_long_step(isa):
+    # A state restored from a record (or a checkpoint) continues as if never stopped.
+    isa_or_skip(isa)
+    q, k, v, g, beta, s, _ = inputs(1, 50, 2, 2, 64, 64, seed=5, state=False)
+    y, whole = delta.gated_delta(q, k, v, g, beta, s, isa=isa)
+    cut = 23
+    first = [a[:, :cut] for a in (q, k, v, g, beta)]
+    rest = [a[:, cut:] for a in (q, k, v, g, beta)]
+    y1, mid = delta.gated_delta(*first, s, isa=isa)
+    y2, end = delta.gated_delta(*rest, mx.array(mid.tolist()), isa=isa)
+    assert mx.array_equal(mx.concatenate([y1, y2], axis=1), y).item()
+    assert mx.array_equal(end, whole).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_thread_count_gives_the_same_bits(isa):
+    isa_or_skip(isa)
+    q, k, v, g, beta, s, _ = inputs(2, 9, 2, 4, 64, 64, seed=7)
+    one = delta.gated_delta(q, k, v, g, beta, s, isa=isa, threads=1)
+    for threads in (2, 3):
+        many = delta.gated_delta(q, k, v, g, beta, s, isa=isa, threads=threads)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(one, many, strict=True))
+
+
+def test_bad_shapes_are_refused_in_one_line():
+    q, k, v, g, beta, s, _ = inputs(1, 3, 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="g and beta must be"):
+        delta.gated_delta(q, k, v, g[..., None] * mx.ones(16), beta, s)
+    with pytest.raises(ValueError, match="must be float32"):
+        delta.gated_delta(q.astype(mx.bfloat16), k, v, g, beta, s)
+    with pytest.raises(ValueError, match="a multiple of Hk"):
+        delta.gated_delta(q, k, mx.zeros((1, 3, 3, 16)), mx.zeros((1, 3, 3)), beta, s)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_conv_silu_matches_mlxs_grouped_convolution_and_silu(isa):
+    isa_or_skip(isa)
+    width = 4
+    for b, s, c in ((1, 1, 96), (2, 37, 200), (1, 256, 6144)):  # a decode step, prefill steps
+        keys = mx.random.split(mx.random.key(11), 2)
+        x = mx.random.normal((b, s + width - 1, c), key=keys[0]) * 2
+        conv = nn.Conv1d(c, c, width, groups=c, bias=False, padding=0)
+        conv.weight = mx.random.normal((c, width, 1), key=keys[1]) * 0.5
+        got = delta.conv_silu(x, conv.weight, isa=isa)
+        assert worst(got, nn.silu(conv(x))) <= CONV_BOUND, (b, s, c)
+        # A transposed (strided) x reads the same values.
+        strided = mx.swapaxes(mx.array(mx.swapaxes(x, 1, 2).tolist()), 1, 2)
+        assert mx.array_equal(delta.conv_silu(strided, conv.weight, isa=isa), got).item()
+
+
+def greedy(lm, prompt: list[int], n: int = 24) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), lm.model, max_tokens=n)
+    return [int(token) for (token, _), _ in zip(steps, range(n), strict=False)]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q8"])
+def test_a_tiny_hybrid_decodes_the_library_s_greedy_tokens(tmp_path, quantized):
+    if quantized:
+        path = make_tiny_quantized_model("qwen3_5", tmp_path / "q8", bits=8, group_size=32)
+    else:
+        path = make_tiny_model("qwen3_5", tmp_path / "f32")
+    lm = load(path)
+    try:
+        assert "gated-delta-qwen3_5" in lm.routing.names()
+        assert f"delta-{kernels.status().isa}-" in lm.variant
+        layers = [m for _, m in lm.model.named_modules() if deltaroute.DELTA.routes(m)]
+        assert len(layers) == 2  # the tiny family's two linear-attention layers
+        if quantized:
+            assert "swiglu-mlp-qwen3_next" in lm.routing.names()
+        prompt = [2, *range(5, 300)]  # a 296-token prefill step, then decode steps
+        ours = greedy(lm, prompt)
+        with lm.routing.suspended(deltaroute.DELTA, *qroute.SWIGLU_MLPS):
+            library = greedy(lm, prompt)
+        assert ours == library
+    finally:
+        lm.release_routes()
+    assert not any(deltaroute.DELTA.routes(m) for _, m in lm.model.named_modules())
+
+
+def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_path):
+    path = make_tiny_model("qwen3_5", tmp_path / "m")
+    prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
+    edited = [*prompt[:600], 9, *prompt[601:]]
+    with Engine.load(path, cache_dir=tmp_path) as engine:
+        assert "gated-delta-qwen3_5" in engine.model.routing.names()
+        engine.submit(prompt, max_tokens=4).result(timeout=300)
+        warm = engine.submit(edited, max_tokens=12).result(timeout=300)
+    with Engine.load(path, store=False) as cold_engine:
+        cold = cold_engine.submit(edited, max_tokens=12).result(timeout=300)
+    assert warm.report.restored_tokens >= 512  # two blocks and their recurrent state
+    assert warm.tokens == cold.tokens
