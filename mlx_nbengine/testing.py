@@ -950,3 +950,118 @@ def add_to_hub_cache(
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+# --- real-shape models: random weights in published shapes ----------------------------------
+
+# The text models' published shapes (their config.json), and a dense twin of each hybrid: the
+# same width, depth, MLP and full-attention heads, every layer full attention (qwen3).
+_QWEN3_5_SHAPE = {
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "vocab_size": 248_320,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262_144,
+    "tie_word_embeddings": True,
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_5-0.8b": {"hidden_size": 1024, "intermediate_size": 3584},
+    "qwen3_5-2b": {"hidden_size": 2048, "intermediate_size": 6144},
+}
+
+
+def _shape_config(shape: str, *, dense: bool) -> dict[str, Any]:
+    ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    sizes = {**_QWEN3_5_SHAPE, **SHAPES[shape]}
+    special = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"]}
+    if dense:
+        return {
+            **sizes,
+            **special,
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "rope_theta": 10_000_000.0,
+        }
+    text = {
+        **sizes,
+        **special,
+        "model_type": "qwen3_5_text",
+        "full_attention_interval": 4,
+        "linear_num_value_heads": 16,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+    return {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "text_config": text,
+        "tie_word_embeddings": True,
+        **special,
+    }
+
+
+def make_shaped_model(
+    shape: str,
+    directory: str | Path,
+    *,
+    dense: bool = False,
+    bits: int = 8,
+    group_size: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight model in a published shape (`SHAPES`: ``qwen3_5-0.8b``,
+    ``qwen3_5-2b``), or its dense twin (`dense`), MLX-quantized at `bits` and `group_size`,
+    with the tiny tokenizer (its ids lie below the vocabulary; the head still computes every
+    row). Speed does not depend on the weights' values. Weights are drawn and quantized one
+    module at a time, so a 2B model needs about its quantized size in memory."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = _shape_config(shape, dense=dense)
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    model_class, args_class = patches.model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    key = mx.random.key(seed)
+    for _, module in model.named_modules():
+        drawn = {}
+        for name, value in module.items():
+            if not isinstance(value, mx.array):
+                continue
+            key, sub = mx.random.split(key)
+            if name == "A_log":
+                drawn[name] = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=sub))
+            elif value.ndim >= 2:
+                fan_in = value.size // value.shape[0]
+                drawn[name] = mx.random.normal(value.shape, key=sub) * fan_in**-0.5
+        if drawn:
+            module.update(drawn)
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: (
+            isinstance(m, nn.Linear | nn.Embedding) and m.weight.shape[-1] % group_size == 0
+        ),
+    )
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        mx.eval(value)
+        weights[name] = value
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    make_tiny_tokenizer(directory)
+    return directory

@@ -46,6 +46,7 @@ CASES = {
     "cpu_prefill": ("bench_cpu_prefill", [], ("gemma3_text", {"sliding_window": 64})),
     "api": ("bench_api", [], ("llama", {})),  # its tiny vision model made inside
     "ranks": ("bench_ranks", [], ("llama", {"kv_heads": 2})),  # two local ranks, loopback
+    "families": ("bench_families", [], None),  # the tiny hybrid and its twin, made inside
 }
 
 

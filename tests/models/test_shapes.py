@@ -1,0 +1,48 @@
+"""The real-shape random models (`testing.make_shaped_model`, issue 35): their configs build
+mlx-lm's models in the published sizes, and the dense twins match the hybrids' width."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_nbengine.models import patches
+from mlx_nbengine.testing import SHAPES, _shape_config
+
+# Parameters of the published models' text part (embedding tied): about 0.75B and 1.9B.
+PUBLISHED = {"qwen3_5-0.8b": 0.75e9, "qwen3_5-2b": 1.88e9}
+
+
+def build(shape: str, *, dense: bool):
+    config = _shape_config(shape, dense=dense)
+    model_class, args_class = patches.model_classes(config)
+    return config, model_class(args_class.from_dict(config))  # lazy: nothing is drawn
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_hybrid_shape_builds_the_published_size(shape):
+    config, model = build(shape, dense=False)
+    count = sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters()))
+    assert abs(count - PUBLISHED[shape]) / PUBLISHED[shape] < 0.05, count
+    layers = model.language_model.model.layers
+    assert [layer.is_linear for layer in layers[:4]] == [True, True, True, False]
+    assert len(layers) == config["text_config"]["num_hidden_layers"] == 24
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
+    hybrid = _shape_config(shape, dense=False)["text_config"]
+    _, model = build(shape, dense=True)
+    twin = _shape_config(shape, dense=True)
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        assert twin[key] == hybrid[key], key
+    assert len(model.model.layers) == 24 and model.model.layers[0].self_attn.n_heads == 8
+
+
+def test_an_unknown_shape_is_refused_in_one_line(tmp_path):
+    from mlx_nbengine.testing import make_shaped_model
+
+    with pytest.raises(ValueError, match="unknown shape 'qwen9'; choose one of"):
+        make_shaped_model("qwen9", tmp_path)
