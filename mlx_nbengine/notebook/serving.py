@@ -165,7 +165,7 @@ def miss_html(miss: dict) -> str:
         f"{int(miss.get('expected', 0)):,} tokens it held"
     )
     return (
-        f'<div class="mnb-edit mnb-agent-why" data-kind="{escape(miss.get("kind", ""))}" '
+        f'<div class="mnb-edit mnb-agent-why" data-cause="{escape(miss.get("cause", ""))}" '
         f'data-position="{position}">'
         f'<span class="mnb-edit-label">{escape(miss.get("why", ""))}</span> {words} '
         f'<span class="mnb-edit-note">{"; ".join(notes)}</span></div>'

@@ -28,7 +28,7 @@ Terms:
   leaves that turn's prompt and answer, or, where the client kept all of it, the token
   where the restore stopped.
 
-A miss is classified (`Miss.kind`), first match wins:
+A miss is classified by its cause (`Miss.cause`), first match wins:
 
 1. ``reasoning``: the previous turn's tokens at the position are inside (or open) a
    reasoning block (``<think>``...; `REASONING_MARKERS` and the tokenizer's own): the
@@ -376,7 +376,7 @@ class Turn:
 class Miss:
     """Why a turn restored less than the previous turn of its conversation held."""
 
-    kind: str
+    cause: str
     position: int
     restored: int
     expected: int
@@ -389,7 +389,7 @@ class Miss:
 
     def as_dict(self, *, text: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "kind": self.kind,
+            "cause": self.cause,
             "position": self.position,
             "restored": self.restored,
             "expected": self.expected,
@@ -522,10 +522,10 @@ def explain(
     old = previous.sequence()
     position = previous.shared(prompt)
 
-    def miss(kind: str, why: str, at: int, detail: str = "", *, was: bool = True) -> Miss:
+    def miss(cause: str, why: str, at: int, detail: str = "", *, was: bool = True) -> Miss:
         lo, hi = max(0, at - SNIPPET_TOKENS), at + SNIPPET_TOKENS
         return Miss(
-            kind=kind,
+            cause=cause,
             position=at,
             restored=restored,
             expected=expected,
@@ -538,8 +538,8 @@ def explain(
         )
 
     if position >= expected:  # the client kept all of it: the cache lost it
-        kind, why = _lost(set(reasons), kept_boundary, restored, expected)
-        return miss(kind, why, restored, was=False)
+        cause, why = _lost(set(reasons), kept_boundary, restored, expected)
+        return miss(cause, why, restored, was=False)
 
     at = f"token {position:,}"
     markers = _reasoning_at(old, position, reader)
@@ -556,16 +556,16 @@ def explain(
         return miss("answer", why, position)
     found = _changed_facts(previous.facts, turn.facts)
     if found:
-        kinds = [kind for kind, _, _ in found]
+        causes = [cause for cause, _, _ in found]
         phrases = [phrase for _, phrase, _ in found]
         details = [detail for _, _, detail in found if detail]
         why = f"{'; '.join(phrases)} (first change at {at})"
-        return miss(kinds[0], why, position, "; ".join(details))
+        return miss(causes[0], why, position, "; ".join(details))
     return miss("differs", f"the prompt differs from the previous turn at {at}", position)
 
 
 def _lost(reasons: set[str], kept_boundary: str | None, restored: int, expected: int):
-    """The kind and why of a miss where the client kept the previous turn whole: the
+    """The cause and why of a miss where the client kept the previous turn whole: the
     store lost part of it (evicted, kept to a boundary, or never held it)."""
     if "evicted" in reasons or kept_boundary == "evicted":
         why = (
@@ -608,7 +608,7 @@ def _reasoning_at(old: Sequence[int], position: int, reader: Reader) -> tuple[st
 
 
 def _changed_facts(old: Facts, new: Facts) -> list[tuple[str, str, str]]:
-    """(kind, phrase, detail) for each fact that differs, in the order templates render
+    """(cause, phrase, detail) for each fact that differs, in the order templates render
     them: the system prompt, the tools, the messages."""
     found: list[tuple[str, str, str]] = []
     if old.system != new.system:

@@ -256,7 +256,7 @@ def test_reasoning_dropped_from_an_earlier_turn_is_named_at_its_token():
     restored = at  # a token-exact restore up to the change
     turn, miss = second(tracker, prompt, chat_facts(SYSTEM, QUESTION, "Four.", "And three?"), at)
     assert tracker.previous(turn) is one
-    assert miss.kind == "reasoning" and miss.position == at
+    assert miss.cause == "reasoning" and miss.position == at
     assert miss.why == f"the client rewrote history at token {at:,}: <think>…</think> removed"
     assert miss.restored == restored and miss.expected == one.held and miss.previous == 1
     assert miss.before.endswith("</><a>") and miss.was.startswith("<think>")
@@ -270,7 +270,7 @@ def test_a_change_inside_the_reasoning_is_the_reasoning_too():
     # An empty reasoning block kept in its place (some templates render one).
     prompt = asked + "\n\n</think>\nFour.</><u>And three?</><a><think>"
     _, miss = second(tracker, prompt, chat_facts(SYSTEM, QUESTION, "Four.", "And three?"), 0)
-    assert miss.kind == "reasoning" and miss.position == len(asked) + 1
+    assert miss.cause == "reasoning" and miss.position == len(asked) + 1
 
 
 def test_an_answer_sent_back_otherwise_is_named():
@@ -280,7 +280,7 @@ def test_an_answer_sent_back_otherwise_is_named():
     prompt = asked + "call add(b=2, a=1)</><u>go on</><a>"
     _, miss = second(tracker, prompt, chat_facts(SYSTEM, QUESTION, "x", "go on"), len(asked))
     at = len(asked) + len("call add(")
-    assert miss.kind == "answer" and miss.position == at
+    assert miss.cause == "answer" and miss.position == at
     assert miss.why == (
         f"the client sent the previous answer back changed at token {at:,} "
         f"(its token 10 of {len(one.answer):,})"
@@ -296,7 +296,7 @@ def test_a_changed_tools_list_is_named_with_the_tools():
     facts = chat_facts(SYSTEM, QUESTION, "four", "more", tools=["add", "mul"], key="k")
     _, miss = second(tracker, prompt, facts, 9)
     at = len("[tool add]")
-    assert miss.kind == "tools" and miss.position == at
+    assert miss.cause == "tools" and miss.position == at
     assert miss.why == f"the tools list changed (first change at token {at})"
     assert miss.detail == "added: mul"
     assert "mul" not in json.dumps(miss.as_dict())  # names are prompt text: the view only
@@ -311,7 +311,7 @@ def test_a_changed_system_prompt_is_named():
     prompt = render(other, QUESTION, "four", "more")
     _, miss = second(tracker, prompt, chat_facts(other, QUESTION, "four", "more", key="k"), 16)
     at = len("<s>You are a ")
-    assert miss.kind == "system" and miss.position == at
+    assert miss.cause == "system" and miss.position == at
     assert miss.why == f"the system prompt changed (first change at token {at})"
 
 
@@ -324,7 +324,7 @@ def test_an_edited_earlier_message_is_named_with_its_place():
     prompt = render(SYSTEM, *edited)
     _, miss = second(tracker, prompt, chat_facts(SYSTEM, *edited), 0)
     at = asked.index("four")
-    assert miss.kind == "edited" and miss.position == at
+    assert miss.cause == "edited" and miss.position == at
     assert miss.why == (
         f"an earlier message was edited (message 2, assistant) (first change at token {at})"
     )
@@ -336,7 +336,7 @@ def test_dropped_earlier_messages_are_named():
     finished(tracker, 1, render(SYSTEM, *msgs), chat_facts(SYSTEM, *msgs, key="k"), "six")
     prompt = render(SYSTEM, QUESTION)  # compacted: the later turns are gone
     _, miss = second(tracker, prompt, chat_facts(SYSTEM, QUESTION, key="k"), 0)
-    assert miss.kind == "dropped" and miss.why.startswith("2 earlier messages were dropped")
+    assert miss.cause == "dropped" and miss.why.startswith("2 earlier messages were dropped")
 
 
 def test_a_change_no_fact_explains_is_the_generic_line():
@@ -346,7 +346,7 @@ def test_a_change_no_fact_explains_is_the_generic_line():
     prompt = text.replace("tall", "high") + " Yes. How high?"
     at = text.index("tall")
     _, miss = second(tracker, prompt, Facts(), 16)
-    assert miss.kind == "differs" and miss.position == at
+    assert miss.cause == "differs" and miss.position == at
     assert miss.why == f"the prompt differs from the previous turn at token {at}"
 
 
@@ -354,7 +354,7 @@ def test_a_kept_prefix_that_did_not_come_back_was_evicted_or_cut_at_a_boundary()
     asked = render(SYSTEM, QUESTION)
     prompt = asked + "four</><u>more</><a><think>"
     facts = chat_facts(SYSTEM, QUESTION, "four", "more")
-    for kwargs, kind, why in [
+    for kwargs, cause, why in [
         (
             {"reasons": ["evicted", "evicted", "tail"]},
             "evicted",
@@ -379,7 +379,7 @@ def test_a_kept_prefix_that_did_not_come_back_was_evicted_or_cut_at_a_boundary()
         tracker = Conversations()
         finished(tracker, 1, asked, chat_facts(SYSTEM, QUESTION), "four")
         _, miss = second(tracker, prompt, facts, 32, **kwargs)
-        assert (miss.kind, miss.why, miss.position) == (kind, why, 32)
+        assert (miss.cause, miss.why, miss.position) == (cause, why, 32)
         assert miss.was == "" and miss.now == visible(prompt[32:40])
 
 
@@ -390,7 +390,7 @@ def test_a_miss_as_a_dict_holds_no_text_unless_asked():
     prompt = render(SYSTEM, QUESTION, "secret", "more")
     _, miss = second(tracker, prompt, chat_facts(SYSTEM, QUESTION, "secret", "more"), 0)
     assert "secret" in miss.now
-    assert set(miss.as_dict()) == {"kind", "position", "restored", "expected", "previous", "why"}
+    assert set(miss.as_dict()) == {"cause", "position", "restored", "expected", "previous", "why"}
     assert "secret" not in json.dumps(miss.as_dict())
     assert miss.as_dict(text=True)["now"] == miss.now
 
@@ -416,7 +416,7 @@ def test_the_journal_explains_a_finished_turn_and_keeps_its_text_out_of_as_dict(
         prompt = render(SYSTEM, QUESTION, "Four.", "more")
         two = run(journal, prompt, chat_facts(SYSTEM, QUESTION, "Four.", "more"), "ok")
         assert (one.api, one.conversation, two.conversation) == ("chat completions", "A", "A")
-        assert one.miss is None and two.miss.kind == "reasoning"
+        assert one.miss is None and two.miss.cause == "reasoning"
         assert two.answer_tokens == ids("ok")
         shown = json.dumps(two.as_dict())
         assert ("Four." in shown) is log_prompts and '"why"' in shown
@@ -500,7 +500,7 @@ def test_a_turn_that_drops_the_reasoning_is_explained_at_its_token(thinking, dro
     assert entry.conversation == entry_one.conversation != ""
     assert entry.client.startswith("openai-python ") and entry.api == "chat completions"
     miss = entry.miss
-    assert miss is not None and miss.kind == "reasoning"
+    assert miss is not None and miss.cause == "reasoning"
     assert miss.position == at and miss.previous == entry_one.number
     assert miss.why == f"the client rewrote history at token {at:,}: <think>…</think> removed"
     assert miss.restored == cached
@@ -541,7 +541,7 @@ def test_a_changed_tools_list_is_named(thinking):
     entry = finished_entry(server)
     assert entry.conversation == entry_one.conversation
     miss = entry.miss
-    assert miss is not None and miss.kind == "tools", miss
+    assert miss is not None and miss.cause == "tools", miss
     assert miss.why.startswith("the tools list changed (first change at token ")
     assert miss.detail == "added: multiply"
     assert miss.position == entry.cached_tokens
@@ -569,7 +569,7 @@ def test_the_view_shows_the_client_the_conversation_and_the_miss_line(thinking, 
     following = markup.find('<tr class="mnb-agent-row"', at + len(row))
     assert at < strip < start and (following == -1 or start < following)
     line = markup[start:].split("</td></tr>", 1)[0]
-    assert 'data-kind="reasoning"' in line and f'data-position="{entry.miss.position}"' in line
+    assert 'data-cause="reasoning"' in line and f'data-position="{entry.miss.position}"' in line
     assert "the client rewrote history at token" in line
     assert "&lt;think&gt;…&lt;/think&gt; removed" in line  # escaped, never a tag
     assert '<span class="mnb-after">Four.' in line
