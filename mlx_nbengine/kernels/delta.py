@@ -26,13 +26,16 @@ def gated_delta(
     state: mx.array,
     mask: mx.array | None = None,
     *,
+    taps: tuple[int, ...] = (),
     isa: str | None = None,
     threads: int | None = None,
-) -> tuple[mx.array, mx.array]:
+) -> tuple[mx.array, ...]:
     """``gated_delta_ops(q, k, v, g, beta, state, mask)`` on the CPU: q, k [B, T, Hk, Dk],
     v [B, T, Hv, Dv] (Hv a multiple of Hk), a scalar gate g and beta [B, T, Hv], state
     [B, Hv, Dv, Dk], mask [B, T] bool or None; all float32. Returns (y [B, T, Hv, Dv],
-    the new state), split over `threads` (default: the step's BLAS thread count)."""
+    the new state), and where `taps` (ascending token counts in 1..T) are given, the states
+    after each of them [len(taps), B, Hv, Dv, Dk] too; split over `threads` (default: the
+    step's BLAS thread count)."""
     if not _kernels.status().active:
         raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
     module = _kernels._module  # noqa: SLF001 - the package's one built module
@@ -44,6 +47,7 @@ def gated_delta(
         beta,
         state,
         mask,
+        list(taps),
         isa or _kernels.status().isa,
         threads or _blas.current_threads(),
     )

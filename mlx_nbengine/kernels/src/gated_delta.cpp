@@ -39,6 +39,9 @@ struct DeltaJob {
   float* y;
   float* state_out;
   int64_t B, T, Hk, Hv, Dk, Dv;
+  const int* taps; // token counts at which the state is also written out, ascending
+  int n_taps;
+  float* tapped; // [n_taps, B, Hv, Dv, Dk]
 };
 
 // The state is worked on transposed, St [Dk][Dvp] (Dvp: Dv rounded up to kLanes, the pad rows
@@ -183,6 +186,110 @@ MNB_INLINE void pass_of(float* st, int64_t dk_n, int64_t stride, float g, const 
 // per token both updates it and reads the next token's a and b. Rows evolve independently,
 // so each block of kLanes rows (16 KB for Dk 128) runs through every token while it stays in
 // the core's first-level cache.
+// A step of few tokens (a decode step) works on the state as it is laid out, [Dv][Dk]: a
+// transposed copy in and out would cost more than the token itself. R rows at a time, in
+// place (their sums are independent, so their latencies overlap):
+//   row *= g;  kv = row . k;  delta = (v - kv) beta;  row += delta k;  y = row . q
+constexpr int64_t kRowMajorTokens = 4;
+constexpr int kRowLanes = 16;
+
+MNB_INLINE float lanes_total(const float* part) {
+  float s[8];
+  for (int j = 0; j < 8; ++j) {
+    s[j] = part[j] + part[j + 8];
+  }
+  for (int j = 0; j < 4; ++j) {
+    s[j] += s[j + 4];
+  }
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+template <int R>
+MNB_INLINE void rows_step(float* __restrict row, int64_t n, const float* __restrict q,
+                          const float* __restrict k, const float* __restrict v, float g,
+                          float beta, float* __restrict y) {
+  float acc[R][kRowLanes] = {};
+  int64_t i = 0;
+  for (; i + kRowLanes <= n; i += kRowLanes) {
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < kRowLanes; ++j) {
+        const float x = row[r * n + i + j] * g;
+        row[r * n + i + j] = x;
+        acc[r][j] += x * k[i + j];
+      }
+    }
+  }
+  float delta[R];
+  for (int r = 0; r < R; ++r) {
+    float kv = lanes_total(acc[r]);
+    for (int64_t t = i; t < n; ++t) {
+      const float x = row[r * n + t] * g;
+      row[r * n + t] = x;
+      kv += x * k[t];
+    }
+    delta[r] = (v[r] - kv) * beta;
+    for (int j = 0; j < kRowLanes; ++j) {
+      acc[r][j] = 0.0f;
+    }
+  }
+  for (i = 0; i + kRowLanes <= n; i += kRowLanes) {
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < kRowLanes; ++j) {
+        const float x = row[r * n + i + j] + k[i + j] * delta[r];
+        row[r * n + i + j] = x;
+        acc[r][j] += x * q[i + j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out = lanes_total(acc[r]);
+    for (int64_t t = i; t < n; ++t) {
+      const float x = row[r * n + t] + k[t] * delta[r];
+      row[r * n + t] = x;
+      out += x * q[t];
+    }
+    y[r] = out;
+  }
+}
+
+// Every token of heads [u0, u1) of a short step, the state in its own layout.
+MNB_INLINE void heads_rows(const DeltaJob& j, int64_t u0, int64_t u1) {
+  const int64_t n = j.Dk, rows = j.Dv, per = rows * n, group = j.Hv / j.Hk;
+  std::vector<float> scratch(j.mask != nullptr ? size_t(per) : 0);
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t b = u / j.Hv, hv = u % j.Hv, hk = hv / group;
+    float* state = j.state_out + u * per;
+    std::memcpy(state, j.state + u * per, size_t(per) * sizeof(float));
+    int tap = 0;
+    for (int64_t t = 0; t < j.T; ++t) {
+      const int64_t bt = b * j.T + t;
+      const float* q = j.q + (bt * j.Hk + hk) * n;
+      const float* k = j.k + (bt * j.Hk + hk) * n;
+      const float* v = j.v + (bt * j.Hv + hv) * rows;
+      const float g = j.g[bt * j.Hv + hv], beta = j.beta[bt * j.Hv + hv];
+      float* y = j.y + (bt * j.Hv + hv) * rows;
+      // A masked token (a pad) computes its y on a copy and leaves the state as it was.
+      float* s = state;
+      if (j.mask != nullptr && !j.mask[bt]) {
+        s = scratch.data();
+        std::memcpy(s, state, size_t(per) * sizeof(float));
+      }
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        rows_step<4>(s + r * n, n, q, k, v + r, g, beta, y + r);
+      }
+      for (; r < rows; ++r) {
+        rows_step<1>(s + r * n, n, q, k, v + r, g, beta, y + r);
+      }
+      while (tap < j.n_taps && j.taps[tap] == t + 1) {
+        float* out = j.tapped + (int64_t(tap) * j.B * j.Hv + u) * per;
+        std::memcpy(out, state, size_t(per) * sizeof(float));
+        ++tap;
+      }
+    }
+  }
+}
+
 template <int S>
 MNB_INLINE void heads_run(const DeltaJob& j, int64_t u0, int64_t u1) {
   const int64_t dk_n = j.Dk, dv_n = j.Dv, group = j.Hv / j.Hk;
@@ -211,6 +318,7 @@ MNB_INLINE void heads_run(const DeltaJob& j, int64_t u0, int64_t u1) {
     for (int64_t r0 = 0; r0 < dvp; r0 += kLanes) {
       float* rows = st.data() + r0;
       const int64_t live = std::min<int64_t>(kLanes, dv_n - r0); // the rest are pad rows
+      int tap = 0;
       if (j.T > 0) { // the first token's a and b: a pass that reads only
         pass_of<S, false, true>(rows, dk_n, dvp, 1.0f, delta, key(0), key(0), query(0), a, b);
       }
@@ -241,6 +349,15 @@ MNB_INLINE void heads_run(const DeltaJob& j, int64_t u0, int64_t u1) {
         } else if (!last) {
           pass_of<S, false, true>(rows, dk_n, dvp, g, delta, k, key(t + 1), query(t + 1), a, b);
         }
+        while (tap < j.n_taps && j.taps[tap] == t + 1) { // the state after t + 1 tokens
+          float* out = j.tapped + (int64_t(tap) * j.B * j.Hv + u) * dv_n * dk_n;
+          for (int64_t r = r0; r < r0 + live; ++r) {
+            for (int64_t i = 0; i < dk_n; ++i) {
+              out[r * dk_n + i] = st[size_t(i * dvp + r)];
+            }
+          }
+          ++tap;
+        }
       }
     }
     float* s_out = j.state_out + u * dv_n * dk_n;
@@ -253,14 +370,14 @@ MNB_INLINE void heads_run(const DeltaJob& j, int64_t u0, int64_t u1) {
 }
 
 void heads_portable(const DeltaJob& j, int64_t u0, int64_t u1) {
-  heads_run<0>(j, u0, u1);
+  j.T <= kRowMajorTokens ? heads_rows(j, u0, u1) : heads_run<0>(j, u0, u1);
 }
 #if defined(__x86_64__)
 MNB_AVX2 void heads_avx2(const DeltaJob& j, int64_t u0, int64_t u1) {
-  heads_run<1>(j, u0, u1);
+  j.T <= kRowMajorTokens ? heads_rows(j, u0, u1) : heads_run<1>(j, u0, u1);
 }
 MNB_AVX512 void heads_avx512(const DeltaJob& j, int64_t u0, int64_t u1) {
-  heads_run<2>(j, u0, u1);
+  j.T <= kRowMajorTokens ? heads_rows(j, u0, u1) : heads_run<2>(j, u0, u1);
 }
 #endif
 
@@ -388,6 +505,7 @@ std::vector<mx::array> gated_delta(
     const mx::array& beta,
     const mx::array& state,
     const std::optional<mx::array>& mask,
+    const std::vector<int>& taps,
     Isa isa,
     int threads) {
   if (q.ndim() != 4 || k.shape() != q.shape() || v.ndim() != 4) {
@@ -408,6 +526,11 @@ std::vector<mx::array> gated_delta(
   if (mask && (mask->dtype() != mx::bool_ || mask->shape() != mx::Shape{B, T})) {
     throw std::invalid_argument("gated_delta: mask must be bool [B, T]");
   }
+  for (size_t i = 0; i < taps.size(); ++i) {
+    if (taps[i] < 1 || taps[i] > T || (i > 0 && taps[i] <= taps[i - 1])) {
+      throw std::invalid_argument("gated_delta: taps must ascend within 1..T");
+    }
+  }
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{
       float32_input(q, "q", s),
@@ -419,10 +542,16 @@ std::vector<mx::array> gated_delta(
   if (mask) {
     inputs.push_back(contiguous_input(*mask, s));
   }
+  std::vector<mx::Shape> shapes{{B, T, Hv, Dv}, state.shape()};
+  std::vector<mx::Dtype> dtypes{mx::float32, mx::float32};
+  if (!taps.empty()) {
+    shapes.push_back({int(taps.size()), B, Hv, Dv, Dk});
+    dtypes.push_back(mx::float32);
+  }
   return mx::array::make_arrays(
-      {{B, T, Hv, Dv}, state.shape()},
-      {mx::float32, mx::float32},
-      std::make_shared<GatedDelta>(s, bool(mask), usable(isa), std::max(1, threads)),
+      std::move(shapes),
+      std::move(dtypes),
+      std::make_shared<GatedDelta>(s, bool(mask), taps, usable(isa), std::max(1, threads)),
       std::move(inputs));
 }
 
@@ -442,13 +571,17 @@ void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   DeltaJob job{
       nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
       outputs[0].data<float>(), outputs[1].data<float>(),
-      q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)};
+      q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3),
+      taps_.data(), int(taps_.size()), outputs.size() > 2 ? outputs[2].data<float>() : nullptr};
   const Isa isa = isa_;
   const int64_t units = job.B * job.Hv;
   // A small step (a tiny model's) on one thread: waking the others costs more.
   const int64_t work = units * std::max<int64_t>(job.T, 1) * job.Dv * job.Dk;
   const int threads = work < (int64_t(1) << 15) ? 1 : int(std::min<int64_t>(threads_, units));
-  encoder.dispatch([inputs, job, isa, units, threads]() mutable {
+  // The primitive may be gone when the task runs (its graph detached): the task keeps its
+  // own copy of the tap counts.
+  encoder.dispatch([inputs, job, taps = taps_, isa, units, threads]() mutable {
+    job.taps = taps.data();
     job.q = inputs[0].data<float>();
     job.k = inputs[1].data<float>();
     job.v = inputs[2].data<float>();
@@ -477,7 +610,8 @@ void GatedDelta::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&
 
 bool GatedDelta::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDelta&>(other);
-  return has_mask_ == o.has_mask_ && isa_ == o.isa_ && threads_ == o.threads_;
+  return has_mask_ == o.has_mask_ && taps_ == o.taps_ && isa_ == o.isa_ &&
+         threads_ == o.threads_;
 }
 
 } // namespace mnb

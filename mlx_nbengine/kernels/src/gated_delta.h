@@ -13,7 +13,9 @@
 // A row whose mask is false computes y from the updated state but keeps the old state.
 //
 // Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk];
-// mask [B, T] (bool) or none. All float32. Outputs: y [B, T, Hv, Dv] and the new state.
+// mask [B, T] (bool) or none. All float32. Outputs: y [B, T, Hv, Dv] and the new state; where
+// `taps` (ascending token counts in 1..T) are given, also the state after each of them,
+// [len(taps), B, Hv, Dv, Dk] (a block boundary inside a long prefill step).
 
 #pragma once
 
@@ -37,6 +39,7 @@ std::vector<mx::array> gated_delta(
     const mx::array& beta,
     const mx::array& state,
     const std::optional<mx::array>& mask,
+    const std::vector<int>& taps,
     Isa isa,
     int threads);
 
@@ -64,8 +67,12 @@ class ConvSilu : public mx::UnaryPrimitive {
 
 class GatedDelta : public mx::Primitive {
  public:
-  GatedDelta(mx::Stream stream, bool has_mask, Isa isa, int threads)
-      : mx::Primitive(stream), has_mask_(has_mask), isa_(isa), threads_(threads) {}
+  GatedDelta(mx::Stream stream, bool has_mask, std::vector<int> taps, Isa isa, int threads)
+      : mx::Primitive(stream),
+        has_mask_(has_mask),
+        taps_(std::move(taps)),
+        isa_(isa),
+        threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -77,6 +84,7 @@ class GatedDelta : public mx::Primitive {
 
  private:
   bool has_mask_;
+  std::vector<int> taps_;
   Isa isa_;
   int threads_;
 };

@@ -81,9 +81,13 @@ void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
                   const mnb::mx::array& beta,
                   const mnb::mx::array& state,
                   const std::optional<mnb::mx::array>& mask,
+                  const std::vector<int>& taps,
                   const std::string& isa,
                   int threads) {
-        auto out = mnb::gated_delta(q, k, v, g, beta, state, mask, parse_isa(isa), threads);
+        auto out = mnb::gated_delta(q, k, v, g, beta, state, mask, taps, parse_isa(isa), threads);
+        if (out.size() > 2) {
+          return nb::make_tuple(out[0], out[1], out[2]);
+        }
         return nb::make_tuple(out[0], out[1]);
       },
       "q"_a,
@@ -93,6 +97,7 @@ void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
       "beta"_a,
       "state"_a,
       "mask"_a.none(),
+      "taps"_a,
       "isa"_a,
       "threads"_a,
       "The gated delta rule of float32 arrays on the CPU: (y, state) (see gated_delta.h).");
