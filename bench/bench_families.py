@@ -17,8 +17,9 @@ Measured per model, on the CPUs this process may use (the engine's thread policy
 threads are in the JSON):
 
 - *cold prefill* tok/s of ``--lengths`` tokens (default 1,024 and 4,096): an empty store, the
-  time to the first token (the engine's own steps: a recurrent model takes one block per
-  step, so that every block boundary has its state);
+  time to the first token (the engine's own steps: up to 1,024 tokens, the hybrid's states
+  at the block boundaries inside a step taken by its layers; the library variant steps one
+  block at a time, as a recurrent model off our kernels does);
 - *decode* tok/s of ``--decode`` tokens after a 64-token prompt, 1 row; and 4 rows at once
   (four prompts submitted together, their tokens over the wall time);
 - *edited re-run*: a prompt of the first length, then the same prompt with one token changed

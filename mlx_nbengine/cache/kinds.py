@@ -472,6 +472,7 @@ def extract_block_records(
     block_size: int,
     offset: int | None = None,
     end: int | None = None,
+    states: dict[int, Any] | None = None,
 ) -> dict[RecordKind, Record]:
     """The records of block `block` from a live single-sequence cache, one per kind.
 
@@ -484,6 +485,8 @@ def extract_block_records(
 
     `end` (inside the block) takes a *partial block*'s records instead: the tokens
     ``[start, end)``, and the ``"state"`` there when the cache has seen exactly `end`.
+    `states` (layer index -> a cache of that layer as it stood at the block's end, taken
+    inside a longer model call) stand in for those layers' own caches.
     """
     span = BlockSpan(block, block_size, (block + 1) * block_size if end is None else end)
     if not span.start < span.end <= span.block_end:
@@ -493,7 +496,10 @@ def extract_block_records(
     arrays: dict[RecordKind, dict[str, mx.array]] = {k.name: {} for k in KINDS}
     for i, c in enumerate(cache):
         kind = kind_of(c)
-        part = kind.extract(c, i, span, seen=seen)
+        if states and i in states:
+            part = kind.extract(states[i], i, span, seen=span.end)
+        else:
+            part = kind.extract(c, i, span, seen=seen)
         if part is not None:
             layers[kind.name][str(i)] = part.meta
             arrays[kind.name].update(part.arrays)

@@ -78,7 +78,11 @@ class Checkpoints:
             done = range(start // bs, end // bs)  # the blocks whose end lies in (start, end]
             for block in done:
                 chain = seq.prompt_keys[: block + 1] if block == done[-1] else None
-                self._save_block(seq.prompt_keys, seq.prompt_match, seq.cache, block, chain=chain)
+                states = seq.step_states.get((block + 1) * bs)  # a boundary inside the step
+                self._save_block(
+                    seq.prompt_keys, seq.prompt_match, seq.cache, block, chain=chain, states=states
+                )
+            seq.step_states = {}
         if self.image_ends and end % bs and any(s.end == end for s in seq.images):
             self.partial(seq.prompt[:end], seq.cache, images=seq.images)
         if self.prompt_partials and end % bs and end >= len(seq.prompt) - 1:
@@ -92,12 +96,20 @@ class Checkpoints:
         self._save_block(chain, match, cache, block, chain=chain[: block + 1])
 
     def _save_block(
-        self, keys: list[str], tokens: Any, cache: list[Any], block: int, *, chain: Any
+        self,
+        keys: list[str],
+        tokens: Any,
+        cache: list[Any],
+        block: int,
+        *,
+        chain: Any,
+        states: dict[int, Any] | None = None,
     ) -> None:
         """Send block `block` of `tokens` (chain `keys`; `match_ids` where images are) from
-        `cache` to the store; `chain` (when given) is touched after."""
+        `cache` to the store, its recurrent layers' `states` taken at its end inside a step
+        where given; `chain` (when given) is touched after."""
         bs = self.block_size
-        records = extract_block_records(cache, block=block, block_size=bs)
+        records = extract_block_records(cache, block=block, block_size=bs, states=states)
         if records:
             self._io.save(
                 keys[block],

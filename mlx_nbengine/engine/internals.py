@@ -58,6 +58,13 @@ class EngineInternals:
         return runner is not None and runner.split is not None
 
     @property
+    def takes_states_inside_steps(self) -> bool:
+        """Whether a recurrent model's prefill steps may span block boundaries, its states
+        there taken inside the step (`Runner.taps_states`)."""
+        runner = self._gen.runner
+        return runner is not None and runner.taps_states
+
+    @property
     def host_sampling(self) -> bool:
         """Whether sampled rows are drawn in numpy when a step is read (the CPU's default)
         rather than in the MLX graph (see `sampling`). Settable."""

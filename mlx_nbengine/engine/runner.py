@@ -27,6 +27,7 @@ from mlx_nbengine.engine.memory import give_back_memory
 from mlx_nbengine.engine.sampling import HostDraw, draw_rows
 from mlx_nbengine.engine.sequence import Sequence
 from mlx_nbengine.engine.vision import VisionRunner
+from mlx_nbengine.models import deltaroute
 from mlx_nbengine.models.head import split_head
 
 
@@ -49,10 +50,19 @@ class Runner:
                 if split and lm.modality == "text"
                 else None
             )
+        # The recurrent layers whose states can be taken inside a prefill step (the hybrid's,
+        # on our kernels: `deltaroute.tapping`), where they are all the model's; else None.
+        self._tapping_layers = deltaroute.tapping_layers(lm) if self.vision is None else None
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
         self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
         # Called with every set of logits a token is sampled from (rows = sequences).
         self.logit_watcher: Callable[[mx.array], None] | None = None
+
+    @property
+    def taps_states(self) -> bool:
+        """Whether every recurrent layer's state can be taken inside a prefill step now, so
+        a recurrent model's steps need not end at each block boundary."""
+        return deltaroute.taps_every_state(self._tapping_layers)
 
     @property
     def bidirectional(self) -> bool:
@@ -82,9 +92,23 @@ class Runner:
             seq.embedded = self.vision.embed(seq.prompt, seq.vision, need_from=restored)
             seq.rope_delta = seq.embedded.rope_delta or 0
 
-    def prefill(self, seq: Sequence, start: int, end: int) -> int | None:
+    def prefill(self, seq: Sequence, start: int, end: int, *, block_size: int = 0) -> int | None:
         """Feed prompt tokens ``start:end`` into `seq.cache`, evaluated; when `end` is the
-        prompt's end, the token sampled from the last row (else None)."""
+        prompt's end, the token sampled from the last row (else None). Where the recurrent
+        layers' states can be taken inside the step (`taps_states`), those at each multiple
+        of `block_size` inside it go in `seq.step_states` (boundary -> layer -> a cache)."""
+        seq.step_states = {}
+        inside = (
+            range((start // block_size + 1) * block_size, end, block_size) if block_size else ()
+        )
+        if self.taps_states and len(inside):
+            with deltaroute.tapping(tuple(b - start for b in inside)) as taps:
+                token = self._prefill(seq, start, end)
+            seq.step_states = _tapped_states(seq.cache, taps, start)
+            return token
+        return self._prefill(seq, start, end)
+
+    def _prefill(self, seq: Sequence, start: int, end: int) -> int | None:
         inputs = mx.array(seq.prompt[start:end], dtype=mx.uint32)[None]
         last = end == len(seq.prompt)
         with self.thread_policy.prefill(end - start):
@@ -193,3 +217,19 @@ def _host_drawn(seqs: list[Sequence], host_sampling: bool) -> bool:
 
 def _logits(out: Any) -> mx.array:
     return getattr(out, "logits", out)
+
+
+def _tapped_states(cache: list[Any], taps: deltaroute.Taps, start: int) -> dict[int, dict]:
+    """{boundary: {layer index: a stand-in cache holding that layer's state there}} from a
+    step that began at `start`; a layer that gave none leaves its boundary out."""
+    from mlx_lm.models.cache import ArraysCache  # noqa: PLC0415 - mlx-lm's, where used
+
+    out: dict[int, dict[int, Any]] = {}
+    for i, layer_cache in enumerate(cache):
+        for n, arrays in zip(taps.at, taps.found.get(id(layer_cache), []), strict=False):
+            stand_in = ArraysCache(size=len(arrays))
+            for j, array in enumerate(arrays):
+                stand_in[j] = array
+            out.setdefault(start + n, {})[i] = stand_in
+    layers = {i for i, c in enumerate(cache) if isinstance(c, ArraysCache)}
+    return {b: states for b, states in out.items() if set(states) == layers}

@@ -11,8 +11,10 @@
   next block on a token-exact engine; see `cache.planner`). Then every block left to
   compute gets its *reason* (`reasons`).
 - *prefill steps* (`steps`): model calls that end on block boundaries, so a checkpoint
-  exists at every boundary: one block at a time on recurrent models or while others
-  decode (a long step would stall them), up to `max_prefill_step` tokens otherwise.
+  exists at every boundary: one block at a time while others decode (a long step would
+  stall them) and on recurrent models whose states cannot be taken inside a step, up to
+  `max_prefill_step` tokens otherwise (a hybrid whose recurrent layers are on our kernels
+  gives its states at the boundaries inside a step: `Runner.taps_states`).
 - *group*: sequences whose final steps (each inside one block) are due together are
   prefilled in one call and join together; the padding a group may add is bounded by
   `GROUP_PAD_TOKENS` per extra member. A ready sequence waits for others still restoring
@@ -190,13 +192,14 @@ class Scheduler:
     def next_step(self, seq: Sequence) -> tuple[int, int]:
         """The prompt tokens ``start:end`` of `seq`'s next prefill step."""
         checkpoints = self.checkpoints
-        # Recurrent models need a state checkpoint at every boundary; others take bigger
-        # steps unless sequences are decoding, which a long step would stall, or someone
-        # watches the blocks arrive (`live_blocks`).
+        # Recurrent models need a state checkpoint at every boundary (a step ends there,
+        # unless the runner takes the states inside a step: `taps_states`); others take
+        # bigger steps unless sequences are decoding, which a long step would stall, or
+        # someone watches the blocks arrive (`live_blocks`).
         one_block = (
             len(self.decoder) > 0
             or seq.live_blocks
-            or (checkpoints is not None and checkpoints.recurrent)
+            or (checkpoints is not None and checkpoints.recurrent and not self.runner.taps_states)
         )
         return next_step(
             seq,
@@ -213,7 +216,7 @@ class Scheduler:
             return
         start, end = self.next_step(seq)
         t = time.perf_counter()
-        token = self.runner.prefill(seq, start, end)
+        token = self.runner.prefill(seq, start, end, block_size=self.block_size)
         seq.cache_tokens.extend(seq.prompt[start:end])
         seq.report_computed(start, end, time.perf_counter() - t)
         reason = None

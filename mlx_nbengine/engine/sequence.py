@@ -93,6 +93,9 @@ class Sequence:
     # what ended it when that failed mid-way (the scheduler fails the request with it).
     constraint: Any = None
     error: BaseException | None = None
+    # The recurrent layers' states at block boundaries inside the last prefill step
+    # (boundary -> layer index -> a cache), taken by the runner, read by the checkpoints.
+    step_states: dict[int, dict[int, Any]] = field(default_factory=dict)
     _seconds: dict[int, float] = field(default_factory=dict)
     _partial: dict[int, int] = field(default_factory=dict)  # block -> tokens restored in it
     _prompt_match: Any = None  # `prompt_match`, once asked for

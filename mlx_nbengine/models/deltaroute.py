@@ -25,6 +25,10 @@ MLX's own kernels) runs the library's layer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -36,7 +40,16 @@ from mlx_nbengine import kernels
 from mlx_nbengine.kernels import delta, digest, rowops
 from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
-__all__ = ["DELTA", "VARIANT_SOURCES", "route", "variant"]
+__all__ = [
+    "DELTA",
+    "VARIANT_SOURCES",
+    "Taps",
+    "route",
+    "taps_every_state",
+    "tapping",
+    "tapping_layers",
+    "variant",
+]
 
 # The files that decide a routed layer's bits (`variant` is their digest): this module and the
 # primitive (its Python face, bindings and source).
@@ -179,13 +192,65 @@ x = x.astype(mx.float32)
 return (gate * x).astype(h.dtype)"""
 
 
+@dataclass
+class Taps:
+    """The states a prefill step leaves inside it: `at` (token counts into the step, each a
+    block boundary), and per routed layer's cache (by ``id``) one ``[conv_state, state]``
+    per count, as the layer's cache would hold them there (`found`, filled by the layers)."""
+
+    at: tuple[int, ...]
+    found: dict[int, list[list[mx.array]]] = field(default_factory=dict)
+
+
+_TAPS: ContextVar[Taps | None] = ContextVar("mlx_nbengine_delta_taps", default=None)
+
+
+@contextlib.contextmanager
+def tapping(at: tuple[int, ...]) -> Iterator[Taps]:
+    """Model calls in the block ask the routed layers for their states after `at` tokens
+    of the step as well (one sequence: batch size 1, no lengths), kept in the yielded
+    `Taps`: a long prefill step of a hybrid model then still checkpoints every block."""
+    taps = Taps(tuple(at))
+    token = _TAPS.set(taps)
+    try:
+        yield taps
+    finally:
+        _TAPS.reset(token)
+
+
+def tapping_layers(lm: Any) -> list[Any] | None:
+    """`lm`'s linear-attention layers (``GatedDeltaNet`` modules) where they are all its
+    recurrent layers (its ``ArraysCache`` layers), else None: while `taps_every_state` of
+    them, `tapping` gives the state of every recurrent layer."""
+    from mlx_lm.models.cache import ArraysCache  # noqa: PLC0415 - mlx-lm's, where it is used
+
+    if not DELTA.present():
+        return None
+    cls = DELTA.library_class()
+    layers = [m for _, m in lm.model.named_modules() if isinstance(m, cls)]
+    recurrent = sum(isinstance(c, ArraysCache) for c in lm.make_cache())
+    return layers if recurrent > 0 and len(layers) == recurrent else None
+
+
+def taps_every_state(layers: list[Any] | None) -> bool:
+    """Whether every one of `layers` (`tapping_layers`) runs this route now (a route
+    suspended for a comparison gives the library's layer, which takes no taps)."""
+    return (
+        bool(layers)
+        and kernels.status().active
+        and mx.default_device() == mx.cpu
+        and all(DELTA.routes(m) for m in layers)
+    )
+
+
 def _library_call(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> mx.array:
     return DELTA.library_class().__call__(layer, inputs, mask, cache)
 
 
-def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> list[mx.array]:
+def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> tuple[list[mx.array], mx.array]:
     """The layer's short convolution of q, k and v (its state kept in ``cache[0]``), split
-    into heads, as the library computes it."""
+    into heads, as the library computes it, and the convolution's input (the kept inputs,
+    then the step's)."""
     B, S, _ = qkv.shape
     if cache is not None and cache[0] is not None:
         conv_state = cache[0]
@@ -206,7 +271,7 @@ def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> list[mx.arra
         conv_out = delta.conv_silu(conv_input, layer.conv1d.weight)
     else:
         conv_out = nn.silu(layer.conv1d(conv_input))
-    return [
+    heads = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
             mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
@@ -215,11 +280,13 @@ def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> list[mx.arra
             strict=True,
         )
     ]
+    return heads, conv_input
 
 
-def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
+def _recurrence(layer: Any, q, k, v, a, b, state, mask, at=()) -> tuple[mx.array, ...]:
     """``gated_delta_update`` of the layer's heads on our primitive (the library's gate and
-    beta; a new state is float32 zeros, as the library's)."""
+    beta; a new state is float32 zeros, as the library's); with `at`, also the states after
+    those token counts."""
     beta = mx.sigmoid(b)
     g = compute_g(layer.A_log, a, layer.dt_bias)
     if state is None:
@@ -227,7 +294,7 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.ar
         Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     f32 = mx.float32
-    y, state = delta.gated_delta(
+    y, state, *tapped = delta.gated_delta(
         q.astype(f32),
         k.astype(f32),
         v.astype(f32),
@@ -235,8 +302,9 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.ar
         beta.astype(f32),
         state.astype(f32),
         mask,
+        taps=tuple(at),
     )
-    return y.astype(q.dtype), state
+    return (y.astype(q.dtype), state, *tapped)
 
 
 def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
@@ -257,10 +325,17 @@ def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
     b = self.in_proj_b(inputs)
     a = self.in_proj_a(inputs)
-    q, k, v = _convolved(self, qkv, mask, cache)
+    (q, k, v), conv_input = _convolved(self, qkv, mask, cache)
     state = cache[1] if cache else None
     q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-    out, state = _recurrence(self, q, k, v, a, b, state, mask)
+    taps = _TAPS.get() if cache is not None and B == 1 else None
+    at = tuple(r for r in taps.at if 0 < r < S) if taps is not None else ()
+    out, state, *tapped = _recurrence(self, q, k, v, a, b, state, mask, at)
+    if tapped:
+        keep = self.conv_kernel_size - 1
+        taps.found[id(cache)] = [
+            [mx.contiguous(conv_input[:, r : r + keep, :]), tapped[0][i]] for i, r in enumerate(at)
+        ]
     if cache is not None:
         cache[1] = state
         cache.advance(S)

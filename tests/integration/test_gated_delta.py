@@ -50,7 +50,8 @@ def worst(got, want) -> float:
 
 
 SHAPES = (  # (B, T, Hk, Hv, Dk, Dv)
-    (1, 1, 2, 2, 128, 128),  # a decode step, heads of the real shape
+    (1, 1, 2, 2, 128, 128),  # a decode step, heads of the real shape (the state as laid out)
+    (4, 3, 2, 4, 24, 40),  # a short step of four rows: the same path, odd widths
     (2, 37, 2, 4, 128, 128),  # grouped heads (Hv = 2 Hk), two batch rows
     (1, 300, 1, 2, 16, 16),  # the tiny family's heads: one block of rows, padded
     (1, 65, 2, 2, 24, 48),  # rows in 1.5 blocks, an odd key width (its tail)
@@ -72,14 +73,15 @@ def test_gated_delta_matches_the_librarys_loop(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_masked_token_gives_its_y_and_leaves_the_state_as_it_was(isa):
     isa_or_skip(isa)
-    q, k, v, g, beta, s, mask = inputs(2, 40, 2, 2, 32, 32, seed=3)
-    mask[:, -1] = False  # the last token a pad too
-    y, state = delta.gated_delta(q, k, v, g, beta, s, mask, isa=isa)
-    want_y, want_state = gated_delta_ops(q, k, v, g, beta, s, mask)
-    assert worst(y, want_y) <= Y_BOUND and worst(state, want_state) <= STATE_BOUND
-    none = mx.zeros((2, 40), dtype=mx.bool_)
-    _, kept = delta.gated_delta(q, k, v, g, beta, s, none, isa=isa)
-    assert mx.array_equal(kept, s).item()  # every token a pad: the state untouched
+    for t in (40, 3):  # a prefill step, a short step
+        q, k, v, g, beta, s, mask = inputs(2, t, 2, 2, 32, 32, seed=3)
+        mask[:, -1] = False  # the last token a pad too
+        y, state = delta.gated_delta(q, k, v, g, beta, s, mask, isa=isa)
+        want_y, want_state = gated_delta_ops(q, k, v, g, beta, s, mask)
+        assert worst(y, want_y) <= Y_BOUND and worst(state, want_state) <= STATE_BOUND
+        none = mx.zeros((2, t), dtype=mx.bool_)
+        _, kept = delta.gated_delta(q, k, v, g, beta, s, none, isa=isa)
+        assert mx.array_equal(kept, s).item()  # every token a pad: the state untouched
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -95,6 +97,22 @@ def test_a_state_carried_between_steps_is_the_state_of_one_long_step(isa):
     y2, end = delta.gated_delta(*rest, mx.array(mid.tolist()), isa=isa)
     assert mx.array_equal(mx.concatenate([y1, y2], axis=1), y).item()
     assert mx.array_equal(end, whole).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_states_tapped_inside_a_step_are_those_of_steps_ending_there(isa):
+    # A long prefill step's block boundaries get their states (deltaroute.tapping).
+    isa_or_skip(isa)
+    q, k, v, g, beta, s, mask = inputs(1, 70, 2, 4, 32, 48, seed=9)
+    y, whole, tapped = delta.gated_delta(q, k, v, g, beta, s, mask, taps=(8, 32, 64, 70), isa=isa)
+    assert tapped.shape == (4, *s.shape)
+    for i, n in enumerate((8, 32, 64, 70)):
+        part = [a[:, :n] for a in (q, k, v, g, beta)]
+        _, state = delta.gated_delta(*part, s, mask[:, :n], isa=isa)
+        assert mx.array_equal(tapped[i], state).item(), n
+    assert mx.array_equal(tapped[-1], whole).item()
+    with pytest.raises(ValueError, match="taps must ascend within 1..T"):
+        delta.gated_delta(q, k, v, g, beta, s, taps=(32, 31), isa=isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -165,14 +183,20 @@ def test_a_tiny_hybrid_decodes_the_library_s_greedy_tokens(tmp_path, quantized):
 
 
 def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_path):
+    # The 700-token prompt is read in one step: its blocks' states are taken inside it.
     path = make_tiny_model("qwen3_5", tmp_path / "m")
     prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
     edited = [*prompt[:600], 9, *prompt[601:]]
     with Engine.load(path, cache_dir=tmp_path) as engine:
         assert "gated-delta-qwen3_5" in engine.model.routing.names()
+        assert engine.internals.takes_states_inside_steps
         engine.submit(prompt, max_tokens=4).result(timeout=300)
+        engine.wait_for_saves(timeout=60)
+        engine.submit([2, 7, 7, 7], max_tokens=2).result(timeout=300)  # another hot cache
         warm = engine.submit(edited, max_tokens=12).result(timeout=300)
     with Engine.load(path, store=False) as cold_engine:
         cold = cold_engine.submit(edited, max_tokens=12).result(timeout=300)
-    assert warm.report.restored_tokens >= 512  # two blocks and their recurrent state
+    # Two blocks from disk, the second's recurrent state taken inside the prompt's one step.
+    assert warm.report.restore_source == "disk"
+    assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]
     assert warm.tokens == cold.tokens

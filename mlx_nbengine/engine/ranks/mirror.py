@@ -127,6 +127,7 @@ class RankRunner(Runner):
     ) -> None:
         super().__init__(lm, split=False, thread_policy=thread_policy)
         self.group = group
+        self._tapping_layers = None  # the workers' layers keep their states to themselves
 
     def new_batch(self) -> DecodeBatch:
         return MirroredBatch(self.group)
@@ -139,7 +140,7 @@ class RankRunner(Runner):
     def kept_hot(self, tokens: list[int], cache: list[Any]) -> None:
         self.group.send(plans.Hot(ref=ref_of(cache), tokens=list(tokens)))
 
-    def prefill(self, seq: Sequence, start: int, end: int) -> int | None:
+    def prefill(self, seq: Sequence, start: int, end: int, *, block_size: int = 0) -> int | None:
         last = end == len(seq.prompt)
         self.group.send(
             plans.Prefill(ref=ref_of(seq.cache), tokens=list(seq.prompt[start:end]), last=last)
@@ -206,7 +207,14 @@ class RankCheckpoints(Checkpoints):
         )
 
     def _save_block(
-        self, keys: list[str], tokens: Any, cache: list[Any], block: int, *, chain: Any
+        self,
+        keys: list[str],
+        tokens: Any,
+        cache: list[Any],
+        block: int,
+        *,
+        chain: Any,
+        states: dict[int, Any] | None = None,
     ) -> None:
         self.group.send(
             plans.Save(
@@ -217,7 +225,7 @@ class RankCheckpoints(Checkpoints):
                 chain=list(chain) if chain is not None else None,
             )
         )
-        super()._save_block(keys, tokens, cache, block, chain=chain)
+        super()._save_block(keys, tokens, cache, block, chain=chain, states=states)
 
     def partial(self, tokens: list[int], cache: list[Any], *, images: tuple[Any, ...] = ()) -> None:
         self.group.send(plans.Partial(ref=ref_of(cache), tokens=[int(t) for t in tokens]))
