@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_nbengine.kernels as _kernels
 from mlx_nbengine import _blas
 
-__all__ = ["conv_silu", "gated_delta"]
+__all__ = ["conv_silu", "delta_step", "gated_delta"]
 
 
 def gated_delta(
@@ -63,3 +63,51 @@ def conv_silu(
         raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
     module = _kernels._module  # noqa: SLF001 - the package's one built module
     return module.conv_silu(x, w, isa or _kernels.status().isa, threads or _blas.current_threads())
+
+
+def delta_step(
+    qkv: mx.array,
+    conv_state: mx.array,
+    conv_w: mx.array,
+    a: mx.array,
+    b: mx.array,
+    a_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array,
+    z: mx.array,
+    norm_w: mx.array,
+    *,
+    heads_k: int,
+    key_dim: int,
+    value_dim: int,
+    norm_eps: float,
+    isa: str | None = None,
+    threads: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A decode step of Qwen 3.5's linear-attention layer between its projections (one token
+    a batch row; float32): the short convolution, silu, normalize_qk, the gate and beta, the
+    recurrence and the gated output norm in one primitive. qkv [B, 1, C], conv_state
+    [B, K - 1, C], conv_w [C, K, 1], a and b [B, 1, Hv], a_log and dt_bias [Hv], state
+    [B, Hv, Dv, Dk], z [B, 1, Hv, Dv], norm_w [Dv]. Returns (the normed output
+    [B, 1, Hv * Dv], the new conv state, the new state)."""
+    if not _kernels.status().active:
+        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
+    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    return module.delta_step(
+        qkv,
+        conv_state,
+        conv_w,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        state,
+        z,
+        norm_w,
+        int(heads_k),
+        int(key_dim),
+        int(value_dim),
+        float(norm_eps),
+        isa or _kernels.status().isa,
+        threads or _blas.current_threads(),
+    )

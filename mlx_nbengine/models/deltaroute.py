@@ -14,7 +14,9 @@ runs the layer as the library does, with three parts on our kernels:
 - the short convolution and its silu, `kernels.delta.conv_silu` (MLX runs a grouped
   convolution and silu on the CPU as scalar loops: 200 ms and 100 ms of a 1,024-token step
   of a 0.8B layer, against 25 ms and 2 ms);
-- the gated output norm's activation, `kernels.rowops.silu_mul`.
+- the gated output norm's activation, `kernels.rowops.silu_mul`;
+- a decode step between the projections, `kernels.delta.delta_step`: the convolution and
+  its state, the norms, gate, beta, recurrence and output norm as one graph node.
 
 Its results differ from the library's by float32 rounding only: summation order, and the
 exp of silu (tests/integration/test_gated_delta.py states the bounds). The fingerprint names
@@ -315,9 +317,63 @@ def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
     return rowops.silu_mul(z, mx.fast.rms_norm(out, norm.weight, norm.eps))
 
 
+def _one_step(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether a call is a decode step `_decode_step` takes: one float32 token a row, no
+    mask, a cache without lengths, one process."""
+    return (
+        inputs.shape[1] == 1
+        and mask is None
+        and cache is not None
+        and getattr(cache, "lengths", None) is None
+        and layer.sharding_group is None
+        and inputs.dtype == mx.float32
+        and all(
+            p.dtype == mx.float32
+            for p in (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+        )
+    )
+
+
+def _decode_step(layer: Any, inputs: mx.array, cache: Any) -> mx.array:
+    """The layer's decode step: its four projections, then `kernels.delta.delta_step` (the
+    convolution, norms, gate, recurrence and output norm in one graph node, where the
+    library builds about twenty), then its output projection."""
+    B = inputs.shape[0]
+    qkv = layer.in_proj_qkv(inputs)
+    z = layer.in_proj_z(inputs).reshape(B, 1, layer.num_v_heads, layer.head_v_dim)
+    b, a = layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=mx.float32)
+    state = cache[1]
+    if state is None:
+        shape = (B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim)
+        state = mx.zeros(shape, dtype=mx.float32)
+    out, cache[0], cache[1] = delta.delta_step(
+        qkv,
+        conv_state,
+        layer.conv1d.weight,
+        a,
+        b,
+        layer.A_log,
+        layer.dt_bias,
+        state.astype(mx.float32),
+        z,
+        layer.norm.weight,
+        heads_k=layer.num_k_heads,
+        key_dim=layer.head_k_dim,
+        value_dim=layer.head_v_dim,
+        norm_eps=layer.norm.eps,
+    )
+    cache.advance(1)
+    return layer.out_proj(out)
+
+
 def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     if self.training or mx.default_device() != mx.cpu or not kernels.status().active:
         return _library_call(self, inputs, mask, cache)
+    if _one_step(self, inputs, mask, cache):
+        return _decode_step(self, inputs, cache)
     B, S, _ = inputs.shape
     if self.sharding_group is not None:
         inputs = sum_gradients(self.sharding_group)(inputs)

@@ -1,6 +1,7 @@
 #include "gated_delta.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -612,6 +613,221 @@ bool GatedDelta::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDelta&>(other);
   return has_mask_ == o.has_mask_ && taps_ == o.taps_ && isa_ == o.isa_ &&
          threads_ == o.threads_;
+}
+
+// --- the layer's decode step ----------------------------------------------------------------
+
+namespace {
+
+MNB_INLINE float sum_squares_of(const float* x, int64_t n) {
+  float part[kRowLanes] = {};
+  int64_t i = 0;
+  for (; i + kRowLanes <= n; i += kRowLanes) {
+    for (int j = 0; j < kRowLanes; ++j) {
+      part[j] += x[i + j] * x[i + j];
+    }
+  }
+  float total = lanes_total(part);
+  for (; i < n; ++i) {
+    total += x[i] * x[i];
+  }
+  return total;
+}
+
+MNB_INLINE float silu_of(float x) {
+  return x / (1.0f + std::exp(-x));
+}
+
+struct StepJob {
+  const float *qkv, *conv_state, *conv_w, *a, *b, *a_log, *dt_bias, *state, *z, *norm_w;
+  float *out, *conv_out, *state_out;
+  int64_t C, K, Hk, Hv, Dk, Dv;
+  float norm_eps;
+};
+
+// One batch row: the convolution and its state, the heads' norms, gate and beta, the
+// recurrence (rows_step, in place on the new state) and the output norm.
+MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
+  const int64_t C = j.C, K = j.K, keep = K - 1;
+  const float* kept = j.conv_state + row * keep * C;
+  const float* x = j.qkv + row * C;
+  for (int64_t c = 0; c < C; ++c) {
+    float acc = j.conv_w[c * K + keep] * x[c];
+    for (int64_t t = 0; t < keep; ++t) {
+      acc += j.conv_w[c * K + t] * kept[t * C + c];
+    }
+    mixed[c] = silu_of(acc);
+  }
+  float* new_kept = j.conv_out + row * keep * C;
+  for (int64_t t = 0; t + 1 < keep; ++t) {
+    std::memcpy(new_kept + t * C, kept + (t + 1) * C, size_t(C) * sizeof(float));
+  }
+  if (keep > 0) {
+    std::memcpy(new_kept + (keep - 1) * C, x, size_t(C) * sizeof(float));
+  }
+  // normalize_qk: q * Dk^-1 / rms, k * Dk^-0.5 / rms, rms with eps 1e-6 / Dk.
+  const float inv2 = 1.0f / float(j.Dk), eps = 1e-6f * inv2;
+  float* q = mixed;
+  float* k = mixed + j.Hk * j.Dk;
+  const float* v = mixed + 2 * j.Hk * j.Dk;
+  for (int64_t h = 0; h < j.Hk; ++h) {
+    float* qh = q + h * j.Dk;
+    float* kh = k + h * j.Dk;
+    const float rq = 1.0f / std::sqrt(sum_squares_of(qh, j.Dk) / float(j.Dk) + eps);
+    const float rk = 1.0f / std::sqrt(sum_squares_of(kh, j.Dk) / float(j.Dk) + eps);
+    const float sk = std::sqrt(inv2);
+    for (int64_t i = 0; i < j.Dk; ++i) {
+      qh[i] = inv2 * (qh[i] * rq);
+      kh[i] = sk * (kh[i] * rk);
+    }
+  }
+  const int64_t group = j.Hv / j.Hk, per = j.Dv * j.Dk;
+  for (int64_t h = 0; h < j.Hv; ++h) {
+    const float av = j.a[row * j.Hv + h] + j.dt_bias[h];
+    const float softplus = av > 20.0f ? av : std::log1p(std::exp(av));
+    const float g = std::exp(-std::exp(j.a_log[h]) * softplus);
+    const float beta = 1.0f / (1.0f + std::exp(-j.b[row * j.Hv + h]));
+    float* s = j.state_out + (row * j.Hv + h) * per;
+    std::memcpy(s, j.state + (row * j.Hv + h) * per, size_t(per) * sizeof(float));
+    const float* qh = q + (h / group) * j.Dk;
+    const float* kh = k + (h / group) * j.Dk;
+    float* y = j.out + (row * j.Hv + h) * j.Dv;
+    int64_t r = 0;
+    for (; r + 4 <= j.Dv; r += 4) {
+      rows_step<4>(s + r * j.Dk, j.Dk, qh, kh, v + h * j.Dv + r, g, beta, y + r);
+    }
+    for (; r < j.Dv; ++r) {
+      rows_step<1>(s + r * j.Dk, j.Dk, qh, kh, v + h * j.Dv + r, g, beta, y + r);
+    }
+    // rms_norm(y) * w * silu(z)
+    const float ry = 1.0f / std::sqrt(sum_squares_of(y, j.Dv) / float(j.Dv) + j.norm_eps);
+    const float* zh = j.z + (row * j.Hv + h) * j.Dv;
+    for (int64_t i = 0; i < j.Dv; ++i) {
+      y[i] = silu_of(zh[i]) * ((y[i] * ry) * j.norm_w[i]);
+    }
+  }
+}
+
+void step_portable(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
+  for (int64_t r = r0; r < r1; ++r) {
+    step_row(j, r, mixed);
+  }
+}
+#if defined(__x86_64__)
+MNB_AVX2 void step_avx2(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
+  for (int64_t r = r0; r < r1; ++r) {
+    step_row(j, r, mixed);
+  }
+}
+MNB_AVX512 void step_avx512(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
+  for (int64_t r = r0; r < r1; ++r) {
+    step_row(j, r, mixed);
+  }
+}
+#endif
+
+} // namespace
+
+std::vector<mx::array> delta_step(
+    const mx::array& qkv,
+    const mx::array& conv_state,
+    const mx::array& conv_w,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& a_log,
+    const mx::array& dt_bias,
+    const mx::array& state,
+    const mx::array& z,
+    const mx::array& norm_w,
+    const DeltaStepParams& params) {
+  const int B = qkv.shape(0), C = qkv.shape(-1), K = conv_w.ndim() == 3 ? conv_w.shape(1) : 0;
+  const int Hv = state.ndim() == 4 ? state.shape(1) : 0, Dv = params.value_dim;
+  const int Hk = params.heads_k, Dk = params.key_dim;
+  const bool fits = qkv.ndim() == 3 && qkv.shape(1) == 1 && K > 0 &&
+                    conv_w.shape() == mx::Shape{C, K, 1} &&
+                    conv_state.shape() == mx::Shape{B, K - 1, C} && Hk > 0 && Hv % Hk == 0 &&
+                    C == 2 * Hk * Dk + Hv * Dv && a.shape() == mx::Shape{B, 1, Hv} &&
+                    b.shape() == a.shape() && a_log.shape() == mx::Shape{Hv} &&
+                    dt_bias.shape() == a_log.shape() &&
+                    state.shape() == mx::Shape{B, Hv, Dv, Dk} &&
+                    z.shape() == mx::Shape{B, 1, Hv, Dv} && norm_w.shape() == mx::Shape{Dv};
+  if (!fits) {
+    throw std::invalid_argument("delta_step: the layer's arrays do not fit one decode step");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs;
+  const char* names[] = {"qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias",
+                         "state", "z", "norm_w"};
+  int i = 0;
+  for (const mx::array* x : {&qkv, &conv_state, &conv_w, &a, &b, &a_log, &dt_bias, &state, &z,
+                             &norm_w}) {
+    inputs.push_back(float32_input(*x, names[i++], s));
+  }
+  DeltaStepParams held = params;
+  held.isa = usable(params.isa);
+  held.threads = std::max(1, params.threads);
+  return mx::array::make_arrays(
+      {{B, 1, Hv * Dv}, conv_state.shape(), state.shape()},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DeltaStep>(s, held),
+      std::move(inputs));
+}
+
+void DeltaStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+  }
+  const auto& st = inputs[7];
+  StepJob job{};
+  job.out = outputs[0].data<float>();
+  job.conv_out = outputs[1].data<float>();
+  job.state_out = outputs[2].data<float>();
+  job.C = inputs[0].shape(-1);
+  job.K = inputs[2].shape(1);
+  job.Hk = p_.heads_k;
+  job.Hv = st.shape(1);
+  job.Dk = p_.key_dim;
+  job.Dv = p_.value_dim;
+  job.norm_eps = p_.norm_eps;
+  const Isa isa = p_.isa;
+  const int64_t rows = inputs[0].shape(0);
+  const int threads = int(std::min<int64_t>(p_.threads, rows));
+  encoder.dispatch([inputs, job, isa, rows, threads]() mutable {
+    const float** fields[] = {&job.qkv, &job.conv_state, &job.conv_w, &job.a, &job.b,
+                              &job.a_log, &job.dt_bias, &job.state, &job.z, &job.norm_w};
+    for (int i = 0; i < 10; ++i) {
+      *fields[i] = inputs[i].data<float>();
+    }
+    auto fn = step_portable;
+#if defined(__x86_64__)
+    if (isa == Isa::avx512) {
+      fn = step_avx512;
+    } else if (isa == Isa::avx2) {
+      fn = step_avx2;
+    }
+#endif
+    workers().run(threads, int(rows), 1, [&](int r0, int r1) {
+      std::vector<float> mixed(size_t(job.C));
+      fn(job, r0, r1, mixed.data());
+    });
+  });
+}
+
+void DeltaStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("delta_step runs on the CPU only");
+}
+
+bool DeltaStep::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DeltaStep&>(other).p_;
+  return p_.heads_k == o.heads_k && p_.key_dim == o.key_dim && p_.value_dim == o.value_dim &&
+         p_.norm_eps == o.norm_eps && p_.isa == o.isa && p_.threads == o.threads;
 }
 
 } // namespace mnb

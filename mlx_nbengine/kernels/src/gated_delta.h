@@ -65,6 +65,48 @@ class ConvSilu : public mx::UnaryPrimitive {
   int threads_;
 };
 
+// A decode step of the whole linear-attention layer between its projections, one token per
+// batch row: the short convolution (its state updated), silu, the heads' q/k L2 norms
+// (mlx-lm's normalize_qk), the gate g = exp(-exp(A_log) softplus(a + dt_bias)) and
+// beta = sigmoid(b), the recurrence, and the output norm rms_norm(y) * w * silu(z).
+// qkv [B, 1, C], conv_state [B, K - 1, C], conv_w [C, K, 1], a and b [B, 1, Hv], A_log and
+// dt_bias [Hv], state [B, Hv, Dv, Dk], z [B, 1, Hv, Dv], norm_w [Dv]; float32. Returns the
+// normed output [B, 1, Hv * Dv], the new conv state and the new state.
+struct DeltaStepParams {
+  int heads_k, key_dim, value_dim; // Hk, Dk, Dv
+  float norm_eps; // the output norm's
+  Isa isa;
+  int threads;
+};
+
+std::vector<mx::array> delta_step(
+    const mx::array& qkv,
+    const mx::array& conv_state,
+    const mx::array& conv_w,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& a_log,
+    const mx::array& dt_bias,
+    const mx::array& state,
+    const mx::array& z,
+    const mx::array& norm_w,
+    const DeltaStepParams& params);
+
+class DeltaStep : public mx::Primitive {
+ public:
+  DeltaStep(mx::Stream stream, const DeltaStepParams& params)
+      : mx::Primitive(stream), p_(params) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "MnbDeltaStep";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  DeltaStepParams p_;
+};
+
 class GatedDelta : public mx::Primitive {
  public:
   GatedDelta(mx::Stream stream, bool has_mask, std::vector<int> taps, Isa isa, int threads)
