@@ -11,13 +11,19 @@ the cache home (``bench-models/``):
   ``gated_delta_ops`` loop, MLX's grouped convolution and silu (cold prefill at the first
   length only: it is slow);
 - *dense twin*: a qwen3 model of the same width, depth, MLP and attention heads, every
-  layer full attention.
+  layer full attention;
+- *llama.cpp*: llama-cpp-python's ``Llama`` on the hybrid's GGUF (the same weights, written as
+  llama.cpp's converter writes them, 2-D matrices as Q8_0: `testing.make_shaped_gguf`), its
+  prompt cache on (``LlamaRAMCache``), on the same thread count; skipped, and said so, where
+  ``llama_cpp`` is not installed (the ``peers`` extra). It decodes one sequence at a time,
+  so it has no 4-row figure.
 
 Measured per model, on the CPUs this process may use (the engine's thread policy; the
 threads are in the JSON):
 
 - *cold prefill* tok/s of ``--lengths`` tokens (default 1,024 and 4,096): an empty store, the
-  time to the first token (the engine's own steps: up to 1,024 tokens, the hybrid's states
+  time to the first token, the better of two prompts after one warm-up prompt (the
+  engine's own steps: up to 1,024 tokens, the hybrid's states
   at the block boundaries inside a step taken by its layers; the library variant steps one
   block at a time, as a recurrent model off our kernels does);
 - *decode* tok/s of ``--decode`` tokens after a 64-token prompt, 1 row; and 4 rows at once
@@ -65,14 +71,87 @@ def model_dirs(shape: str, scratch: Path) -> dict[str, Path]:
     return out
 
 
+def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
+    """The hybrid's GGUF (made once beside it; the tiny one in `scratch`)."""
+    from mlx_nbengine.testing import make_shaped_gguf, make_tiny_gguf
+
+    if shape == "tiny":
+        return make_tiny_gguf("qwen3_5", scratch / "hybrid.gguf", source=path)
+    out = path.with_suffix(".gguf")
+    if not out.is_file():
+        print(f"writing {out.name} (once)...", flush=True)
+        make_shaped_gguf(path, out.with_suffix(".part"))
+        out.with_suffix(".part").rename(out)
+    return out
+
+
+def llama_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install -e '.[peers]')"
+    return None
+
+
+def measure_llama(gguf: Path, lengths: list[int], args) -> dict:
+    """The same figures from llama.cpp on `gguf` (no 4-row decode: one sequence a call)."""
+    from bench.common import open_llama
+
+    llm = open_llama(gguf, threads=usable_cpus(), n_ctx=max(lengths) + args.answer + 64, cache=True)
+
+    def timed(tokens: list[int], n: int) -> tuple[float, float]:
+        started = time.perf_counter()
+        first = None
+        for _ in llm.create_completion(list(tokens), max_tokens=n, temperature=0.0, stream=True):
+            if first is None:
+                first = time.perf_counter() - started
+        return first, time.perf_counter() - started
+
+    out: dict = {"prefill_tok_s": {}}
+    timed(prompt_of(lengths[0], 99), 4)  # the same warm-up as ours
+    for n in lengths:
+        seeds = (30 + 2 * lengths_seen(n), 31 + 2 * lengths_seen(n))
+        firsts = [timed(prompt_of(n, seed), 1)[0] for seed in seeds]
+        out["prefill_tok_s"][str(n)] = n / min(firsts)
+    first, whole = timed(prompt_of(64, 1), args.decode)
+    out["decode_1_tok_s"] = (args.decode - 1) / (whole - first)
+    prompt = prompt_of(lengths[0], 3)
+    timed(prompt, 1)
+    at = int(lengths[0] * 0.9)
+    edited = [*prompt[:at], 9 if prompt[at] != 9 else 10, *prompt[at + 1 :]]
+    out["edited_rerun_s"] = timed(edited, args.answer)[1]
+    close = getattr(llm, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
 def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [2, *(5 + (i * 7 + seed * 13) % 400 for i in range(n - 1))]
 
 
 def cold_prefill(engine, n: int) -> float:
+    """The better of two cold prefills of `n` tokens (other prompts, an emptied store)."""
+    rates = []
+    for seed in (0, 1):
+        engine.clear_cache()
+        prompt = prompt_of(n, 30 + 2 * lengths_seen(n) + seed)
+        done = engine.submit(prompt, max_tokens=1).result(timeout=7200)
+        rates.append(n / done.report.ttft_s)
+    return max(rates)
+
+
+def lengths_seen(n: int) -> int:
+    """A number per length: prompts of different lengths share no prefix (llama.cpp's
+    prompt cache would restore it)."""
+    return n % 9973
+
+
+def warm_up(engine, n: int) -> None:
+    """One prompt first: the engine's first steps tune its thread counts (and the first
+    calls fill MLX's caches), which would land on the first measured prompt."""
+    engine.submit(prompt_of(n, 99), max_tokens=4).result(timeout=7200)
     engine.clear_cache()
-    done = engine.submit(prompt_of(n), max_tokens=1).result(timeout=7200)
-    return n / done.report.ttft_s
 
 
 def decode_rates(engine, n: int) -> dict:
@@ -103,6 +182,7 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory() as cache, Engine.load(str(path), cache_dir=cache) as engine:
         out["routes"] = list(engine.model.routing.names())
+        warm_up(engine, lengths[0])
         if library:
             with engine.model.routing.suspended(deltaroute.DELTA, *qroute.SWIGLU_MLPS):
                 return {**out, "prefill_tok_s": {str(lengths[0]): cold_prefill(engine, lengths[0])}}
@@ -110,6 +190,17 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
         out.update(decode_rates(engine, args.decode))
         out["edited_rerun_s"] = edited_rerun(engine, lengths[0], args.answer)
     return out
+
+
+def ratio_row(shape: str, ours: dict, peer: dict, name: str, lengths: list[int]) -> str:
+    """The hybrid's figures over `peer`'s (speeds: ours / theirs; the re-run: theirs / ours,
+    so above 1 is ours faster everywhere)."""
+    cells = [ours["prefill_tok_s"][str(n)] / peer["prefill_tok_s"][str(n)] for n in lengths]
+    for key in ("decode_1_tok_s", "decode_4_tok_s"):
+        cells.append(ours[key] / peer[key] if peer.get(key) else None)
+    cells.append(peer["edited_rerun_s"] / ours["edited_rerun_s"])
+    text = ["" if c is None else f"{c:.2f}x" for c in cells]
+    return f"| {shape} | hybrid / {name} | " + " | ".join(text) + " |"
 
 
 def table(results: dict, lengths: list[int]) -> str:
@@ -131,13 +222,9 @@ def table(results: dict, lengths: list[int]) -> str:
             ]
             text = ["" if c is None else f"{c:.1f}" if c >= 10 else f"{c:.2f}" for c in cells]
             lines.append(f"| {shape} | {name} | " + " | ".join(text) + " |")
-        hybrid, twin = variants["hybrid"], variants["dense twin"]
-        ratios = [hybrid["prefill_tok_s"][str(n)] / twin["prefill_tok_s"][str(n)] for n in lengths]
-        ratios += [hybrid[k] / twin[k] for k in ("decode_1_tok_s", "decode_4_tok_s")]
-        ratios.append(twin["edited_rerun_s"] / hybrid["edited_rerun_s"])
-        lines.append(
-            f"| {shape} | hybrid / twin | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |"
-        )
+        for peer in ("dense twin", "llama.cpp"):
+            if peer in variants:
+                lines.append(ratio_row(shape, variants["hybrid"], variants[peer], peer, lengths))
     return "\n".join(lines)
 
 
@@ -155,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     fill_sizes(args, SIZES, QUICK)
     lengths = [int(n) for n in args.lengths.split(",")]
     results: dict = {}
+    skipped: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-families-") as scratch:
         for shape in args.shapes.split(","):
             paths = model_dirs(shape, Path(scratch))
@@ -162,6 +250,13 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_library:
                 variants["library"] = measure(paths["hybrid"], lengths, args, library=True)
             variants["dense twin"] = measure(paths["dense twin"], lengths, args, library=False)
+            missing = llama_missing()
+            if missing is None:
+                gguf = gguf_of(shape, paths["hybrid"], Path(scratch))
+                variants["llama.cpp"] = measure_llama(gguf, lengths, args)
+            else:
+                print(f"llama.cpp skipped: {missing}", flush=True)
+                skipped["llama.cpp"] = missing
             results[shape] = variants
             print(f"{shape}: {variants}", flush=True)
     data = {

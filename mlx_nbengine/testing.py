@@ -424,7 +424,13 @@ def make_tiny_gguf(
     return _write_tiny_gguf(family, path, Path(source), quant)
 
 
-def _write_tiny_gguf(family: str, path: Path, source: Path, quant: str) -> Path:
+def _write_tiny_gguf(
+    family: str,
+    path: Path,
+    source: Path,
+    quant: str,
+    weights: dict[str, Any] | None = None,
+) -> Path:
     import gguf
     import mlx.core as mx
     import numpy as np
@@ -435,10 +441,11 @@ def _write_tiny_gguf(family: str, path: Path, source: Path, quant: str) -> Path:
         config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
         (source / "config.json").write_text(json.dumps(config, indent=2))
     arch = {"gemma3_text": "gemma3", "qwen3_5": "qwen35"}.get(family, family)
-    weights = {
-        k.removeprefix("language_model."): np.array(v.astype(mx.float32))
-        for k, v in mx.load(str(source / "model.safetensors")).items()
-    }
+    if weights is None:
+        weights = {
+            k.removeprefix("language_model."): np.array(v.astype(mx.float32))
+            for k, v in mx.load(str(source / "model.safetensors")).items()
+        }
 
     writer = gguf.GGUFWriter(str(path), arch)
     if arch == "qwen35":
@@ -446,7 +453,7 @@ def _write_tiny_gguf(family: str, path: Path, source: Path, quant: str) -> Path:
         weights = _llama_cpp_qwen35(weights, config)
         _add_gguf_qwen35_hparams(writer, config)
     _add_gguf_hparams(writer, arch, config)
-    _add_gguf_tokenizer(writer, source)
+    _add_gguf_tokenizer(writer, source, vocab_size=config.get("vocab_size"))
     _add_gguf_tensors(writer, arch, config, weights, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -526,8 +533,10 @@ def _add_gguf_qwen35_hparams(writer: Any, config: dict[str, Any]) -> None:
     config["rope_theta"] = rope["rope_theta"]
 
 
-def _add_gguf_tokenizer(writer: Any, source: Path) -> None:
-    """The source's byte-level BPE tokenizer as GGUF's ``gpt2`` tokenizer model."""
+def _add_gguf_tokenizer(writer: Any, source: Path, *, vocab_size: int | None = None) -> None:
+    """The source's byte-level BPE tokenizer as GGUF's ``gpt2`` tokenizer model; where the
+    model's vocabulary is larger (a real-shape model with the tiny tokenizer), padded with
+    unused tokens, as llama.cpp wants one per row of the embedding."""
     import gguf
 
     tokenizer = json.loads((source / "tokenizer.json").read_text())
@@ -538,10 +547,12 @@ def _add_gguf_tokenizer(writer: Any, source: Path) -> None:
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
     control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
-    writer.add_token_types([control if t in SPECIAL_TOKENS else normal for t in tokens])
+    types = [control if t in SPECIAL_TOKENS else normal for t in tokens]
+    padding = max(0, (vocab_size or 0) - len(tokens))
+    writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(padding)])
+    writer.add_token_merges(merges)
+    writer.add_token_types(types + [int(gguf.TokenType.UNUSED)] * padding)
     writer.add_bos_token_id(vocab["<bos>"])
     writer.add_eos_token_id(vocab["<eos>"])
     writer.add_pad_token_id(vocab["<pad>"])
@@ -1065,3 +1076,28 @@ def make_shaped_model(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(directory)
     return directory
+
+
+def make_shaped_gguf(source: str | Path, path: str | Path, *, quant: str = "Q8_0") -> Path:
+    """Write a `make_shaped_model` directory as a llama.cpp GGUF at `path`: the same weights
+    (dequantized from MLX's format) the way llama.cpp's converter writes them
+    (`make_tiny_gguf`'s rewrites), 2-D matrices as `quant`, the tiny tokenizer padded to the
+    vocabulary. About four bytes a parameter in memory while it is written."""
+    import mlx.core as mx
+    import numpy as np
+
+    source, path = Path(source), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    family = {"qwen3_5": "qwen3_5", "qwen3": "qwen3"}[config["model_type"]]
+    group_size, bits = config["quantization"]["group_size"], config["quantization"]["bits"]
+    raw = mx.load(str(source / "model.safetensors"))
+    weights = {}
+    for name, w in raw.items():
+        base = name.removesuffix(".weight")
+        if name.endswith((".scales", ".biases")):
+            continue
+        if base != name and f"{base}.scales" in raw:
+            scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
+            w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+        weights[name.removeprefix("language_model.")] = np.array(w.astype(mx.float32))
+    return _write_tiny_gguf(family, path, source, quant, weights=weights)

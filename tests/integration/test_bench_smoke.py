@@ -118,6 +118,11 @@ LLAMA_PATHS = {
         "answers": lambda d: d["whole_answers"].get("llama.cpp", d["whole_answers"]),
         "llama-bench": lambda d: d["llama_cpp"]["llama_bench"],
     },
+    "bench_families": {
+        "binding": lambda d: (
+            d["results"]["tiny"].get("llama.cpp") or {"skipped": d["skipped"]["llama.cpp"]}
+        ),
+    },
     "bench_api": {
         "server": lambda d: (
             d["servers"].get("llama.cpp")

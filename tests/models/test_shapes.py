@@ -46,3 +46,23 @@ def test_an_unknown_shape_is_refused_in_one_line(tmp_path):
 
     with pytest.raises(ValueError, match="unknown shape 'qwen9'; choose one of"):
         make_shaped_model("qwen9", tmp_path)
+
+
+def test_a_gguf_tokenizer_is_padded_to_the_models_vocabulary(tmp_path):
+    # A real-shape model keeps the tiny tokenizer; llama.cpp wants a token per embedding row.
+    import gguf
+
+    from mlx_nbengine.testing import _add_gguf_tokenizer, make_tiny_tokenizer
+
+    source = make_tiny_tokenizer(tmp_path / "tok")
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen35")
+    _add_gguf_tokenizer(writer, source, vocab_size=600)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(tmp_path / "t.gguf"))
+    types = reader.fields["tokenizer.ggml.token_type"]
+    kinds = [int(types.parts[i][0]) for i in types.data]
+    assert len(kinds) == 600
+    assert kinds[-1] == int(gguf.TokenType.UNUSED) and kinds[5] == int(gguf.TokenType.NORMAL)
