@@ -60,6 +60,7 @@ SOURCES = (
     "rowops.h",
     "rowops_bindings.cpp",
     "strided.h",
+    "targets.h",
     "workers.h",
 )
 # Bumped when the build itself changes (flags, layout) in a way the sources do not show.

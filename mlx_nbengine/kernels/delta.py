@@ -17,6 +17,12 @@ from mlx_nbengine import _blas
 __all__ = ["conv_silu", "delta_step", "gated_delta"]
 
 
+def _module():
+    if not _kernels.status().active:
+        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
+    return _kernels._module  # noqa: SLF001 - the package's one built module
+
+
 def gated_delta(
     q: mx.array,
     k: mx.array,
@@ -36,9 +42,7 @@ def gated_delta(
     the new state), and where `taps` (ascending token counts in 1..T) are given, the states
     after each of them [len(taps), B, Hv, Dv, Dk] too; split over `threads` (default: the
     step's BLAS thread count)."""
-    if not _kernels.status().active:
-        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
-    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    module = _module()
     return module.gated_delta(
         q,
         k,
@@ -59,9 +63,7 @@ def conv_silu(
     """``nn.silu(conv1d(x))`` for the hybrid layer's short convolution (MLX's ``Conv1d`` with
     groups = channels, no padding, no bias): x [B, S + K - 1, C], w [C, K, 1], float32.
     Returns [B, S, C]."""
-    if not _kernels.status().active:
-        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
-    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    module = _module()
     return module.conv_silu(x, w, isa or _kernels.status().isa, threads or _blas.current_threads())
 
 
@@ -90,9 +92,7 @@ def delta_step(
     [B, K - 1, C], conv_w [C, K, 1], a and b [B, 1, Hv], a_log and dt_bias [Hv], state
     [B, Hv, Dv, Dk], z [B, 1, Hv, Dv], norm_w [Dv]. Returns (the normed output
     [B, 1, Hv * Dv], the new conv state, the new state)."""
-    if not _kernels.status().active:
-        raise RuntimeError(f"the CPU kernels are not active ({_kernels.status().reason})")
-    module = _kernels._module  # noqa: SLF001 - the package's one built module
+    module = _module()
     return module.delta_step(
         qkv,
         conv_state,

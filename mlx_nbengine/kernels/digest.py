@@ -49,7 +49,9 @@ def kernel_source(*names: str) -> tuple[str, ...]:
 # (their split of the work is meant to move no bits; the digest does not take that on trust).
 COMMON = (
     "kernels/__init__.py",
-    *kernel_source("CMakeLists.txt", "bindings.cpp", "blas.h", "strided.h", "workers.h"),
+    *kernel_source(
+        "CMakeLists.txt", "bindings.cpp", "blas.h", "strided.h", "targets.h", "workers.h"
+    ),
 )
 
 

@@ -14,16 +14,9 @@
 #endif
 
 #include "rowops.h"
+#include "targets.h"
 #include "workers.h"
 
-// The bodies are plain loops over contiguous floats, written once (always inlined) and
-// compiled three times: for the baseline and inside functions that carry the avx2 or avx512
-// target, where the compiler vectorizes them for that set. Which runs is chosen at run time.
-#define MNB_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__)
-#define MNB_AVX2 __attribute__((target("avx2,fma")))
-#define MNB_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#endif
 
 namespace mnb {
 
@@ -418,6 +411,22 @@ MNB_AVX512 void conv_avx512(const float* x, const float* wt, float* out, int64_t
 }
 #endif
 
+// The outputs allocated and the CPU encoder told of every array a primitive reads and writes.
+mx::cpu::CommandEncoder& prepared_encoder(mx::Stream stream, const std::vector<mx::array>& inputs,
+                                          std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    encoder.set_output_array(a);
+  }
+  return encoder;
+}
+
 mx::array float32_input(const mx::array& a, const char* what, mx::Stream s) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("gated_delta: ") + what + " must be float32");
@@ -557,16 +566,7 @@ std::vector<mx::array> gated_delta(
 }
 
 void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  for (auto& a : outputs) {
-    encoder.set_output_array(a);
-  }
+  auto& encoder = prepared_encoder(stream(), inputs, outputs);
   const auto& q = inputs[0];
   const auto& v = inputs[2];
   DeltaJob job{
@@ -774,16 +774,7 @@ std::vector<mx::array> delta_step(
 }
 
 void DeltaStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  for (auto& a : outputs) {
-    encoder.set_output_array(a);
-  }
+  auto& encoder = prepared_encoder(stream(), inputs, outputs);
   const auto& st = inputs[7];
   StepJob job{};
   job.out = outputs[0].data<float>();

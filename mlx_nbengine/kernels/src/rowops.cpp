@@ -17,16 +17,9 @@
 
 #include "attention_math.h"
 #include "strided.h"
+#include "targets.h"
 #include "workers.h"
 
-// The bodies are plain loops over contiguous floats, written once (always inlined) and
-// compiled three times: for the baseline and inside functions that carry the avx2 or avx512
-// target, where the compiler vectorizes them for that set. Which runs is chosen at run time.
-#define MNB_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__)
-#define MNB_AVX2 __attribute__((target("avx2,fma")))
-#define MNB_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#endif
 
 namespace mnb {
 
