@@ -33,6 +33,9 @@ LONG = (
 )
 # Greedy: the SDK has no temperature argument (the API takes the field).
 GREEDY = {"extra_body": {"temperature": 0}}
+# A 128,000-token request is answered (clamped to the context, never refused); a stop
+# sequence the tiny model soon writes ends it well before the context does.
+STOP_EARLY = [" ", "e", "a", "o", "t", "i", "n", "s"]
 MARKS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 # Qwen 3's way: tools in a system block, calls as <tool_call>{json}</tool_call> (mlx-lm reads
@@ -365,7 +368,11 @@ def test_max_tokens_is_clamped_and_sampling_reaches_the_engine(client, engine):
     )
     assert got.usage.output_tokens == 12 and got.stop_reason == "max_tokens"
     big = client.messages.create(
-        model="claude-opus-5-5", messages=user("hi"), max_tokens=128_000, **GREEDY
+        model="claude-opus-5-5",
+        messages=user("hi"),
+        max_tokens=128_000,
+        stop_sequences=STOP_EARLY,
+        **GREEDY,
     )
     assert big.usage.output_tokens >= 1  # clamped to the context, not refused
 
@@ -437,6 +444,7 @@ def test_beta_query_headers_and_claude_codes_fields_are_taken(tools, tool_engine
         thinking={"type": "adaptive"},
         betas=betas,
         metadata={"user_id": "user_abc_account_def_session_ghi"},
+        stop_sequences=STOP_EARLY,
         extra_body={
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "output_config": {"effort": "high"},
