@@ -52,12 +52,29 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit("CI=true, but " + "; ".join(absent), returncode=1)
 
 
+# The session's collection, before any deselection: (the everyday run's tests, all tests),
+# where the session collected every test file (test_tests_layout then needs no collection
+# of its own), else None.
+COLLECTED: dict[str, tuple[int, int] | None] = {"counts": None}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The marker comes from where the test lives: tests/integration/... is `integration`.
+    # (First of the hooks: `-m` has deselected nothing yet.)
+    files = set()
     for item in items:
-        folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        path = Path(item.path).resolve()
+        files.add(path)
+        folder = path.relative_to(TESTS).parts[0]
         if folder in MARKED_FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))
+    every_file = {p.resolve() for p in TESTS.rglob("test_*.py") if "node_modules" not in p.parts}
+    if every_file <= files and not config.getoption("keyword"):
+        everyday = sum(
+            not any(item.get_closest_marker(m) for m in MARKED_FOLDERS) for item in items
+        )
+        COLLECTED["counts"] = (everyday, len(items))
 
 
 @pytest.fixture(scope="session", autouse=True)
