@@ -246,6 +246,18 @@ MNB_INLINE void rows_step(float* __restrict row, int64_t n, const float* __restr
   }
 }
 
+// One token over all `rows` rows of one head's state, in place, four at a time.
+MNB_INLINE void state_rows(float* state, int64_t rows, int64_t n, const float* q, const float* k,
+                           const float* v, float g, float beta, float* y) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    rows_step<4>(state + r * n, n, q, k, v + r, g, beta, y + r);
+  }
+  for (; r < rows; ++r) {
+    rows_step<1>(state + r * n, n, q, k, v + r, g, beta, y + r);
+  }
+}
+
 // Every token of heads [u0, u1) of a short step, the state in its own layout.
 MNB_INLINE void heads_rows(const DeltaJob& j, int64_t u0, int64_t u1) {
   const int64_t n = j.Dk, rows = j.Dv, per = rows * n, group = j.Hv / j.Hk;
@@ -268,13 +280,7 @@ MNB_INLINE void heads_rows(const DeltaJob& j, int64_t u0, int64_t u1) {
         s = scratch.data();
         std::memcpy(s, state, size_t(per) * sizeof(float));
       }
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) {
-        rows_step<4>(s + r * n, n, q, k, v + r, g, beta, y + r);
-      }
-      for (; r < rows; ++r) {
-        rows_step<1>(s + r * n, n, q, k, v + r, g, beta, y + r);
-      }
+      state_rows(s, rows, n, q, k, v, g, beta, y);
       while (tap < j.n_taps && j.taps[tap] == t + 1) {
         float* out = j.tapped + (int64_t(tap) * j.B * j.Hv + u) * per;
         std::memcpy(out, state, size_t(per) * sizeof(float));
@@ -692,13 +698,7 @@ MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
     const float* qh = q + (h / group) * j.Dk;
     const float* kh = k + (h / group) * j.Dk;
     float* y = j.out + (row * j.Hv + h) * j.Dv;
-    int64_t r = 0;
-    for (; r + 4 <= j.Dv; r += 4) {
-      rows_step<4>(s + r * j.Dk, j.Dk, qh, kh, v + h * j.Dv + r, g, beta, y + r);
-    }
-    for (; r < j.Dv; ++r) {
-      rows_step<1>(s + r * j.Dk, j.Dk, qh, kh, v + h * j.Dv + r, g, beta, y + r);
-    }
+    state_rows(s, j.Dv, j.Dk, qh, kh, v + h * j.Dv, g, beta, y);
     // rms_norm(y) * w * silu(z)
     const float ry = 1.0f / std::sqrt(sum_squares_of(y, j.Dv) / float(j.Dv) + j.norm_eps);
     const float* zh = j.z + (row * j.Hv + h) * j.Dv;
