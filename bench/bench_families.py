@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": {k: getattr(args, k) for k in SIZES},
         "threads": usable_cpus(),
         "results": results,
+        "skipped": skipped,
     }
     write_results("families", data, table(results, lengths), json_path=args.json, quick=args.quick)
 
