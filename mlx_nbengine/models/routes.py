@@ -1,6 +1,6 @@
 """Routes: every place where a model's operations leave the library's code for ours, built on
-one mechanism (the routes themselves live in `qroute`, `fastops`, `attnroute`, `cpu_math` and
-`layerroute`).
+one mechanism (the routes themselves live in `qroute`, `fastops`, `attnroute`, `cpu_math`,
+`layerroute` and `deltaroute`).
 
 Terms:
 
