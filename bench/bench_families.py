@@ -77,11 +77,12 @@ def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
 
     if shape == "tiny":
         return make_tiny_gguf("qwen3_5", scratch / "hybrid.gguf", source=path)
-    out = path.with_suffix(".gguf")
+    out = path.parent / f"{path.name}.gguf"  # not with_suffix: "qwen3_5-0.8b-..." has a dot
     if not out.is_file():
         print(f"writing {out.name} (once)...", flush=True)
-        make_shaped_gguf(path, out.with_suffix(".part"))
-        out.with_suffix(".part").rename(out)
+        part = path.parent / f"{path.name}.gguf.part"
+        make_shaped_gguf(path, part)
+        part.rename(out)
     return out
 
 
