@@ -61,9 +61,9 @@ __all__ = [
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 VISION_FAMILIES = ("qwen2_vl", "gemma4", "qwen3_5_vl")
-# Also buildable (plain KVCache, like llama): qwen3 and qwen2 (Q/K/V biases), the GGUF
-# converter's other architectures.
-EXTRA_FAMILIES = ("qwen3", "qwen2")
+# Also buildable: qwen3 and qwen2 (plain KVCache, like llama; Q/K/V biases), the GGUF
+# converter's other architectures, and text-only gemma4_text (per-layer inputs, shared KV).
+EXTRA_FAMILIES = ("qwen3", "qwen2", "gemma4_text")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 
@@ -206,6 +206,8 @@ def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict
         }
     if family == "qwen3_5":
         return _qwen3_5_config(common, num_layers=num_layers)
+    if family == "gemma4_text":
+        return _gemma4_text_config(common, sliding_window=sliding_window, num_layers=num_layers)
     raise ValueError(
         f"unknown tiny model family {family!r}; "
         f"choose one of {FAMILIES + EXTRA_FAMILIES + VISION_FAMILIES}"
@@ -233,6 +235,40 @@ def _qwen3_5_config(common: dict[str, Any], *, num_layers: int | None) -> dict[s
         "tie_word_embeddings": True,
         "bos_token_id": common["bos_token_id"],
         "eos_token_id": common["eos_token_id"],
+    }
+
+
+def _gemma4_text_config(
+    common: dict[str, Any], *, sliding_window: int, num_layers: int | None
+) -> dict[str, Any]:
+    """The text-only Gemma 4 family with what E2B has and the vision tiny model lacks:
+    per-layer inputs, and its last third of layers reading the keys and values of the
+    last unshared layer of their kind (`num_kv_shared_layers`), with double-wide MLPs
+    there. Six layers by default: sliding, sliding, full, twice over."""
+    layers = num_layers or 6
+    kinds = (["sliding_attention"] * 2 + ["full_attention"]) * (layers // 3 + 1)
+    return {
+        **common,
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "num_hidden_layers": layers,
+        "global_head_dim": 64,
+        "layer_types": kinds[:layers],
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 3,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+        "num_kv_shared_layers": layers // 3,
+        "hidden_size_per_layer_input": 32,
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+        "use_double_wide_mlp": True,
+        "final_logit_softcapping": 30.0,
     }
 
 
