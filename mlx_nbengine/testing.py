@@ -39,6 +39,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +243,10 @@ def _gemma4_text_config(
     common: dict[str, Any], *, sliding_window: int, num_layers: int | None
 ) -> dict[str, Any]:
     """The text-only Gemma 4 family with what E2B has and the vision tiny model lacks:
-    per-layer inputs, and its last third of layers reading the keys and values of the
+    per-layer inputs, and its last half of layers reading the keys and values of the
     last unshared layer of their kind (`num_kv_shared_layers`), with double-wide MLPs
-    there. Six layers by default: sliding, sliding, full, twice over."""
+    there. Six layers by default: sliding, sliding, full, twice over (llama.cpp wants the
+    unshared layers to end with a sliding then a full one, as E2B's do)."""
     layers = num_layers or 6
     kinds = (["sliding_attention"] * 2 + ["full_attention"]) * (layers // 3 + 1)
     return {
@@ -264,7 +266,7 @@ def _gemma4_text_config(
             },
             "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
         },
-        "num_kv_shared_layers": layers // 3,
+        "num_kv_shared_layers": layers // 2,
         "hidden_size_per_layer_input": 32,
         "vocab_size_per_layer_input": VOCAB_SIZE,
         "use_double_wide_mlp": True,
@@ -433,8 +435,10 @@ def make_tiny_gguf(
     """Write a tiny model as a llama.cpp-style GGUF file at `path` and return it.
 
     `family` is ``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"gemma3_text"`` (GGUF arch ``gemma3``,
-    six layers in Gemma 3's fixed 5-sliding-1-global layout) or ``"qwen3_5"`` (GGUF arch
-    ``qwen35``: V heads tiled over K heads, ``A = -exp(A_log)``, conv1d squeezed and F32).
+    six layers in Gemma 3's fixed 5-sliding-1-global layout), ``"qwen3_5"`` (GGUF arch
+    ``qwen35``: V heads tiled over K heads, ``A = -exp(A_log)``, conv1d squeezed and F32) or
+    ``"gemma4_text"`` (GGUF arch ``gemma4``: names from the `gguf` package's tensor map, the
+    per-layer sizes as arrays, norms as they are, and the full layers' ``rope_freqs``).
     The weights come from `source` (a `make_tiny_model` directory of that family, whose
     config.json a gemma3_text GGUF rewrites to Gemma 3's layout, as llama.cpp assumes it) or
     a fresh one;
@@ -447,10 +451,8 @@ def make_tiny_gguf(
     import tempfile
 
     path = Path(path)
-    if family not in ("llama", "gemma3_text", "qwen2", "qwen3", "qwen3_5"):
-        raise ValueError(
-            f"make_tiny_gguf supports llama, gemma3_text, qwen2, qwen3 and qwen3_5, not {family!r}"
-        )
+    if family not in _GGUF_ARCHS:
+        raise ValueError(f"make_tiny_gguf supports {', '.join(_GGUF_ARCHS)}, not {family!r}")
     if source is None:
         # A fresh source model, in a folder removed once the GGUF file is written.
         kw = {"num_layers": 6} if family == "gemma3_text" else {}
@@ -460,13 +462,25 @@ def make_tiny_gguf(
     return _write_tiny_gguf(family, path, Path(source), quant)
 
 
+_GGUF_ARCHS = {
+    "llama": "llama",
+    "gemma3_text": "gemma3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_5": "qwen35",
+    "gemma4_text": "gemma4",
+}
+
+
 def _write_tiny_gguf(
     family: str,
     path: Path,
     source: Path,
     quant: str,
-    weights: dict[str, Any] | None = None,
+    weights: Iterable[tuple[str, Any]] | None = None,
 ) -> Path:
+    """Write `source` (its config and tokenizer; its weights, or `weights`: float32 arrays
+    under mlx-lm's names, taken one at a time) as a GGUF of `family` at `path`."""
     import gguf
     import mlx.core as mx
     import numpy as np
@@ -476,19 +490,22 @@ def _write_tiny_gguf(
         # GGUF has no field for these; llama.cpp assumes Gemma 3's values, so the source must too.
         config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
         (source / "config.json").write_text(json.dumps(config, indent=2))
-    arch = {"gemma3_text": "gemma3", "qwen3_5": "qwen35"}.get(family, family)
+    arch = _GGUF_ARCHS[family]
     if weights is None:
-        weights = {
-            k.removeprefix("language_model."): np.array(v.astype(mx.float32))
+        weights = (
+            (k.removeprefix("language_model."), np.array(v.astype(mx.float32)))
             for k, v in mx.load(str(source / "model.safetensors")).items()
-        }
+        )
 
     writer = gguf.GGUFWriter(str(path), arch)
     if arch == "qwen35":
         config = {**config["text_config"], "tie_word_embeddings": config["tie_word_embeddings"]}
-        weights = _llama_cpp_qwen35(weights, config)
+        weights = ((name, _llama_cpp_qwen35(name, w, config)) for name, w in weights)
         _add_gguf_qwen35_hparams(writer, config)
-    _add_gguf_hparams(writer, arch, config)
+    if arch == "gemma4":
+        config = _add_gguf_gemma4_hparams(writer, config)
+    else:
+        _add_gguf_hparams(writer, arch, config)
     _add_gguf_tokenizer(writer, source, vocab_size=config.get("vocab_size"))
     _add_gguf_tensors(writer, arch, config, weights, quant)
     writer.write_header_to_file()
@@ -496,6 +513,54 @@ def _write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gguf_gemma4_hparams(writer: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's hyper-parameters as llama.cpp's converter writes them (per-layer arrays for
+    the sliding pattern and, with double-wide MLPs, the MLP widths), and its ``rope_freqs``:
+    the full layers rotate a quarter of each head, so the rest get a frequency factor of
+    1e30. Returns `config` completed as mlx-lm completes it (the layer kinds)."""
+    import numpy as np
+
+    _, args_class = patches.model_classes(config)
+    args = args_class.from_dict(config)
+    config = {**config, "layer_types": list(args.layer_types)}
+    layers, shared = args.num_hidden_layers, args.num_kv_shared_layers
+    sliding = [kind == "sliding_attention" for kind in args.layer_types]
+    writer.add_block_count(layers)
+    writer.add_context_length(args.max_position_embeddings)
+    writer.add_embedding_length(args.hidden_size)
+    width = args.intermediate_size
+    if args.use_double_wide_mlp and shared:
+        writer.add_feed_forward_length(
+            [width * (2 if i >= layers - shared else 1) for i in range(layers)]
+        )
+    else:
+        writer.add_feed_forward_length(width)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    full, local = args.rope_parameters["full_attention"], args.rope_parameters["sliding_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_rope_freq_base_swa(local["rope_theta"])
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_key_length(args.global_head_dim)
+    writer.add_value_length(args.global_head_dim)
+    writer.add_key_length_swa(args.head_dim)
+    writer.add_value_length_swa(args.head_dim)
+    if args.final_logit_softcapping:
+        writer.add_final_logit_softcapping(args.final_logit_softcapping)
+    writer.add_sliding_window(args.sliding_window)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(args.hidden_size_per_layer_input)
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_rope_dimension_count(args.global_head_dim)
+    writer.add_rope_dimension_count_swa(
+        int(args.head_dim * local.get("partial_rotary_factor", 1.0))
+    )
+    rotated = int(args.global_head_dim * full["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (args.global_head_dim // 2 - rotated)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    return config
 
 
 def _add_gguf_hparams(writer: Any, arch: str, config: dict[str, Any]) -> None:
@@ -528,29 +593,26 @@ def _tiled_v_heads(w: Any, axis: int, *, n_k: int, head_dim: int) -> Any:
     return np.moveaxis(w.reshape(n, *w.shape[3:]), 0, axis)
 
 
-def _llama_cpp_qwen35(weights: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Qwen 3.5's linear-attention tensors as llama.cpp's converter rewrites them (its norms
+def _llama_cpp_qwen35(name: str, w: Any, config: dict[str, Any]) -> Any:
+    """A Qwen 3.5 linear-attention tensor as llama.cpp's converter rewrites it (its norms
     are already stored with the 1 added, as llama.cpp stores them)."""
     import numpy as np
 
     n_k, head_v = config["linear_num_key_heads"], config["linear_value_head_dim"]
     qk = 2 * n_k * config["linear_key_head_dim"]
-    out = {}
-    for name, w in weights.items():
-        if name.endswith("A_log"):
-            w = -np.exp(w)
-        if name.endswith(("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
-            w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=1)
-        elif name.endswith("in_proj_z.weight"):
-            w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=head_v)
-        elif name.endswith("out_proj.weight"):
-            w = _tiled_v_heads(w, 1, n_k=n_k, head_dim=head_v)
-        elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-            w = np.concatenate([w[:qk], _tiled_v_heads(w[qk:], 0, n_k=n_k, head_dim=head_v)])
-        if name.endswith("conv1d.weight"):
-            w = w[:, :, 0]
-        out[name] = w
-    return out
+    if name.endswith("A_log"):
+        w = -np.exp(w)
+    if name.endswith(("A_log", "dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
+        w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=1)
+    elif name.endswith("in_proj_z.weight"):
+        w = _tiled_v_heads(w, 0, n_k=n_k, head_dim=head_v)
+    elif name.endswith("out_proj.weight"):
+        w = _tiled_v_heads(w, 1, n_k=n_k, head_dim=head_v)
+    elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        w = np.concatenate([w[:qk], _tiled_v_heads(w[qk:], 0, n_k=n_k, head_dim=head_v)])
+    if name.endswith("conv1d.weight"):
+        w = w[:, :, 0]
+    return w
 
 
 def _add_gguf_qwen35_hparams(writer: Any, config: dict[str, Any]) -> None:
@@ -596,9 +658,14 @@ def _add_gguf_tokenizer(writer: Any, source: Path, *, vocab_size: int | None = N
 
 
 def _add_gguf_tensors(
-    writer: Any, arch: str, config: dict[str, Any], weights: dict[str, Any], quant: str
+    writer: Any,
+    arch: str,
+    config: dict[str, Any],
+    weights: Iterable[tuple[str, Any]],
+    quant: str,
 ) -> None:
-    """The weights under llama.cpp's names and layouts, 2-D ones quantized as `quant`."""
+    """The weights under llama.cpp's names and layouts, 2-D ones quantized as `quant` as
+    they come (so a large model is held quantized, not as float32)."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
@@ -606,9 +673,18 @@ def _add_gguf_tensors(
     layer_names = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES, "qwen35": _GGUF_QWEN35_LAYER_NAMES}.get(
         arch, _GGUF_LAYER_NAMES
     )
+    tensor_map = None
+    if arch == "gemma4":
+        tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, config["num_hidden_layers"])
     qtype = getattr(gguf.GGMLQuantizationType, quant)
-    for name, w in weights.items():
-        if name == "model.embed_tokens.weight":
+    for name, w in weights:
+        if tensor_map is not None:
+            gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(f"the gguf package's gemma4 map has no name for {name}")
+            if name.endswith(".layer_scalar"):
+                gguf_name += ".weight"  # what llama.cpp's converter appends
+        elif name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"
         elif name == "model.norm.weight":
             gguf_name = "output_norm.weight"
@@ -1016,13 +1092,51 @@ _QWEN3_5_SHAPE = {
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_5-0.8b": {"hidden_size": 1024, "intermediate_size": 3584},
     "qwen3_5-2b": {"hidden_size": 2048, "intermediate_size": 6144},
+    # Gemma 4 E2B's text decoder (mlx-lm's gemma4_text defaults are its published config):
+    # 35 layers, four sliding (heads of 256, window 512) to one full (heads of 512, a quarter
+    # rotated), one KV head, the last 20 layers reading earlier layers' keys and values with
+    # double-wide MLPs, and 256 per-layer input features a layer from a 262,144-row table.
+    "gemma4-e2b": {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "hidden_size": 1536,
+        "num_hidden_layers": 35,
+        "intermediate_size": 6144,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "sliding_window": 512,
+        "sliding_window_pattern": 5,
+        "num_kv_shared_layers": 20,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size": 262_144,
+        "vocab_size_per_layer_input": 262_144,
+        "use_double_wide_mlp": True,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1_000_000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+    },
 }
 
 
 def _shape_config(shape: str, *, dense: bool) -> dict[str, Any]:
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
-    sizes = {**_QWEN3_5_SHAPE, **SHAPES[shape]}
     special = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"]}
+    if SHAPES[shape].get("model_type") == "gemma4_text":
+        if dense:
+            raise ValueError(f"{shape} has no dense twin (only the Qwen 3.5 hybrids do)")
+        return {**SHAPES[shape], **special, "pad_token_id": ids["<pad>"]}
+    sizes = {**_QWEN3_5_SHAPE, **SHAPES[shape]}
     if dense:
         return {
             **sizes,
@@ -1066,10 +1180,11 @@ def make_shaped_model(
     seed: int = 0,
 ) -> Path:
     """Write a random-weight model in a published shape (`SHAPES`: ``qwen3_5-0.8b``,
-    ``qwen3_5-2b``), or its dense twin (`dense`), MLX-quantized at `bits` and `group_size`,
-    with the tiny tokenizer (its ids lie below the vocabulary; the head still computes every
-    row). Speed does not depend on the weights' values. Weights are drawn and quantized one
-    module at a time, so a 2B model needs about its quantized size in memory."""
+    ``qwen3_5-2b``, ``gemma4-e2b``), or a hybrid's dense twin (`dense`), MLX-quantized at
+    `bits` and `group_size`, with the tiny tokenizer (its ids lie below the vocabulary; the
+    head still computes every row). Speed does not depend on the weights' values. Weights are
+    drawn and quantized one module at a time, so a 2B model needs about its quantized size in
+    memory (E2B's per-layer input table, 9.4 GB as float32, is drawn whole)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -1118,22 +1233,27 @@ def make_shaped_gguf(source: str | Path, path: str | Path, *, quant: str = "Q8_0
     """Write a `make_shaped_model` directory as a llama.cpp GGUF at `path`: the same weights
     (dequantized from MLX's format) the way llama.cpp's converter writes them
     (`make_tiny_gguf`'s rewrites), 2-D matrices as `quant`, the tiny tokenizer padded to the
-    vocabulary. About four bytes a parameter in memory while it is written."""
+    vocabulary. Tensors are dequantized and requantized one at a time: about the GGUF's size in
+    memory, besides the source's, while it is written."""
     import mlx.core as mx
     import numpy as np
 
     source, path = Path(source), Path(path)
     config = json.loads((source / "config.json").read_text())
-    family = {"qwen3_5": "qwen3_5", "qwen3": "qwen3"}[config["model_type"]]
+    family = {"qwen3_5": "qwen3_5", "qwen3": "qwen3", "gemma4_text": "gemma4_text"}[
+        config["model_type"]
+    ]
     group_size, bits = config["quantization"]["group_size"], config["quantization"]["bits"]
     raw = mx.load(str(source / "model.safetensors"))
-    weights = {}
-    for name, w in raw.items():
-        base = name.removesuffix(".weight")
-        if name.endswith((".scales", ".biases")):
-            continue
-        if base != name and f"{base}.scales" in raw:
-            scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
-            w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-        weights[name.removeprefix("language_model.")] = np.array(w.astype(mx.float32))
-    return _write_tiny_gguf(family, path, source, quant, weights=weights)
+
+    def weights() -> Iterator[tuple[str, Any]]:  # one tensor dequantized at a time
+        for name, w in raw.items():
+            base = name.removesuffix(".weight")
+            if name.endswith((".scales", ".biases")):
+                continue
+            if base != name and f"{base}.scales" in raw:
+                scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
+                w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+            yield name.removeprefix("language_model."), np.array(w.astype(mx.float32))
+
+    return _write_tiny_gguf(family, path, source, quant, weights=weights())

@@ -25,8 +25,12 @@ Qwen 3.5 (``qwen35``, mlx-lm's ``qwen3_5``) also gets its gated-delta layers bac
 ``A = -exp(A_log)`` logged again, the squeezed conv1d kernel given its axis back, and the
 linear attention's V heads, which llama.cpp tiles over the K heads, grouped by K head again.
 
-Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``, ``qwen35`` (dense, text
-only); tensor types:
+Gemma 4 (``gemma4``, mlx-lm's ``gemma4_text``) is read from its per-layer arrays (sliding
+pattern, MLP widths), its KV-sharing and per-layer input sizes, and the full layers' rotated
+share from ``rope_freqs``; its norms are stored as they are.
+
+Supported architectures: ``llama``, ``gemma3``, ``qwen2``, ``qwen3``, ``qwen35``, ``gemma4``
+(dense, text only); tensor types:
 whatever `gguf.quants.dequantize` handles (F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K...).
 """
 
@@ -77,6 +81,7 @@ _MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen35": "qwen3_5",
+    "gemma4": "gemma4_text",
 }
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -84,6 +89,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 
 # GGUF tensor name (after "blk.N.") -> mlx-lm name (after "model.layers.N.").
@@ -121,11 +127,30 @@ _QWEN35_LAYER_NAMES = {
 }
 # Tensors without a ``.weight``/``.bias`` kind: GGUF name (after "blk.N.") -> mlx-lm name.
 _QWEN35_BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
-_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen35": _QWEN35_LAYER_NAMES}
+# Gemma 4: Gemma 3's norms, plus the per-layer input's gate, projection and norm.
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA3_LAYER_NAMES,
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+# Tensors without a ``.weight``/``.bias`` kind: GGUF name (after "blk.N.") -> mlx-lm name.
+_GEMMA4_BARE_NAMES = {"layer_output_scale.weight": "layer_scalar"}
+_LAYER_NAMES_BY_ARCH = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen35": _QWEN35_LAYER_NAMES,
+    "gemma4": _GEMMA4_LAYER_NAMES,
+}
+_BARE_NAMES_BY_ARCH = {"qwen35": _QWEN35_BARE_NAMES, "gemma4": _GEMMA4_BARE_NAMES}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Gemma 4's per-layer inputs: a table of every layer's features per token, and their
+    # projection from the embedding.
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
 # Tensors llama.cpp keeps for its own use and mlx-lm computes itself (from config.json:
 # `rope_freqs` becomes ``rope_scaling``, see `_llama3_rope_scaling`).
@@ -224,14 +249,105 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if f"tokenizer.ggml.{k}" in meta
     ]
-    if arch == "gemma3":
-        end_of_turn = _token_id(meta, "<end_of_turn>")
+    # Gemma's chat turns end with their own token, which the file does not name as EOS.
+    for end in {"gemma3": ("<end_of_turn>",), "gemma4": ("<turn|>",)}.get(arch, ()):
+        end_of_turn = _token_id(meta, end)
         if end_of_turn is not None:
             eos.append(end_of_turn)
     eos = list(dict.fromkeys(eos))
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if arch == "gemma4":
+        return _gemma4_config(meta, config, tensor_names)
     return _qwen35_config(meta, config) if arch == "qwen35" else config
+
+
+def _gemma4_config(
+    meta: dict[str, Any], config: dict[str, Any], tensor_names: set[str]
+) -> dict[str, Any]:
+    """mlx-lm's ``gemma4_text`` config: the sliding pattern, head widths and per-layer MLP
+    widths from their arrays, the KV-sharing and per-layer input sizes; the full layers'
+    rotated share comes from ``rope_freqs`` (`_gemma4_rope`)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        if f"gemma4.{key}" not in meta and default is None:
+            raise GGUFError(f"This gemma4 GGUF lacks 'gemma4.{key}', which the model needs.")
+        return meta.get(f"gemma4.{key}", default)
+
+    if "gemma4.expert_count" in meta:
+        raise UnsupportedModelError(
+            "Gemma 4's mixture-of-experts GGUFs (26B-A4B) are not supported; the dense "
+            "ones (E2B, E4B, 31B) are."
+        )
+    sliding = get("attention.sliding_window_pattern")
+    layers = config["num_hidden_layers"]
+    if not isinstance(sliding, list) or len(sliding) != layers:
+        raise GGUFError("This gemma4 GGUF's sliding_window_pattern is not one flag per layer.")
+    kinds = ["sliding_attention" if flag else "full_attention" for flag in sliding]
+    widths = get("feed_forward_length")
+    widths = widths if isinstance(widths, list) else [widths] * layers
+    shared = int(get("attention.shared_kv_layers", 0))
+    kv = get("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    first_full = full[0] if full else 0
+    unshared_full = [i for i in full if i < layers - shared]
+    k_eq_v = bool(unshared_full) and all(
+        f"blk.{i}.attn_v.weight" not in tensor_names for i in unshared_full
+    )
+    head_swa = int(get("attention.key_length_swa"))
+    per_layer = int(get("embedding_length_per_layer_input", 0))
+    config.pop("rope_theta")
+    config.update(
+        {
+            "num_key_value_heads": kv[sliding.index(True)] if True in sliding else kv[0],
+            "intermediate_size": min(widths),
+            "use_double_wide_mlp": max(widths) == 2 * min(widths),
+            "head_dim": head_swa,
+            "global_head_dim": int(get("attention.key_length")),
+            "layer_types": kinds,
+            "sliding_window": int(get("attention.sliding_window")),
+            "num_kv_shared_layers": shared,
+            "hidden_size_per_layer_input": per_layer,
+            "vocab_size_per_layer_input": config["vocab_size"],
+            "final_logit_softcapping": get("final_logit_softcapping", 0.0) or None,
+            "attention_k_eq_v": k_eq_v,
+            "rope_parameters": {
+                "full_attention": {
+                    "partial_rotary_factor": 1.0,  # set from rope_freqs (`_gemma4_rope`)
+                    "rope_theta": float(get("rope.freq_base")),
+                    "rope_type": "proportional",
+                },
+                "sliding_attention": {
+                    "partial_rotary_factor": int(get("rope.dimension_count_swa", head_swa))
+                    / head_swa,
+                    "rope_theta": float(get("rope.freq_base_swa", 10_000.0)),
+                    "rope_type": "default",
+                },
+            },
+        }
+    )
+    if k_eq_v:
+        config["num_global_key_value_heads"] = kv[first_full]
+    return config
+
+
+def _gemma4_rope(factors: np.ndarray, config: dict[str, Any]) -> None:
+    """Set the full layers' rotated share from llama.cpp's ``rope_freqs``: it rotates every
+    frequency and gives the unrotated ones a factor of 1e30 (a frequency of 0)."""
+    r = np.asarray(factors, dtype=np.float64).reshape(-1)
+    dims = config["global_head_dim"]
+    if r.size != dims // 2:
+        raise GGUFError(f"rope_freqs has {r.size} factors, but the full layers have {dims // 2}.")
+    rotated = r < 1e20
+    count = int(rotated.sum())
+    if not rotated[:count].all() or not np.allclose(r[:count], 1.0):
+        raise UnsupportedModelError(
+            "This gemma4 GGUF's rope_freqs is not a rotated prefix of factor 1 followed by "
+            "unrotated frequencies, the only form Gemma 4's proportional rope takes."
+        )
+    full = config["rope_parameters"]["full_attention"]
+    full["partial_rotary_factor"] = 2 * count / dims
 
 
 def _qwen35_config(meta: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
@@ -340,8 +456,9 @@ def _mlx_name(gguf_name: str, arch: str) -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{prefix}{_GLOBAL_NAMES[base]}.{kind}"
     bare = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if arch == "qwen35" and bare and bare.group(2) in _QWEN35_BARE_NAMES:
-        return f"{prefix}model.layers.{bare.group(1)}.{_QWEN35_BARE_NAMES[bare.group(2)]}"
+    bare_names = _BARE_NAMES_BY_ARCH.get(arch, {})
+    if bare and bare.group(2) in bare_names:
+        return f"{prefix}model.layers.{bare.group(1)}.{bare_names[bare.group(2)]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
     if m and m.group(2) in names:
@@ -590,7 +707,9 @@ def _model_config(reader: Any, meta: dict[str, Any], path: Path) -> tuple[str, d
     if None in (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]):
         raise GGUFError(f"'{path}' lacks the {arch}.* hyper-parameters needed to build the model.")
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
+    if rope_freqs is not None and arch == "gemma4":
+        _gemma4_rope(_tensor(rope_freqs, arch, config), config)
+    elif rope_freqs is not None:
         dims = meta.get(f"{arch}.rope.dimension_count") or config["head_dim"]
         scaling = _llama3_rope_scaling(
             _tensor(rope_freqs, arch, config), dims=int(dims), base=config["rope_theta"]

@@ -1,7 +1,9 @@
-"""GGUF import of the hybrid families: a tiny ``qwen3_5`` written the way llama.cpp's
-converter writes ``qwen35`` (V heads tiled, ``A = -exp(A_log)``, conv1d squeezed) converts
-back into the same weights, config and greedy tokens as stock mlx-lm's model, and
-llama.cpp itself (llama-cpp-python, where installed) runs that file to the same tokens."""
+"""GGUF import of the families the reference engine leads with: a tiny ``qwen3_5`` written
+the way llama.cpp's converter writes ``qwen35`` (V heads tiled, ``A = -exp(A_log)``, conv1d
+squeezed), and a tiny ``gemma4_text`` written as ``gemma4`` (per-layer arrays, shared KV
+layers, per-layer inputs, ``rope_freqs``), convert back into the same weights, config and
+greedy tokens as stock mlx-lm's model, and llama.cpp itself (llama-cpp-python) runs each
+file to the same tokens."""
 
 from __future__ import annotations
 
@@ -126,5 +128,100 @@ def test_a_qwen35_moe_gguf_is_refused_in_one_line(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(UnsupportedModelError, match="'qwen35moe' .* not supported") as e:
+        convert(path, output_dir=tmp_path / "out", show_bar=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """A tiny gemma4_text source (per-layer inputs, shared KV, double-wide MLPs), its F32
+    GGUF as llama.cpp's converter writes ``gemma4``, and that GGUF converted."""
+    base = tmp_path_factory.mktemp("gemma4")
+    src = make_tiny_model("gemma4_text", base / "src")
+    gguf_file = make_tiny_gguf("gemma4_text", base / "tiny.gguf", source=src, quant="F32")
+    out = convert(gguf_file, output_dir=base / "out", dtype="float32", show_bar=False)
+    return src, gguf_file, out
+
+
+def test_gemma4_round_trip_gives_every_weight_and_size_back(gemma4):
+    src, _, out = gemma4
+    before = mx.load(str(src / "model.safetensors"))
+    after = mx.load(str(out / "model.safetensors"))
+    assert set(after) == set(before)
+    for name, w in before.items():
+        assert np.array_equal(np.array(after[name]), np.array(w)), name
+    source = json.loads((src / "config.json").read_text())
+    result = json.loads((out / "config.json").read_text())
+    assert result["model_type"] == "gemma4_text"
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "global_head_dim",
+        "layer_types",
+        "sliding_window",
+        "num_kv_shared_layers",
+        "hidden_size_per_layer_input",
+        "vocab_size_per_layer_input",
+        "use_double_wide_mlp",
+        "final_logit_softcapping",
+    ):
+        assert result[key] == source[key], key
+    for kind, rope in source["rope_parameters"].items():
+        got = result["rope_parameters"][kind]
+        assert got["rope_theta"] == rope["rope_theta"], kind
+        assert got["partial_rotary_factor"] == rope.get("partial_rotary_factor", 1.0), kind
+
+
+def test_gemma4_greedy_tokens_equal_stock_mlx_lm(gemma4):
+    src, _, out = gemma4
+    ids = [2, *[5 + (i * 7) % 400 for i in range(150)]]  # past the 64-token window
+    assert greedy_mlx(out, ids, 12) == greedy_mlx(src, ids, 12)
+
+
+def test_llama_cpp_runs_the_written_gemma4_gguf_to_our_greedy_tokens(gemma4):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, gguf_file, out = gemma4
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=512, n_threads=1, verbose=False)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True) + [5 + (i * 7) % 400 for i in range(150)]
+    llm.eval(ids)
+    theirs = []
+    for _ in range(12):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    assert theirs == greedy_mlx(out, ids, 12)
+
+
+def test_a_gemma4_q8_0_gguf_converts_close_to_the_source(tmp_path):
+    src = make_tiny_model("gemma4_text", tmp_path / "src")
+    gguf_file = make_tiny_gguf("gemma4_text", tmp_path / "q8.gguf", source=src, quant="Q8_0")
+    out = convert(gguf_file, output_dir=tmp_path / "out", dtype="float32", show_bar=False)
+    before = mx.load(str(src / "model.safetensors"))
+    after = mx.load(str(out / "model.safetensors"))
+    for name, w in before.items():
+        w = np.array(w)
+        assert np.abs(np.array(after[name]) - w).max() <= 0.01 * np.abs(w).max() + 1e-6, name
+
+
+def test_a_gemma4_moe_gguf_is_refused_in_one_line(gemma4, tmp_path):
+    import gguf
+
+    _, gguf_file, _ = gemma4
+    reader = gguf.GGUFReader(str(gguf_file))
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    for key in ("gemma4.embedding_length", "gemma4.block_count", "gemma4.attention.head_count"):
+        writer.add_uint32(key, int(reader.fields[key].contents()))
+    writer.add_uint32("gemma4.expert_count", 128)
+    writer.add_token_list(list(reader.fields["tokenizer.ggml.tokens"].contents()))
+    writer.add_tensor("token_embd.weight", np.zeros((512, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts") as e:
         convert(path, output_dir=tmp_path / "out", show_bar=False)
     assert "\n" not in str(e.value)

@@ -13,6 +13,7 @@ from mlx_nbengine.testing import SHAPES, _shape_config
 
 # Parameters of the published models' text part (embedding tied): about 0.75B and 1.9B.
 PUBLISHED = {"qwen3_5-0.8b": 0.75e9, "qwen3_5-2b": 1.88e9}
+HYBRIDS = sorted(PUBLISHED)
 
 
 def build(shape: str, *, dense: bool):
@@ -21,7 +22,7 @@ def build(shape: str, *, dense: bool):
     return config, model_class(args_class.from_dict(config))  # lazy: nothing is drawn
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", HYBRIDS)
 def test_a_hybrid_shape_builds_the_published_size(shape):
     config, model = build(shape, dense=False)
     count = sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters()))
@@ -31,7 +32,7 @@ def test_a_hybrid_shape_builds_the_published_size(shape):
     assert len(layers) == config["text_config"]["num_hidden_layers"] == 24
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", HYBRIDS)
 def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
     hybrid = _shape_config(shape, dense=False)["text_config"]
     _, model = build(shape, dense=True)
@@ -39,6 +40,22 @@ def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
         assert twin[key] == hybrid[key], key
     assert len(model.model.layers) == 24 and model.model.layers[0].self_attn.n_heads == 8
+
+
+def test_the_gemma4_shape_builds_e2b():
+    # "E2B": 2.3B effective parameters, the per-layer input table (2.35B more) left out.
+    config, model = build("gemma4-e2b", dense=False)
+    params = dict(tree_flatten(model.parameters()))
+    table = math.prod(params["model.embed_tokens_per_layer.weight"].shape)
+    effective = sum(math.prod(v.shape) for v in params.values()) - table
+    assert abs(effective - 2.3e9) / 2.3e9 < 0.05, effective
+    assert abs(table - 2.35e9) / 2.35e9 < 0.01, table
+    layers = model.layers
+    assert len(layers) == 35 and len(model.make_cache()) == 15  # 20 layers share KV
+    assert [layer.self_attn.head_dim for layer in layers[:5]] == [256] * 4 + [512]
+    assert set(SHAPES) >= {"gemma4-e2b", *HYBRIDS}
+    with pytest.raises(ValueError, match="gemma4-e2b has no dense twin"):
+        _shape_config("gemma4-e2b", dense=True)
 
 
 def test_an_unknown_shape_is_refused_in_one_line(tmp_path):
