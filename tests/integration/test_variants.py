@@ -13,9 +13,9 @@ import re
 import pytest
 from kernelsets import needs_kernels  # tests/ is on sys.path
 
+import mlx_nbengine.models as models_package
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import build, digest
-import mlx_nbengine.models as models_package
 from mlx_nbengine.models import (
     attnroute,
     cpu_math,
