@@ -1,18 +1,21 @@
-"""The hybrid family at speed: Qwen 3.5-shaped models against their dense twins, through
-`Engine`, in one run.
+"""The two families the reference engine leads with, at speed: Qwen 3.5-shaped hybrids
+against their dense twins, and a Gemma 4 E2B-shaped model, through `Engine`, against
+llama.cpp on the same weights, in one run.
 
 Models (random weights in the published shapes, `testing.make_shaped_model`, MLX-quantized
 at 8 bits, groups of 64; speed does not depend on the weights' values), written once into
 the cache home (``bench-models/``):
 
-- *hybrid*: ``--shapes`` (default ``qwen3_5-0.8b`` and ``qwen3_5-2b``), three gated-delta
-  layers then a full-attention layer, on our kernels (`models.deltaroute`);
-- *library*: the same hybrid with the route suspended, so its linear attention runs mlx-lm's
-  ``gated_delta_ops`` loop, MLX's grouped convolution and silu (cold prefill at the first
-  length only: it is slow);
-- *dense twin*: a qwen3 model of the same width, depth, MLP and attention heads, every
-  layer full attention;
-- *llama.cpp*: llama-cpp-python's ``Llama`` on the hybrid's GGUF (the same weights, written as
+- *ours*: ``--shapes`` (default ``qwen3_5-0.8b``, ``qwen3_5-2b`` and ``gemma4-e2b``) on our
+  routes: a hybrid's three gated-delta layers then a full-attention layer on our kernels
+  (`models.deltaroute`); Gemma 4's 35 layers, four sliding to one full, the last 20 reading
+  earlier layers' keys and values, with per-layer inputs;
+- *library*: the same model with our routes suspended (a hybrid's linear attention then runs
+  mlx-lm's ``gated_delta_ops`` loop, MLX's grouped convolution and silu; Gemma 4 runs
+  mlx-lm's code throughout), cold prefill at the first length only: it is slow;
+- *dense twin* (hybrids only): a qwen3 model of the same width, depth, MLP and attention
+  heads, every layer full attention;
+- *llama.cpp*: llama-cpp-python's ``Llama`` on the model's GGUF (the same weights, written as
   llama.cpp's converter writes them, 2-D matrices as Q8_0: `testing.make_shaped_gguf`), its
   prompt cache on (``LlamaRAMCache``), on the same thread count; skipped, and said so, where
   ``llama_cpp`` is not installed (the ``peers`` extra). It decodes one sequence at a time,
@@ -23,17 +26,17 @@ threads are in the JSON):
 
 - *cold prefill* tok/s of ``--lengths`` tokens (default 1,024 and 4,096): an empty store, the
   time to the first token, the better of two prompts after one warm-up prompt (the
-  engine's own steps: up to 1,024 tokens, the hybrid's states
-  at the block boundaries inside a step taken by its layers; the library variant steps one
-  block at a time, as a recurrent model off our kernels does);
+  engine's own steps: up to 1,024 tokens, a hybrid's states
+  at the block boundaries inside a step taken by its layers; a hybrid's library variant
+  steps one block at a time, as a recurrent model off our kernels does);
 - *decode* tok/s of ``--decode`` tokens after a 64-token prompt, 1 row; and 4 rows at once
   (four prompts submitted together, their tokens over the wall time);
 - *edited re-run*: a prompt of the first length, then the same prompt with one token changed
   at 90%, its whole ``--answer``-token answer in seconds (restored from the block store).
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_families``. Writes
-``bench/results/families.json`` and ``.txt``; ``--quick``: the tiny hybrid and a tiny qwen3
-twin, small sizes, writing only ``--json``.
+``bench/results/families.json`` and ``.txt``; ``--quick``: the tiny hybrid with a tiny
+qwen3 twin, and a tiny gemma4_text, small sizes, writing only ``--json``.
 """
 
 from __future__ import annotations
@@ -45,38 +48,53 @@ from pathlib import Path
 
 from bench.common import add_run_args, cpu_name, fill_sizes, usable_cpus, write_results
 
-SIZES = {"lengths": "1024,4096", "decode": 64, "answer": 128, "shapes": "qwen3_5-0.8b,qwen3_5-2b"}
-QUICK = {"lengths": "300", "decode": 8, "answer": 8, "shapes": "tiny"}
+SIZES = {
+    "lengths": "1024,4096",
+    "decode": 64,
+    "answer": 128,
+    "shapes": "qwen3_5-0.8b,qwen3_5-2b,gemma4-e2b",
+}
+QUICK = {"lengths": "300", "decode": 8, "answer": 8, "shapes": "tiny,tiny-gemma4"}
+
+
+def is_gemma4(shape: str) -> bool:
+    return "gemma4" in shape
 
 
 def model_dirs(shape: str, scratch: Path) -> dict[str, Path]:
-    """The hybrid and its dense twin of `shape` (made once, in the cache home; the tiny ones
-    in `scratch`)."""
+    """The model of `shape` and a hybrid's dense twin (made once, in the cache home; the tiny
+    ones in `scratch`)."""
     from mlx_nbengine.home import home
     from mlx_nbengine.testing import make_shaped_model, make_tiny_model
 
     if shape == "tiny":
         return {
-            "hybrid": make_tiny_model("qwen3_5", scratch / "hybrid"),
+            "ours": make_tiny_model("qwen3_5", scratch / "hybrid"),
             "dense twin": make_tiny_model("qwen3", scratch / "dense", num_layers=4),
         }
+    if shape == "tiny-gemma4":
+        return {"ours": make_tiny_model("gemma4_text", scratch / "gemma4", sliding_window=128)}
     out = {}
-    for name, dense in (("hybrid", False), ("dense twin", True)):
+    kinds = (("ours", False),) if is_gemma4(shape) else (("ours", False), ("dense twin", True))
+    for name, dense in kinds:
         path = home() / "bench-models" / f"{shape}-q8g64{'-dense' if dense else ''}"
         if not (path / "config.json").is_file():
             print(f"writing {path.name} (random weights, once)...", flush=True)
-            make_shaped_model(shape, path.with_suffix(".part"), dense=dense)
-            path.with_suffix(".part").rename(path)
+            part = path.parent / f"{path.name}.part"  # not with_suffix: "0.8b" has a dot
+            make_shaped_model(shape, part, dense=dense)
+            part.rename(path)
         out[name] = path
     return out
 
 
 def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
-    """The hybrid's GGUF (made once beside it; the tiny one in `scratch`)."""
+    """The model's GGUF (made once beside it; the tiny ones in `scratch`)."""
     from mlx_nbengine.testing import make_shaped_gguf, make_tiny_gguf
 
     if shape == "tiny":
         return make_tiny_gguf("qwen3_5", scratch / "hybrid.gguf", source=path)
+    if shape == "tiny-gemma4":
+        return make_tiny_gguf("gemma4_text", scratch / "gemma4.gguf", source=path)
     out = path.parent / f"{path.name}.gguf"  # not with_suffix: "qwen3_5-0.8b-..." has a dot
     if not out.is_file():
         print(f"writing {out.name} (once)...", flush=True)
@@ -179,7 +197,8 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
         out["routes"] = list(engine.model.routing.names())
         warm_up(engine, lengths[0])
         if library:
-            with engine.model.routing.suspended(deltaroute.DELTA, *qroute.SWIGLU_MLPS):
+            routes = () if is_gemma4(str(path)) else (deltaroute.DELTA, *qroute.SWIGLU_MLPS)
+            with engine.model.routing.suspended(*routes):  # none named: every route
                 return {**out, "prefill_tok_s": {str(lengths[0]): cold_prefill(engine, lengths[0])}}
         out["prefill_tok_s"] = {str(n): cold_prefill(engine, n) for n in lengths}
         out.update(decode_rates(engine, args.decode))
@@ -188,20 +207,20 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
 
 
 def ratio_row(shape: str, ours: dict, peer: dict, name: str, lengths: list[int]) -> str:
-    """The hybrid's figures over `peer`'s (speeds: ours / theirs; the re-run: theirs / ours,
+    """Our figures over `peer`'s (speeds: ours / theirs; the re-run: theirs / ours,
     so above 1 is ours faster everywhere)."""
     cells = [ours["prefill_tok_s"][str(n)] / peer["prefill_tok_s"][str(n)] for n in lengths]
     for key in ("decode_1_tok_s", "decode_4_tok_s"):
         cells.append(ours[key] / peer[key] if peer.get(key) else None)
     cells.append(peer["edited_rerun_s"] / ours["edited_rerun_s"])
     text = ["" if c is None else f"{c:.2f}x" for c in cells]
-    return f"| {shape} | hybrid / {name} | " + " | ".join(text) + " |"
+    return f"| {shape} | ours / {name} | " + " | ".join(text) + " |"
 
 
 def table(results: dict, lengths: list[int]) -> str:
     head = [f"prefill {n}" for n in lengths] + ["decode 1", "decode 4", "edited re-run"]
     lines = [
-        f"Qwen 3.5-shaped hybrids against their dense twins, through Engine ({cpu_name()}, "
+        f"Qwen 3.5-shaped hybrids and Gemma 4 E2B, through Engine ({cpu_name()}, "
         f"{usable_cpus()} CPUs; tok/s, the re-run in s)",
         "",
         "| model | variant | " + " | ".join(head) + " |",
@@ -219,7 +238,7 @@ def table(results: dict, lengths: list[int]) -> str:
             lines.append(f"| {shape} | {name} | " + " | ".join(text) + " |")
         for peer in ("dense twin", "llama.cpp"):
             if peer in variants:
-                lines.append(ratio_row(shape, variants["hybrid"], variants[peer], peer, lengths))
+                lines.append(ratio_row(shape, variants["ours"], variants[peer], peer, lengths))
     return "\n".join(lines)
 
 
@@ -228,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap, model=None)
-    ap.add_argument("--shapes", default=None, help="comma-separated (qwen3_5-0.8b,qwen3_5-2b)")
+    ap.add_argument(
+        "--shapes", default=None, help="comma-separated (qwen3_5-0.8b,qwen3_5-2b,gemma4-e2b)"
+    )
     ap.add_argument("--lengths", default=None, help="cold prefill lengths (1024,4096)")
     ap.add_argument("--decode", type=int, default=None, help="decode tokens (64)")
     ap.add_argument("--answer", type=int, default=None, help="the edited re-run's answer (128)")
@@ -241,13 +262,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-families-") as scratch:
         for shape in args.shapes.split(","):
             paths = model_dirs(shape, Path(scratch))
-            variants = {"hybrid": measure(paths["hybrid"], lengths, args, library=False)}
+            variants = {"ours": measure(paths["ours"], lengths, args, library=False)}
             if not args.no_library:
-                variants["library"] = measure(paths["hybrid"], lengths, args, library=True)
-            variants["dense twin"] = measure(paths["dense twin"], lengths, args, library=False)
+                variants["library"] = measure(paths["ours"], lengths, args, library=True)
+            if "dense twin" in paths:
+                variants["dense twin"] = measure(paths["dense twin"], lengths, args, library=False)
             missing = llama_missing()
             if missing is None:
-                gguf = gguf_of(shape, paths["hybrid"], Path(scratch))
+                gguf = gguf_of(shape, paths["ours"], Path(scratch))
                 variants["llama.cpp"] = measure_llama(gguf, lengths, args)
             else:
                 print(f"llama.cpp skipped: {missing}", flush=True)

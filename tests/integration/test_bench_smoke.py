@@ -46,7 +46,7 @@ CASES = {
     "cpu_prefill": ("bench_cpu_prefill", [], ("gemma3_text", {"sliding_window": 64})),
     "api": ("bench_api", [], ("llama", {})),  # its tiny vision model made inside
     "ranks": ("bench_ranks", [], ("llama", {"kv_heads": 2})),  # two local ranks, loopback
-    "families": ("bench_families", [], None),  # the tiny hybrid and its twin, made inside
+    "families": ("bench_families", [], None),  # tiny hybrid, its twin, tiny gemma4: inside
 }
 
 
@@ -120,7 +120,8 @@ LLAMA_PATHS = {
     },
     "bench_families": {
         "binding": lambda d: (
-            d["results"]["tiny"].get("llama.cpp") or {"skipped": d["skipped"]["llama.cpp"]}
+            (d["results"]["tiny"].get("llama.cpp") and d["results"]["tiny-gemma4"].get("llama.cpp"))
+            or {"skipped": d["skipped"]["llama.cpp"]}
         ),
     },
     "bench_api": {
