@@ -103,27 +103,36 @@ def variant() -> str:
     return f"cpu-gelu-r44-{digest.of_files(VARIANT_SOURCES)}"
 
 
+# The MLP bodies restated: Gemma 2 and 3 call nn.gelu_approx; Gemma 4 calls its module's
+# compiled ``geglu``, whose body is restated too.
+_GELU_CALL = "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))"
+_GEGLU_CALL = "return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))"
+_GEGLU = "return nn.gelu_approx(gate) * x"
+
+
+def _bodies(module: str, geglu: bool) -> tuple[Body, ...]:
+    if not geglu:
+        return (Body(module, "MLP.__call__", _GELU_CALL),)
+    return (Body(module, "MLP.__call__", _GEGLU_CALL), Body(module, "geglu", _GEGLU))
+
+
 # mlx-lm's and mlx-vlm's GELU MLPs (the module of each MLP class).
 GELU_MLPS = tuple(
     InstanceRoute(
         name=f"cpu-gelu-{family}",
-        bodies=(
-            Body(
-                module,
-                "MLP.__call__",
-                "return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))",
-            ),
-        ),
+        bodies=_bodies(module, geglu),
         checked_with="mlx-lm 0.32.2, mlx-vlm 0.7.10",
         refusal=f"the CPU GELU is not used for {module}.MLP",
         fallback="it runs the library's nn.gelu_approx (about 3.5x slower on the CPU)",
         methods={"__call__": _gelu_mlp_call},
         prefix="CpuGelu",
     )
-    for family, module in (
-        ("gemma3_text", "mlx_lm.models.gemma3_text"),
-        ("gemma2", "mlx_lm.models.gemma2"),
-        ("vlm-gemma3", "mlx_vlm.models.gemma3.language"),
+    for family, module, geglu in (
+        ("gemma3_text", "mlx_lm.models.gemma3_text", False),
+        ("gemma2", "mlx_lm.models.gemma2", False),
+        ("vlm-gemma3", "mlx_vlm.models.gemma3.language", False),
+        ("gemma4_text", "mlx_lm.models.gemma4_text", True),
+        ("vlm-gemma4", "mlx_vlm.models.gemma4.language", True),
     )
 )
 

@@ -103,7 +103,8 @@ CHILD = textwrap.dedent(
     every = {route.name for route in routes.registry() if route.present()}
     qwen = {"swiglu-mlp-qwen2", "swiglu-mlp-qwen3"}
     others = {"offset-norm-gemma", "offset-norm-gemma2", "cpu-gelu-gemma2"}
-    assert every - used == qwen | others | {"cpu-gelu-vlm-gemma3"}, sorted(every - used)
+    vlm = {"cpu-gelu-vlm-gemma3", "cpu-gelu-vlm-gemma4"}
+    assert every - used == qwen | others | vlm, sorted(every - used)
     during = replaced()
     ours = sorted(k for k in before if during[k] is not before[k])
     fast = ["rms_norm", "rope", "scaled_dot_product_attention"]
@@ -129,8 +130,9 @@ def test_after_close_every_function_and_method_a_route_replaced_is_the_librarys_
 ):
     llama = make_tiny_quantized_model("llama", tmp_path / "llama-q8", bits=8, group_size=32)
     hybrid = make_tiny_quantized_model("qwen3_5", tmp_path / "qwen3_5-q8", bits=8, group_size=32)
+    gemma4 = make_tiny_quantized_model("gemma4_text", tmp_path / "gemma4-q8", bits=8, group_size=32)
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tiny_q8), str(llama), str(hybrid)],
+        [sys.executable, "-c", CHILD, str(tiny_q8), str(llama), str(hybrid), str(gemma4)],
         capture_output=True,
         text=True,
         timeout=600,
