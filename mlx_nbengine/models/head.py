@@ -9,15 +9,18 @@ decoder stack and its final norm) and applies the *head* to the last row itself.
 
 `split_head(model)` finds, in an mlx-lm text model, the body (``model.model`` or
 ``model.language_model.model``) and the head (``lm_head``, else the tied embedding's
-``as_linear``), then checks on one token that ``head(body(x))`` equals ``model(x)``
-exactly: a family whose output does more than the head (a logit soft-cap, a scale) fails
-that check and keeps whole-model calls. The head over one row may differ from its row of
+``as_linear``; followed by the library's own ``logit_softcap`` where the model caps its
+logits with one, as Gemma 4 does), then checks on one token that ``head(body(x))`` equals
+``model(x)`` exactly: a family whose output does more than that fails the check and keeps
+whole-model calls (for Gemma 4 E2B, a 1,024-token step would then compute 1,024 rows of a
+262,144-word head: about as much work as the whole decoder stack). The head over one row may differ from its row of
 the head over many in the last bits (another matmul shape), like every short tail step
 (see the README's parity table).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +54,23 @@ def _candidate(model: Any) -> SplitHead | None:
         if head is None:
             embed = getattr(body, "embed_tokens", None)
             head = getattr(embed, "as_linear", None)
-        if head is not None and callable(head):
-            return SplitHead(body, head)
+        if head is None or not callable(head):
+            continue
+        cap = getattr(owner, "final_logit_softcapping", None)
+        if cap:
+            softcap = getattr(sys.modules.get(type(owner).__module__), "logit_softcap", None)
+            if softcap is None:
+                return None  # a cap we cannot apply the library's way: whole-model calls
+            head = _capped(head, softcap, cap)
+        return SplitHead(body, head)
     return None
+
+
+def _capped(head: Callable, softcap: Callable, cap: float) -> Callable[[mx.array], mx.array]:
+    def capped(hidden: mx.array) -> mx.array:
+        return softcap(cap, head(hidden))
+
+    return capped
 
 
 def split_head(model: Any, make_cache: Callable[[], list[Any]], token: int = 0) -> SplitHead | None:

@@ -1,6 +1,7 @@
 """The output head applied to the last row only (`models.head`): found on each tiny text
-family, exact against the whole model, refused where the output does more than the head,
-and used by the engine for a final short prefill step."""
+family (Gemma 4's with its logit cap), exact against the whole model, refused where the
+output does more than the head and the cap, and used by the engine for a final short
+prefill step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from mlx_nbengine import Engine
 from mlx_nbengine.models import load
 from mlx_nbengine.models.head import split_head
 
-FAMILIES = ["llama", "gemma3_text", "qwen3_5"]
+# gemma4_text caps its logits after the head: the split applies the library's own cap.
+FAMILIES = ["llama", "gemma3_text", "qwen3_5", "gemma4_text"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -36,7 +38,8 @@ def test_the_split_gives_the_models_last_row_logits(tiny):
 
 def test_a_model_whose_output_is_more_than_the_head_is_refused(tiny):
     class SoftCapped:
-        """The tiny model with a logit soft-cap after its head, as Gemma 2 and 4 have."""
+        """The tiny model with a logit soft-cap after its head not made by the library's
+        ``logit_softcap`` (as Gemma 2's is not)."""
 
         def __init__(self, model):
             self.model = model.model if hasattr(model, "model") else None
