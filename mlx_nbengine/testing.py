@@ -39,7 +39,8 @@ import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -702,12 +703,35 @@ def _add_gguf_tensors(
             w = _llama_cpp_permute(w, config["num_key_value_heads"])
         if arch == "gemma3" and gguf_name.endswith("norm.weight"):
             w = w + 1.0
+        if isinstance(w, _Rows):  # a large matrix: converted and quantized in blocks of rows
+            plain = qtype == gguf.GGMLQuantizationType.F32
+            blocks = []
+            for i in range(0, w.count, w.step):
+                block = np.ascontiguousarray(w.rows(i, min(i + w.step, w.count)), np.float32)
+                blocks.append(block if plain else quantize(block, qtype))
+            writer.add_tensor(gguf_name, np.concatenate(blocks), raw_dtype=None if plain else qtype)
+            continue
         w = np.ascontiguousarray(w, dtype=np.float32)
         quantizable = w.ndim == 2 and w.shape[1] % 32 == 0  # conv1d kernels stay F32
         if quantizable and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, w)
+
+
+# A matrix with more values than this is written a block of rows at a time (E2B's per-layer
+# input table has 2.35 billion: 9.4 GB as float32, and quantizing makes copies of that).
+_CHUNKED_VALUES = 1 << 26
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A large matrix, read as float32 a block of `step` rows at a time (`rows(start, stop)`)
+    out of `count`."""
+
+    rows: Callable[[int, int], Any]
+    count: int
+    step: int = 4096
 
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -1246,14 +1270,32 @@ def make_shaped_gguf(source: str | Path, path: str | Path, *, quant: str = "Q8_0
     group_size, bits = config["quantization"]["group_size"], config["quantization"]["bits"]
     raw = mx.load(str(source / "model.safetensors"))
 
-    def weights() -> Iterator[tuple[str, Any]]:  # one tensor dequantized at a time
+    def rows_of(name: str, w: Any) -> Callable[[int, int], Any]:
+        base = name.removesuffix(".weight")
+        if base == name or f"{base}.scales" not in raw:
+            return lambda start, stop: np.array(w[start:stop].astype(mx.float32))
+        scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
+
+        def rows(start: int, stop: int) -> Any:
+            part = mx.dequantize(
+                w[start:stop],
+                scales[start:stop],
+                biases[start:stop],
+                group_size=group_size,
+                bits=bits,
+            )
+            return np.array(part.astype(mx.float32))
+
+        return rows
+
+    def weights() -> Iterator[tuple[str, Any]]:  # one tensor (or a block of rows) at a time
         for name, w in raw.items():
-            base = name.removesuffix(".weight")
             if name.endswith((".scales", ".biases")):
                 continue
-            if base != name and f"{base}.scales" in raw:
-                scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
-                w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-            yield name.removeprefix("language_model."), np.array(w.astype(mx.float32))
+            rows = rows_of(name, w)
+            if w.ndim == 2 and w.shape[0] * w.shape[1] * (32 // bits) > _CHUNKED_VALUES:
+                yield name.removeprefix("language_model."), _Rows(rows, w.shape[0])
+            else:
+                yield name.removeprefix("language_model."), rows(0, w.shape[0])
 
     return _write_tiny_gguf(family, path, source, quant, weights=weights())

@@ -83,3 +83,18 @@ def test_a_gguf_tokenizer_is_padded_to_the_models_vocabulary(tmp_path):
     kinds = [int(types.parts[i][0]) for i in types.data]
     assert len(kinds) == 600
     assert kinds[-1] == int(gguf.TokenType.UNUSED) and kinds[5] == int(gguf.TokenType.NORMAL)
+
+
+def test_a_gguf_written_in_blocks_of_rows_is_the_same_file(tmp_path, monkeypatch):
+    # make_shaped_gguf converts and quantizes a large matrix a block of rows at a time (E2B's
+    # per-layer table is 9.4 GB as float32): the same bytes as one conversion of the whole.
+    import mlx_nbengine.testing as testing
+
+    source = testing.make_tiny_quantized_model(
+        "gemma4_text", tmp_path / "q8", bits=8, group_size=32
+    )
+    whole = testing.make_shaped_gguf(source, tmp_path / "whole.gguf").read_bytes()
+    monkeypatch.setattr(testing, "_CHUNKED_VALUES", 1000)
+    monkeypatch.setattr(testing._Rows.__init__, "__defaults__", (7,))  # 7 rows a block
+    blocks = testing.make_shaped_gguf(source, tmp_path / "blocks.gguf").read_bytes()
+    assert blocks == whole
