@@ -1132,6 +1132,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "global_head_dim": 512,
         "sliding_window": 512,
         "sliding_window_pattern": 5,
+        # Spelled out, as the published config does (transformers assumes another pattern).
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
         "num_kv_shared_layers": 20,
         "hidden_size_per_layer_input": 256,
         "vocab_size": 262_144,
