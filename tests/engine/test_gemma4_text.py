@@ -66,3 +66,18 @@ def test_an_edited_gemma4_prompt_restores_to_a_cold_runs_tokens(tmp_path):
     assert warm.report.restore_source == "disk"
     assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]
     assert warm.tokens == cold.tokens
+
+
+def test_the_engine_gives_the_librarys_tokens_over_many_prefill_steps(tmp_path):
+    # A prefill step that samples nothing evaluates only the caches: the layers reading
+    # earlier layers' keys and values write none, so MLX computes them for the final
+    # step only. The tokens are still the library's, computed layer by layer throughout.
+    path = make_tiny_model("gemma4_text", tmp_path / "m")
+    prompt = [2, *[5 + (i * 13) % 400 for i in range(600)]]
+    with Engine.load(path, block_size=64, cache_dir=tmp_path) as engine:
+        done = engine.submit(prompt, max_tokens=10).result(timeout=300)
+        lm = engine.model
+        with lm.routing.suspended():
+            library = greedy(lm.model, prompt, 10)
+    assert len(done.report.blocks) >= 9  # many blocks, many steps
+    assert done.tokens == library
