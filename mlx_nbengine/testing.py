@@ -177,6 +177,19 @@ def _text_common(ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _gemma4_rope() -> dict[str, Any]:
+    """Gemma 4's two rotary embeddings (a fresh dict): the full layers rotate a quarter of
+    each head ("proportional"), the sliding layers all of it."""
+    return {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1_000_000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+    }
+
+
 def _config(family: str, *, sliding_window: int, num_layers: int | None) -> dict[str, Any]:
     ids = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
     common = _text_common(ids)
@@ -259,14 +272,7 @@ def _gemma4_text_config(
         "layer_types": kinds[:layers],
         "sliding_window": sliding_window,
         "sliding_window_pattern": 3,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-        },
+        "rope_parameters": _gemma4_rope(),
         "num_kv_shared_layers": layers // 2,
         "hidden_size_per_layer_input": 32,
         "vocab_size_per_layer_input": VOCAB_SIZE,
@@ -1008,14 +1014,7 @@ def _gemma4_text(ids: dict[str, int], *, sliding_window: int) -> dict[str, Any]:
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "sliding_window": sliding_window,
         "sliding_window_pattern": 2,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-        },
+        "rope_parameters": _gemma4_rope(),
         "num_kv_shared_layers": 0,
         "hidden_size_per_layer_input": 0,
         "vocab_size_per_layer_input": VOCAB_SIZE,
@@ -1143,14 +1142,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 131_072,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-        },
+        "rope_parameters": _gemma4_rope(),
     },
 }
 
@@ -1161,7 +1153,8 @@ def _shape_config(shape: str, *, dense: bool) -> dict[str, Any]:
     if SHAPES[shape].get("model_type") == "gemma4_text":
         if dense:
             raise ValueError(f"{shape} has no dense twin (only the Qwen 3.5 hybrids do)")
-        return {**SHAPES[shape], **special, "pad_token_id": ids["<pad>"]}
+        shaped = json.loads(json.dumps(SHAPES[shape]))  # a copy, nested dicts too
+        return {**shaped, **special, "pad_token_id": ids["<pad>"]}
     sizes = {**_QWEN3_5_SHAPE, **SHAPES[shape]}
     if dense:
         return {

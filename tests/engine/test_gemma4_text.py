@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from restoring import restored_and_cold  # tests/ is on sys.path
 
 from mlx_nbengine import Engine
 from mlx_nbengine.models import load
@@ -55,13 +56,7 @@ def test_an_edited_gemma4_prompt_restores_to_a_cold_runs_tokens(tmp_path):
     path = make_tiny_model("gemma4_text", tmp_path / "m")
     prompt = [2, *[5 + (i * 11) % 400 for i in range(700)]]
     edited = [*prompt[:600], 9, *prompt[601:]]
-    with Engine.load(path, cache_dir=tmp_path) as engine:
-        engine.submit(prompt, max_tokens=4).result(timeout=300)
-        engine.wait_for_saves(timeout=60)
-        engine.submit([2, 7, 7, 7], max_tokens=2).result(timeout=300)  # another hot cache
-        warm = engine.submit(edited, max_tokens=12).result(timeout=300)
-    with Engine.load(path, store=False) as cold_engine:
-        cold = cold_engine.submit(edited, max_tokens=12).result(timeout=300)
+    warm, cold = restored_and_cold(path, tmp_path, prompt, edited)
     # Two whole blocks before the edit come back from disk, windows and shared layers alike.
     assert warm.report.restore_source == "disk"
     assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]

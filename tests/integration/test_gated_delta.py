@@ -19,6 +19,7 @@ import mlx.nn as nn
 import pytest
 from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
 from mlx_lm.models.gated_delta import gated_delta_ops
+from restoring import restored_and_cold  # tests/ is on sys.path
 
 from mlx_nbengine import Engine, kernels
 from mlx_nbengine.kernels import delta
@@ -187,15 +188,10 @@ def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_p
     path = make_tiny_model("qwen3_5", tmp_path / "m")
     prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
     edited = [*prompt[:600], 9, *prompt[601:]]
-    with Engine.load(path, cache_dir=tmp_path) as engine:
+    with Engine.load(path, store=False) as engine:
         assert "gated-delta-qwen3_5" in engine.model.routing.names()
         assert engine.internals.takes_states_inside_steps
-        engine.submit(prompt, max_tokens=4).result(timeout=300)
-        engine.wait_for_saves(timeout=60)
-        engine.submit([2, 7, 7, 7], max_tokens=2).result(timeout=300)  # another hot cache
-        warm = engine.submit(edited, max_tokens=12).result(timeout=300)
-    with Engine.load(path, store=False) as cold_engine:
-        cold = cold_engine.submit(edited, max_tokens=12).result(timeout=300)
+    warm, cold = restored_and_cold(path, tmp_path, prompt, edited)
     # Two blocks from disk, the second's recurrent state taken inside the prompt's one step.
     assert warm.report.restore_source == "disk"
     assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]

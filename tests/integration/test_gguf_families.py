@@ -65,15 +65,21 @@ def test_qwen35_greedy_tokens_equal_stock_mlx_lm(qwen3_5):
     assert answers[0] == answers[1]
 
 
-def test_qwen35_q8_0_converts_close_to_the_source(tmp_path):
-    src = make_tiny_model("qwen3_5", tmp_path / "src")
-    gguf_file = make_tiny_gguf("qwen3_5", tmp_path / "q8.gguf", source=src, quant="Q8_0")
+def assert_q8_0_converts_close(family: str, tmp_path) -> None:
+    """A tiny `family` written as a Q8_0 GGUF converts back within Q8_0's rounding."""
+    src = make_tiny_model(family, tmp_path / "src")
+    gguf_file = make_tiny_gguf(family, tmp_path / "q8.gguf", source=src, quant="Q8_0")
     out = convert(gguf_file, output_dir=tmp_path / "out", dtype="float32", show_bar=False)
     before = mx.load(str(src / "model.safetensors"))
     after = mx.load(str(out / "model.safetensors"))
+    assert set(after) == set(before)
     for name, w in before.items():
         w = np.array(w)
         assert np.abs(np.array(after[name]) - w).max() <= 0.01 * np.abs(w).max() + 1e-6, name
+
+
+def test_qwen35_q8_0_converts_close_to_the_source(tmp_path):
+    assert_q8_0_converts_close("qwen3_5", tmp_path)
 
 
 def test_qwen35_without_its_linear_attention_sizes_is_one_line(qwen3_5, tmp_path):
@@ -97,6 +103,18 @@ def test_qwen35_without_its_linear_attention_sizes_is_one_line(qwen3_5, tmp_path
     assert "\n" not in str(e.value)
 
 
+def llama_greedy(llama_cpp, gguf_file, *, n_ctx: int, extra: list[int], n: int = 12):
+    """The prompt's ids (PROMPT, then `extra`) and llama.cpp's `n` greedy tokens after it."""
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=n_ctx, n_threads=1, verbose=False)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True) + extra
+    llm.eval(ids)
+    theirs = []
+    for _ in range(n):
+        theirs.append(llm.sample(temp=0.0))
+        llm.eval([theirs[-1]])
+    return ids, theirs
+
+
 def greedy_mlx(directory, ids: list[int], n: int) -> list[int]:
     model, _ = load(str(directory))
     steps = generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(0.0))
@@ -106,13 +124,7 @@ def greedy_mlx(directory, ids: list[int], n: int) -> list[int]:
 def test_llama_cpp_runs_the_written_qwen35_gguf_to_our_greedy_tokens(qwen3_5):
     llama_cpp = pytest.importorskip("llama_cpp")
     _, gguf_file, out = qwen3_5
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, n_threads=1, verbose=False)
-    ids = llm.tokenize(PROMPT.encode(), add_bos=True)
-    llm.eval(ids)
-    theirs = []
-    for _ in range(12):
-        theirs.append(llm.sample(temp=0.0))
-        llm.eval([theirs[-1]])
+    ids, theirs = llama_greedy(llama_cpp, gguf_file, n_ctx=256, extra=[])
     assert theirs == greedy_mlx(out, ids, 12)
 
 
@@ -185,25 +197,13 @@ def test_gemma4_greedy_tokens_equal_stock_mlx_lm(gemma4):
 def test_llama_cpp_runs_the_written_gemma4_gguf_to_our_greedy_tokens(gemma4):
     llama_cpp = pytest.importorskip("llama_cpp")
     _, gguf_file, out = gemma4
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=512, n_threads=1, verbose=False)
-    ids = llm.tokenize(PROMPT.encode(), add_bos=True) + [5 + (i * 7) % 400 for i in range(150)]
-    llm.eval(ids)
-    theirs = []
-    for _ in range(12):
-        theirs.append(llm.sample(temp=0.0))
-        llm.eval([theirs[-1]])
+    extra = [5 + (i * 7) % 400 for i in range(150)]  # past the 64-token window
+    ids, theirs = llama_greedy(llama_cpp, gguf_file, n_ctx=512, extra=extra)
     assert theirs == greedy_mlx(out, ids, 12)
 
 
 def test_a_gemma4_q8_0_gguf_converts_close_to_the_source(tmp_path):
-    src = make_tiny_model("gemma4_text", tmp_path / "src")
-    gguf_file = make_tiny_gguf("gemma4_text", tmp_path / "q8.gguf", source=src, quant="Q8_0")
-    out = convert(gguf_file, output_dir=tmp_path / "out", dtype="float32", show_bar=False)
-    before = mx.load(str(src / "model.safetensors"))
-    after = mx.load(str(out / "model.safetensors"))
-    for name, w in before.items():
-        w = np.array(w)
-        assert np.abs(np.array(after[name]) - w).max() <= 0.01 * np.abs(w).max() + 1e-6, name
+    assert_q8_0_converts_close("gemma4_text", tmp_path)
 
 
 def test_a_gemma4_moe_gguf_is_refused_in_one_line(gemma4, tmp_path):
