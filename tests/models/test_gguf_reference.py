@@ -7,8 +7,9 @@ model (`make_tiny_model`, safetensors) is written with the `gguf` package alone,
 llama.cpp's converter uses it: tensor names from `gguf.get_tensor_name_map` (built from
 ``gguf.TENSOR_NAMES`` per architecture), hyper-parameters through the writer's named
 setters (``gguf.Keys``), llama.cpp's rewrites of the weights (llama's Q/K row interleave,
-Gemma's norms stored as ``1 + w``; Qwen 3.5's linear-attention V heads tiled over the K
-heads, ``A = -exp(A_log)``, conv1d kernels squeezed), the vocabulary as ``gpt2`` tokens
+Gemma 3's norms stored as ``1 + w``; Qwen 3.5's linear-attention V heads tiled over the K
+heads, ``A = -exp(A_log)``, conv1d kernels squeezed; Gemma 4's per-layer arrays and
+``rope_freqs``), the vocabulary as ``gpt2`` tokens
 with token types from the Hugging Face tokenizer, and merges, special token ids,
 ``add_bos_token`` and the chat template from `gguf.SpecialVocab`. The imported model's
 logits are compared with the source's, loaded from its safetensors (for F16 and Q8_0
@@ -36,6 +37,7 @@ ARCHS = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "qwen3_5": gguf.MODEL_ARCH.QWEN35,
+    "gemma4_text": gguf.MODEL_ARCH.GEMMA4,
 }
 SAMPLE = "The Eiffel Tower is located in the city of Paris. 123 def add(a, b):"
 TEXTS = (SAMPLE, "  two spaces\nand a newline", "<|im_start|>user\nhi<|im_end|>")
@@ -152,6 +154,40 @@ def add_vocab(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
     gguf.SpecialVocab(src, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
+def add_gemma4_hparams(writer: gguf.GGUFWriter, hp: dict) -> None:
+    """Gemma 4's hyper-parameters as llama.cpp's converter writes them: per-layer MLP widths
+    (doubled in the KV-shared layers), both layer kinds' head widths and rope bases, the
+    sliding pattern as one flag a layer, and ``rope_freqs`` (the full layers' unrotated
+    frequencies given a factor of 1e30)."""
+    layers, shared = hp["num_hidden_layers"], hp["num_kv_shared_layers"]
+    width = hp["intermediate_size"]
+    double = hp["use_double_wide_mlp"]
+    writer.add_feed_forward_length(
+        [2 * width if double and i >= layers - shared else width for i in range(layers)]
+    )
+    full, local = (
+        hp["rope_parameters"]["full_attention"],
+        hp["rope_parameters"]["sliding_attention"],
+    )
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_rope_freq_base_swa(local["rope_theta"])
+    writer.add_key_length(hp["global_head_dim"])
+    writer.add_value_length(hp["global_head_dim"])
+    writer.add_key_length_swa(hp["head_dim"])
+    writer.add_value_length_swa(hp["head_dim"])
+    writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    writer.add_sliding_window(hp["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(hp["hidden_size_per_layer_input"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in hp["layer_types"]])
+    writer.add_rope_dimension_count(hp["global_head_dim"])
+    writer.add_rope_dimension_count_swa(hp["head_dim"])
+    half = hp["global_head_dim"] // 2
+    rotated = int(half * full["partial_rotary_factor"])
+    factors = np.array([1.0] * rotated + [1e30] * (half - rotated), dtype=np.float32)
+    writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+
+
 def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Path:
     arch = ARCHS[family]
     hp = json.loads((src / "config.json").read_text())
@@ -163,13 +199,16 @@ def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Pa
     writer.add_context_length(hp["max_position_embeddings"])
     writer.add_embedding_length(hp["hidden_size"])
     writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(hp["intermediate_size"])
     writer.add_head_count(hp["num_attention_heads"])
     writer.add_head_count_kv(hp["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    writer.add_rope_freq_base(hp["rope_theta"])
-    writer.add_key_length(hp["head_dim"])
-    writer.add_value_length(hp["head_dim"])
+    if arch == gguf.MODEL_ARCH.GEMMA4:
+        add_gemma4_hparams(writer, hp)
+    else:
+        writer.add_feed_forward_length(hp["intermediate_size"])
+        writer.add_rope_freq_base(hp["rope_theta"])
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
     if arch == gguf.MODEL_ARCH.LLAMA:
         writer.add_vocab_size(hp["vocab_size"])
         writer.add_rope_dimension_count(hp["head_dim"])
@@ -201,6 +240,8 @@ def write_like_llama_cpp(family: str, src: Path, path: Path, outtype: str) -> Pa
             hf_name, w = qwen35_like_llama_cpp(hf_name.removeprefix("language_model."), w, hp)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"gguf's tensor map has no name for {hf_name}"
+        if hf_name.endswith(".layer_scalar"):
+            name += ".weight"  # Gemma 4's converter names the layer scalar a weight
         if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("self_attn.q_proj.weight"):
             w = interleave_rotary_halves(w, hp["num_attention_heads"])
         elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("self_attn.k_proj.weight"):
