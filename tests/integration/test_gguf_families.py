@@ -26,9 +26,13 @@ PROMPT = "The Eiffel Tower is located in the city of"
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     """A tiny qwen3_5 source, its F32 GGUF, and that GGUF converted."""
-    base = tmp_path_factory.mktemp("qwen35")
-    src = make_tiny_model("qwen3_5", base / "src")
-    gguf_file = make_tiny_gguf("qwen3_5", base / "tiny.gguf", source=src, quant="F32")
+    return round_trip("qwen3_5", tmp_path_factory.mktemp("qwen35"))
+
+
+def round_trip(family: str, base):
+    """A tiny `family` source in `base`, its F32 GGUF, and that GGUF converted."""
+    src = make_tiny_model(family, base / "src")
+    gguf_file = make_tiny_gguf(family, base / "tiny.gguf", source=src, quant="F32")
     out = convert(gguf_file, output_dir=base / "out", dtype="float32", show_bar=False)
     return src, gguf_file, out
 
@@ -148,11 +152,7 @@ def test_a_qwen35_moe_gguf_is_refused_in_one_line(tmp_path):
 def gemma4(tmp_path_factory):
     """A tiny gemma4_text source (per-layer inputs, shared KV, double-wide MLPs), its F32
     GGUF as llama.cpp's converter writes ``gemma4``, and that GGUF converted."""
-    base = tmp_path_factory.mktemp("gemma4")
-    src = make_tiny_model("gemma4_text", base / "src")
-    gguf_file = make_tiny_gguf("gemma4_text", base / "tiny.gguf", source=src, quant="F32")
-    out = convert(gguf_file, output_dir=base / "out", dtype="float32", show_bar=False)
-    return src, gguf_file, out
+    return round_trip("gemma4_text", tmp_path_factory.mktemp("gemma4"))
 
 
 def test_gemma4_round_trip_gives_every_weight_and_size_back(gemma4):
