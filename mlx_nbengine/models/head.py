@@ -13,9 +13,9 @@ decoder stack and its final norm) and applies the *head* to the last row itself.
 logits with one, as Gemma 4 does), then checks on one token that ``head(body(x))`` equals
 ``model(x)`` exactly: a family whose output does more than that fails the check and keeps
 whole-model calls (for Gemma 4 E2B, a 1,024-token step would then compute 1,024 rows of a
-262,144-word head: about as much work as the whole decoder stack). The head over one row may differ from its row of
-the head over many in the last bits (another matmul shape), like every short tail step
-(see the README's parity table).
+262,144-word head: about as much work as the whole decoder stack). The head over one row
+may differ from its row of the head over many in the last bits (another matmul shape), like
+every short tail step (see the README's parity table).
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ Terms:
   place, at most every `interval` seconds. Whoever owns the view calls `apply` for each
   engine event and `refresh` regularly; the view itself starts no thread.
 - *answer bundle*: ``text/plain`` and ``text/html``. The model's text is shown as the model
-  wrote it: HTML-escaped inside a ``white-space: pre-wrap`` block, so line breaks stay and
-  any markup in the text (``<em>``...) shows as text, never as formatting. With
-  ``markdown=True`` (``%%llm --markdown``) the bundle is ``text/markdown`` instead, the
-  model's HTML still escaped (Markdown stays Markdown, tags never become HTML).
+  wrote it: HTML-escaped inside a ``<pre>`` (``white-space: pre-wrap``, from the
+  ``views.css`` block the HTML starts with), so line breaks stay and any markup in the text
+  (``<em>``...) shows as text, never as formatting. With ``markdown=True``
+  (``%%llm --markdown``) the bundle is ``text/markdown`` instead, the model's HTML still
+  escaped (Markdown stays Markdown, tags never become HTML).
 - *state*: ``queued`` (submitted, not admitted yet: the engine's first event says it
   was, even with nothing to restore), ``running``, ``done``,
   ``interrupted`` (cancelled; the partial text stays) or ``failed``.
@@ -32,6 +33,7 @@ from typing import Any
 
 from mlx_nbengine.engine.events import Event, Progress, TextDelta
 from mlx_nbengine.engine.results import BlockReport, Finished
+from mlx_nbengine.notebook.pictures import view_style
 from mlx_nbengine.notebook.render import (
     Bundle,
     close_fences,
@@ -53,19 +55,6 @@ __all__ = [
 
 
 # -- the answer bundle -----------------------------------------------------------------------
-
-# Inline styles (a notebook's saved HTML has no stylesheet of ours) with JupyterLab's theme
-# variables and fallbacks. The text keeps the prose font: a base model writes prose.
-_TEXT_STYLE = (
-    "white-space: pre-wrap; overflow-wrap: anywhere; margin: 0; padding: 0; border: 0; "
-    "background: none; font-family: var(--jp-content-font-family, inherit); "
-    "font-size: inherit; line-height: var(--jp-content-line-height, 1.5); color: inherit"
-)
-_TITLE_STYLE = "font-weight: bold; margin-bottom: 0.25em"
-_STATUS_STYLE = (
-    "margin-top: 0.4em; font-size: 0.85em; font-style: normal; "
-    "color: var(--jp-ui-font-color2, #757575)"
-)
 
 
 class AnswerView:
@@ -177,19 +166,16 @@ class AnswerView:
 
     def html(self) -> str:
         """The answer as HTML: the text escaped, as written; the status line muted below."""
-        parts = ['<div class="mnb-answer">']
+        parts = [view_style(), '<div class="mnb-answer">']
         if self.title:
-            parts.append(
-                f'<div class="mnb-title" style="{_TITLE_STYLE}">{html.escape(self.title)}</div>'
-            )
+            parts.append(f'<div class="mnb-title">{html.escape(self.title)}</div>')
         if self.text:
-            # <pre> keeps the line breaks even where a sanitizer drops the style.
-            parts.append(f'<pre class="mnb-text" style="{_TEXT_STYLE}">{pre_text(self.text)}</pre>')
+            # <pre> keeps the line breaks even where a sanitizer drops the style block.
+            parts.append(f'<pre class="mnb-text">{pre_text(self.text)}</pre>')
         status = self.status_line()
         if status:
             parts.append(
-                f'<div class="mnb-status" data-state="{self.state}" style="{_STATUS_STYLE}">'
-                f"{html.escape(status)}</div>"
+                f'<div class="mnb-status" data-state="{self.state}">{html.escape(status)}</div>'
             )
         parts.append("</div>")
         return "".join(parts)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_nbengine.notebook.blockinfo import thumbnail_uri
+from mlx_nbengine.notebook.pictures import view_style
 from mlx_nbengine.notebook.render import Bundle
 
 __all__ = [
@@ -21,13 +22,6 @@ __all__ = [
 
 # The thumbnails' longest side in the answer's image display.
 IMAGE_THUMB_SIDE = 96
-_FIGURES_STYLE = "display: flex; flex-wrap: wrap; gap: 8px; margin: 0 0 0.4em"
-_FIGURE_STYLE = "margin: 0; display: inline-flex; flex-direction: column; align-items: flex-start"
-_IMG_STYLE = (
-    "display: block; max-width: 96px; max-height: 96px; border-radius: 3px; "
-    "border: 1px solid var(--jp-border-color2, #d1d9e0)"
-)
-_CAPTION_STYLE = "font-size: 0.8em; margin-top: 2px; color: var(--jp-ui-font-color2, #757575)"
 
 
 def images_text(images: Sequence[Any]) -> str:
@@ -48,10 +42,10 @@ def images_bundle(images: Sequence[Any], *, max_side: int = IMAGE_THUMB_SIDE) ->
         name = html.escape(str(item.name))
         caption = f"{name} · {item.width}x{item.height}"
         figures.append(
-            f'<figure class="mnb-image" data-index="{i}" style="{_FIGURE_STYLE}">'
+            f'<figure class="mnb-image" data-index="{i}">'
             f'<img src="{thumbnail_uri(item.image, max_side=max_side)}" '
-            f'alt="image {i + 1}: {name}" title="image {i + 1}: {name}" style="{_IMG_STYLE}">'
-            f'<figcaption style="{_CAPTION_STYLE}">{caption}</figcaption></figure>'
+            f'alt="image {i + 1}: {name}" title="image {i + 1}: {name}">'
+            f"<figcaption>{caption}</figcaption></figure>"
         )
-    markup = f'<div class="mnb-images" style="{_FIGURES_STYLE}">{"".join(figures)}</div>'
+    markup = f'{view_style()}<div class="mnb-images">{"".join(figures)}</div>'
     return {"text/plain": images_text(images), "text/html": markup}

@@ -60,6 +60,8 @@ __all__ = [
     "static_dir",
     "strip_html",
     "style",
+    "stylesheet",
+    "view_style",
 ]
 
 Block = Mapping[str, Any]
@@ -84,6 +86,10 @@ DENSE_BLOCKS = 256
 # computed block; up to it, and always in the static HTML, every row shows: the edited
 # and tail rows, usually last, are the ones to see.
 TALL_ROWS = 40
+# A partly restored cell's fill steps (blocks.css has a rule for each); the most images an
+# image block's details panel makes room for.
+FILL_STEPS = 20
+MAX_PANEL_IMAGES = 6
 
 
 def static_dir() -> Path:
@@ -110,18 +116,24 @@ STATIC = static_dir()
 
 
 @cache
-def _css() -> str:
-    """The widgets' CSS for static HTML: without comments and runs of whitespace (it is
-    repeated in every output). Spaces before ``:`` stay: ``a :is(b)`` is not ``a:is(b)``."""
-    css = (STATIC / "blocks.css").read_text(encoding="utf-8")
+def stylesheet(name: str) -> str:
+    """The static folder's CSS file `name` for HTML outputs: without comments and runs of
+    whitespace (it is repeated in every output). Spaces before ``:`` stay: ``a :is(b)`` is
+    not ``a:is(b)``."""
+    css = (STATIC / name).read_text(encoding="utf-8")
     css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
     css = re.sub(r"\s+", " ", css)
     return re.sub(r"\s*([{};,>])\s*", r"\1", css).strip()
 
 
 def style() -> str:
-    """The ``<style>`` block that static HTML starts with."""
-    return f"<style>{_css()}</style>"
+    """The ``<style>`` block that static HTML starts with (the widgets' CSS)."""
+    return f"<style>{stylesheet('blocks.css')}</style>"
+
+
+def view_style() -> str:
+    """The ``<style>`` block the plain displays start with (answers, images, tables)."""
+    return f"<style>{stylesheet('views.css')}</style>"
 
 
 def escape(value: Any) -> str:
@@ -287,8 +299,14 @@ def display_counts(blocks: Iterable[Block], n_blocks: int) -> Counter[str]:
 def _fill(block: Block) -> str:
     """A partly restored block's restored share: a fill from the bottom of its cell."""
     restored, computed = token_split(block)
+    return f'<span class="mnb-fill" data-share="{fill_twentieths(restored, computed)}"></span>'
+
+
+def fill_twentieths(restored: int, computed: int) -> int:
+    """A partly restored block's restored share in twentieths (1-19: never empty or full,
+    so a part still looks partial): ``data-share``, which the CSS turns into a height."""
     share = restored / max(1, restored + computed)
-    return f'<span class="mnb-fill" style="--mnb-share: {share:.3f}"></span>'
+    return min(FILL_STEPS - 1, max(1, round(share * FILL_STEPS)))
 
 
 def _swatch(block: Block, part: str | None) -> str:
@@ -383,8 +401,7 @@ def _cell(i: int, block: Block | None, edit: Block | None, before: Block | None,
 def _cells(n: int, known: Mapping[int, Block], edit: Block | None, images: Images) -> str:
     dense = " mnb-dense" if n > DENSE_BLOCKS else ""
     cells = "".join(_cell(i, known.get(i), edit, known.get(i - 1), images) for i in range(n))
-    # The inline style keeps the cells in rows where a sanitizer drops the <style> block.
-    return f'<div class="mnb-cells{dense}" style="display: flex; flex-wrap: wrap">{cells}</div>'
+    return f'<div class="mnb-cells{dense}">{cells}</div>'
 
 
 def _sizes(n: int, block_size: int, prompt_tokens: int) -> str:
@@ -614,7 +631,8 @@ def _details(block: Block | None, before: Block | None, edit, layer_kinds, image
     terms = "".join(f"<dt>{escape(t)}</dt><dd>{escape(v)}</dd>" for t, v in items)
     ids = image_ids(block)
     # An image block's thumbnails sit on the panel's right: room for them.
-    room = f' data-image="{" ".join(map(str, ids))}" style="--mnb-images: {len(ids)}"'
+    shown = min(len(ids), MAX_PANEL_IMAGES)
+    room = f' data-image="{" ".join(map(str, ids))}" data-images="{shown}"'
     thumbs = "".join(_thumb(i, images) for i in ids)
     if thumbs:
         thumbs = f'<div class="mnb-details-images">{thumbs}</div>'

@@ -193,8 +193,8 @@ def rows_html(rows: list[dict], *, url: str, snippet: str, stopped: bool = False
             inner = row["strip"]
             if row.get("map"):
                 inner = (
-                    '<details class="mnb-agent-blocks"><summary title="click for its block map" '
-                    f'style="cursor: pointer; list-style: none">{row["strip"]}</summary>'
+                    '<details class="mnb-agent-blocks"><summary title="click for its block map">'
+                    f"{row['strip']}</summary>"
                     f"{row['map']}</details>"
                 )
             body.append(

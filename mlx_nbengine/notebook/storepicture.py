@@ -39,12 +39,13 @@ LEFT, BOTTOM, TOP, RIGHT = 44, 34, 8, 10
 # The request axis labels every request up to ALL_TICKS of them, else about AXIS_TICKS.
 ALL_TICKS = 12
 AXIS_TICKS = 6
-# Series of the chart: (history key, label, colour variable, SVG dash pattern). The dash
-# patterns tell the lines apart without colour; the legend draws the same ones.
+# Series of the chart: (history key, label, SVG dash pattern); blocks.css colours each by
+# its key (``data-series``). The dash patterns tell the lines apart without colour; the
+# legend draws the same ones.
 SERIES = (
-    ("restored", "restored", "--mnb-disk", ""),
-    ("computed", "computed", "--mnb-computed", "7 3"),
-    ("evicted", "evicted", "--mnb-evicted", "2 2"),
+    ("restored", "restored", ""),
+    ("computed", "computed", "7 3"),
+    ("evicted", "evicted", "2 2"),
 )
 
 
@@ -160,7 +161,7 @@ def _bands(plot: _Plot, points: Sequence[Mapping[str, Any]]) -> str:
 def _series(plot: _Plot, points: Sequence[Mapping[str, Any]]) -> str:
     """One step line per series: each band draws its point's total across its width."""
     out = []
-    for key, label, colour, dash in SERIES:
+    for key, label, dash in SERIES:
         coords = []
         for i, p in enumerate(points):
             v = _svg_number(plot.y(int(p.get(key) or 0)))
@@ -169,7 +170,7 @@ def _series(plot: _Plot, points: Sequence[Mapping[str, Any]]) -> str:
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         out.append(
             f'<polyline class="mnb-series" data-series="{key}" fill="none" '
-            f'style="stroke: var({colour})" stroke-width="2"{dashes} points="{" ".join(coords)}">'
+            f'stroke-width="2"{dashes} points="{" ".join(coords)}">'
             f"<title>{label}: {last:,} blocks</title></polyline>"
         )
     return "".join(out)
@@ -203,12 +204,12 @@ def _chart(history: Sequence[Mapping[str, Any]]) -> str:
 def _chart_legend() -> str:
     # Each key draws a piece of its series' line: the same colour and dash pattern.
     items = []
-    for key, label, colour, dash in SERIES:
+    for key, label, dash in SERIES:
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         items.append(
             f'<span class="mnb-key" data-series="{key}"><svg class="mnb-line" '
             f'viewBox="0 0 20 4" aria-hidden="true"><line x1="0" y1="2" x2="20" y2="2" '
-            f'style="stroke: var({colour})" stroke-width="2"{dashes}/></svg>{label}</span>'
+            f'stroke-width="2"{dashes}/></svg>{label}</span>'
         )
     return f'<div class="mnb-legend">{"".join(items)}</div>'
 
@@ -225,6 +226,11 @@ def _figures(view: Mapping[str, Any]) -> str:
     return f'<div class="mnb-figures">{"".join(figures)}</div>'
 
 
+def _bar_width(share: float) -> int:
+    """The held share of the budget bar's 1,000 units; a store holding anything shows."""
+    return 0 if share <= 0 else max(4, round(share * 1000))
+
+
 def _budget_bar(view: Mapping[str, Any]) -> str:
     held, budget = int(view.get("bytes_held") or 0), int(view.get("budget_bytes") or 0)
     if not budget:
@@ -232,7 +238,9 @@ def _budget_bar(view: Mapping[str, Any]) -> str:
     share = min(1.0, held / budget)
     return (
         f'<div class="mnb-bar" data-share="{share:.4f}" title="bytes held: {_bytes(held)} of '
-        f'{_bytes(budget)}"><span class="mnb-bar-fill" style="width: {share * 100:.1f}%"></span>'
+        f'{_bytes(budget)}"><svg class="mnb-bar-fill" viewBox="0 0 1000 1" '
+        f'preserveAspectRatio="none" aria-hidden="true"><rect width="{_bar_width(share)}" '
+        'height="1"/></svg>'
         f'</div><div class="mnb-bar-label">{_bytes(held)} held of {_bytes(budget)} budget '
         f"({share * 100:.1f} %)</div>"
     )

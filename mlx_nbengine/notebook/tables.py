@@ -12,6 +12,7 @@ import html
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mlx_nbengine.notebook.pictures import view_style
 from mlx_nbengine.notebook.render import Bundle
 from mlx_nbengine.notebook.words import format_bytes
 from mlx_nbengine.notebook.words import plural as _plural
@@ -31,15 +32,10 @@ def key_value_bundle(title: str, rows: Iterable[tuple[str, Any]]) -> Bundle:
     rows = [(str(k), str(v)) for k, v in rows]
     width = max((len(k) for k, _ in rows), default=0)
     plain = "\n".join([title, *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
-    cells = "".join(
-        f'<tr><th style="text-align: left; padding-right: 1.5em; font-weight: normal; '
-        f'color: var(--jp-ui-font-color2, #757575)">{html.escape(k)}</th>'
-        f'<td style="text-align: left">{html.escape(v)}</td></tr>'
-        for k, v in rows
-    )
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     table = f'<table class="mnb-table"><tbody>{cells}</tbody></table>' if rows else ""
-    heading = f'<div style="font-weight: bold">{html.escape(title)}</div>'
-    markup = f'<div class="mnb-kv">{heading}{table}</div>'
+    heading = f'<div class="mnb-kv-title">{html.escape(title)}</div>'
+    markup = f'{view_style()}<div class="mnb-kv">{heading}{table}</div>'
     return {"text/plain": plain, "text/html": markup}
 
 
@@ -86,7 +82,6 @@ def cache_rows(view: Mapping[str, Any]) -> list[tuple[str, str]]:
 # -- the local models ----------------------------------------------------------------------------
 
 MODEL_COLUMNS = ("name", "source", "kind", "size", "converted")
-_MUTED_STYLE = "color: var(--jp-ui-font-color2, #757575)"
 
 
 def model_rows(models: Iterable[Any]) -> list[tuple[str, str, str, str, str]]:
@@ -134,8 +129,8 @@ def models_bundle(models: Iterable[Any], *, looked_in: str) -> Bundle:
     size = MODEL_COLUMNS.index("size")
 
     def cell(tag: str, i: int, text: str) -> str:
-        align = "right" if i == size else "left"
-        return f'<{tag} style="text-align: {align}">{html.escape(text)}</{tag}>'
+        align = ' data-align="right"' if i == size else ""
+        return f"<{tag}{align}>{html.escape(text)}</{tag}>"
 
     head = "".join(cell("th", i, name) for i, name in enumerate(MODEL_COLUMNS))
     body = "".join(
@@ -143,5 +138,6 @@ def models_bundle(models: Iterable[Any], *, looked_in: str) -> Bundle:
         for row in rows
     )
     table = f'<table class="mnb-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-    note = f'<div class="mnb-note" style="{_MUTED_STYLE}">{html.escape(looked_in)}</div>'
-    return {"text/plain": plain, "text/html": f'<div class="mnb-models">{table}{note}</div>'}
+    note = f'<div class="mnb-note">{html.escape(looked_in)}</div>'
+    markup = f'{view_style()}<div class="mnb-models">{table}{note}</div>'
+    return {"text/plain": plain, "text/html": markup}

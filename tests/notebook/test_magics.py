@@ -1061,7 +1061,9 @@ def test_answer_html_puts_the_summary_line_in_its_own_muted_line_below_the_text(
     status = html.index('<div class="mnb-status"')
     assert text_end < status
     assert "end of text after 1 token</div>" in html[status:]
-    assert "color: var(--jp-ui-font-color2" in html[status:]
+    # Muted by the stylesheet the answer starts with.
+    sheet = html[: html.index("</style>")]
+    assert re.search(r"\.mnb-status\{[^}]*color: var\(--jp-ui-font-color2", sheet)
 
 
 def test_markdown_option_renders_markdown_with_the_models_html_escaped():
@@ -1353,7 +1355,7 @@ def test_thumbnails_are_shown_above_the_answer(ip, notebook, tmp_path):
     assert "Hello, world" in final["text/plain"] and "end of text" in final["text/plain"]
     assert images["text/plain"] == "[image 1: cat.png, 640x480]\n[image 2: pic, 20x10]"
     markup = images["text/html"]
-    assert markup.startswith('<div class="mnb-images"')
+    assert markup.split("</style>", 1)[1].startswith('<div class="mnb-images"')
     figures = re.findall(r'<figure class="mnb-image" data-index="(\d+)"', markup)
     assert figures == ["0", "1"]
     captions = re.findall(r"<figcaption[^>]*>(.*?)</figcaption>", markup)
