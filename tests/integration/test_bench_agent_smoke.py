@@ -86,6 +86,15 @@ def test_smoke_run_writes_its_json(tiny_model_dir, tmp_path):
     resumed = shapes["c"]["ours/completions"]
     assert resumed["after"][0]["cached_tokens"] > 0, "nothing restored after the restart"
     assert data["targets"]["later_turns_within_1_5x_of_new_tokens"]["runs"]
+    # Every later turn of ours has its floor: its new tokens computed after its context.
+    floors = data["floors_with_context"]
+    for shape in ("a", "b"):
+        for route in ("completions", "responses", "chat"):
+            for row in shapes[shape][f"ours/{route}"]["turns"][1:]:
+                floor = floors[row["floor_key"]]
+                assert floor["new_tokens"] == row["new_tokens"] and floor["ttft_s"] > 0
+                assert floor["context_tokens"] + floor["new_tokens"] == row["prompt_tokens"]
+                assert row["vs_floor"] > 0
     assert data["cpu_lscpu"]["model_name"] and data["threads"] >= 1
 
     from bench import llama_tools
