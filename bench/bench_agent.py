@@ -51,11 +51,12 @@ llama-server: ``timings.cache_n`` where its usage has none); each shape's whole 
 earlier turn's prompt plus answer (our tokenizer, text as rendered): what an ideal prefix
 cache computes. Their *floor*: the time our engine's model takes to compute only those
 tokens, after the tokens before them are already in its cache: the model called in process
-(a child of this run, the same threads) on the turn's own token ids, its context prefilled
-untimed, then the new tokens' steps and the first token timed (the best of two from the same
-cache), with no server, rendering, store or restore in it; measured after the shapes. Also
-reported, as before: a cold prompt of that many tokens on our server (fresh text, nothing
-cached), which leaves out the new tokens' attention over their context.
+(a child of this run, the same threads), a context of as many tokens as the server's prompt
+held before them (its own count, tools included) prefilled untimed, then the new tokens'
+steps and the first token timed (the best of two from the same cache), with no server,
+rendering, store or restore in it; measured after the shapes (``--refloor JSON`` measures
+them again for a written result). Also reported: a cold prompt of that many tokens on our
+server (fresh text, nothing cached), which leaves out their attention over the context.
 
 **Targets** (issue 34), each reported met or not: ours at least as fast as the best peer on
 every shape (whole trace; shape c: the resumed first turn); three agents at least 2x faster
@@ -87,6 +88,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -636,8 +638,6 @@ class Config:
     warm_up_tokens: int = 256
     llama_flags: dict[str, bool] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)  # every tool output and question, digested
-    # a later turn's prompt ids and the tokens it shares with earlier turns, by floor_key
-    floor_inputs: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
 
 def warm_up(server: Server, cfg: Config, route: str) -> None:
@@ -675,8 +675,6 @@ def run_turn(
     row = {"agent": agent.index, "turn": agent.turn, "rewrote_history": rewrote}
     row |= {k: v for k, v in out.items() if k != "text"}
     row["new_tokens"] = len(prompt_ids) + 1 - reusable  # + BOS
-    row["floor_key"] = floor_key(prompt_ids, reusable)
-    cfg.floor_inputs.setdefault(row["floor_key"], (prompt_ids, reusable))
     row["answer"] = out["text"][:80]
     return row
 
@@ -798,20 +796,22 @@ def shape_c(cfg: Config, kind: str, route: str, before: int, after: int) -> dict
     return out
 
 
-def floor_key(prompt_ids: list[int], reusable: int) -> str:
-    """A later turn's key among the floors with context: its ids and what it shares."""
-    return hashlib.sha256(json.dumps([reusable, prompt_ids]).encode()).hexdigest()[:16]
+def floor_shape(row: dict) -> tuple[int, int]:
+    """A later turn's floor: (context, new) tokens. The context is what the server's prompt
+    holds before the turn's new tokens (its own count: with the tools a route renders)."""
+    new = row["new_tokens"]
+    return max(0, row["prompt_tokens"] - new), new
 
 
-def context_floors(cfg: Config, keys: list[str]) -> dict[str, dict]:
-    """The floor with context of each turn in `keys` (see the module's docstring), measured
-    in a child process (``--floors IN OUT``) after every server has stopped."""
-    todo = [k for k in dict.fromkeys(keys) if k in cfg.floor_inputs]
-    if not todo:
+def context_floors(cfg: Config, rows: list[dict]) -> dict[str, dict]:
+    """The floor with context of each turn in `rows` (see the module's docstring), keyed
+    ``"context+new"``, measured in a child process (``--floors IN OUT``) after every server
+    has stopped."""
+    shapes = sorted({floor_shape(r) for r in rows})
+    if not shapes:
         return {}
     path_in, path_out = cfg.tmp / "floors-in.json", cfg.tmp / "floors-out.json"
-    turns = [[k, *cfg.floor_inputs[k]] for k in todo]
-    job = {"model": cfg.model, "threads": cfg.threads, "turns": turns}
+    job = {"model": cfg.model, "threads": cfg.threads, "turns": shapes}
     path_in.write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "bench.bench_agent", "--floors", str(path_in), str(path_out)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdin=subprocess.DEVNULL)
@@ -819,15 +819,15 @@ def context_floors(cfg: Config, keys: list[str]) -> dict[str, dict]:
 
 
 FLOOR_STEP = 1024  # the engine's largest prefill step
-FLOOR_STATES = 4  # caches kept to continue from: a conversation's next turn extends its last
+FLOOR_STATES = 4  # caches kept to continue from
 
 
 def measure_floors(path_in: Path, path_out: Path) -> None:
-    """``--floors IN OUT``: for each turn of IN, the seconds our engine's model (as `load`
-    gives it, our kernels on) takes to compute the turn's new tokens and its first token on a
-    cache that already holds the tokens before them; the best of two tries from the same
-    cache. The context is prefilled untimed, continuing a cache of an earlier turn where it
-    extends one (a conversation's turns do, rewrites included: they cut the last answer)."""
+    """``--floors IN OUT``: for each (context, new) of IN, the seconds our engine's model
+    (as `load` gives it, our kernels on) takes to compute `new` tokens and the first token
+    on a cache that already holds `context` tokens; the best of two tries from the same
+    cache. The work does not depend on the tokens, so every context is a prefix of one
+    fixed text, each prefilled untimed from the longest cache of a shorter one."""
     from mlx_nbengine._blas import ensure_fast_blas
 
     ensure_fast_blas()  # before MLX is imported
@@ -838,38 +838,63 @@ def measure_floors(path_in: Path, path_out: Path) -> None:
     job = json.loads(path_in.read_text())
     set_blas_threads(job["threads"])
     lm = load(job["model"])
-    bos = lm.tokenizer.bos_token_id
-    states: list[tuple[list[int], list]] = []  # (tokens in the cache, its snapshot)
-    warm = job["turns"][0][1][: 2 * FLOOR_STEP]
-    prefill(lm, warm, step=FLOOR_STEP)  # the first calls build MLX's compiled functions
+    longest = max(c + n for c, n in job["turns"])
+    rng = random.Random("floors")
+    ids: list[int] = [] if lm.tokenizer.bos_token_id is None else [lm.tokenizer.bos_token_id]
+    while len(ids) < longest + 1:
+        words = " ".join(rng.choice(FILLER) for _ in range(2000))
+        ids += lm.tokenizer.encode(words, add_special_tokens=False)
+    prefill(lm, ids[: 2 * FLOOR_STEP], step=FLOOR_STEP)  # MLX builds its compiled functions
+    states: list[tuple[int, list]] = []  # (tokens in the cache, its snapshot)
     out: dict[str, dict] = {}
-    for i, (key, prompt_ids, reusable) in enumerate(job["turns"]):
-        ids = ([bos] if bos is not None else []) + prompt_ids
-        # The last shared token is computed again (the bench's new_tokens counts it).
-        n_context = reusable if bos is not None else max(reusable - 1, 0)
-        context, new = ids[:n_context], ids[n_context:]
-        base = max(
-            (s for s in states if len(s[0]) <= len(context) and context[: len(s[0])] == s[0]),
-            key=lambda s: len(s[0]),
-            default=None,
+    for i, (context, new) in enumerate(sorted(job["turns"])):
+        done, saved = max(
+            ((c, s) for c, s in states if c <= context),
+            key=lambda cs: cs[0],
+            default=(0, None),
         )
-        cache = restore(base[1]) if base else lm.make_cache()
-        done = len(base[0]) if base else 0
-        if done < len(context):
-            cache, _ = prefill(lm, context[done:], step=FLOOR_STEP, cache=cache)
+        cache = restore(saved) if saved is not None else lm.make_cache()
+        if done < context:
+            cache, _ = prefill(lm, ids[done:context], step=FLOOR_STEP, cache=cache)
         saved = snapshot(cache)
-        tries = []
-        for _ in range(2):
-            cache, seconds = prefill(lm, new, step=FLOOR_STEP, cache=restore(saved))
-            tries.append(seconds)
-        states = [*states, (ids, snapshot(cache))][-FLOOR_STATES:]
-        out[key] = {"ttft_s": min(tries), "context_tokens": len(context), "new_tokens": len(new)}
+        states = [*states, (context, saved)][-FLOOR_STATES:]
+        tries = [
+            prefill(lm, ids[context : context + new], step=FLOOR_STEP, cache=restore(saved))[1]
+            for _ in range(2)
+        ]
+        shape = {"context_tokens": context, "new_tokens": new}
+        out[f"{context}+{new}"] = {"ttft_s": min(tries), **shape}
         print(
-            f"  floor {i + 1}/{len(job['turns'])}: {len(new)} new tokens after "
-            f"{len(context)}: {min(tries):.2f} s",
+            f"  floor {i + 1}/{len(job['turns'])}: {new} new tokens after {context}: "
+            f"{min(tries):.2f} s",
             flush=True,
         )
     path_out.write_text(json.dumps(out))
+
+
+def later_turns(shapes: dict) -> list[dict]:
+    """Every turn after the first of our runs of shapes a and b."""
+    return [
+        row
+        for shape in ("a", "b")
+        for name, run_ in shapes.get(shape, {}).items()
+        if name.startswith("ours")
+        for row in run_["turns"][1:]
+    ]
+
+
+def refloor(path: Path, threads: int | None) -> int:
+    """``--refloor JSON``: the floors with context of a written result measured again (on
+    this machine, now; the model and threads as recorded), and its targets and table."""
+    result = json.loads(path.read_text())
+    model = result.get("model_arg") or "default"
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        cfg = SimpleNamespace(model=model, threads=threads or result["threads"], tmp=Path(tmp))
+        result["floors_with_context"] = context_floors(cfg, later_turns(result["shapes"]))
+    floors = {int(k): v for k, v in result["floors"].items()}
+    result["targets"] = targets(result, floors, result["floors_with_context"])
+    write_results("agent", result, table(result), json_path=path)
+    return 0
 
 
 def floor_times(cfg: Config, counts: list[int]) -> dict[int, dict]:
@@ -952,7 +977,7 @@ def targets(result: dict, floors: dict[int, dict], with_context: dict[str, dict]
                 continue
             ratios, cold = [], []
             for row in run["turns"][1:]:
-                floor = with_context.get(row.get("floor_key"))
+                floor = with_context.get("{}+{}".format(*floor_shape(row)))
                 if floor:
                     ratios.append(row["ttft_s"] / floor["ttft_s"])
                     row["vs_floor"] = ratios[-1]
@@ -1161,10 +1186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--persist", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--floors", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--refloor",
+        type=Path,
+        default=None,
+        help="measure the floors with context of a written result JSON again, and its targets",
+    )
     args = ap.parse_args(argv)
     if args.floors:
         measure_floors(*args.floors)
         return 0
+    if args.refloor:
+        return refloor(args.refloor, args.threads)
     if args.serve:
         serve_ours(args.serve, args.block_size or 256, args.persist)
         return 0
@@ -1298,21 +1331,18 @@ def run(args: argparse.Namespace, sizes: dict, tmp: Path) -> int:
     ]
     print("floors: cold prompts of each turn's new tokens", flush=True)
     floors = floor_times(cfg, counts) if counts else {}
-    keys = [
-        row["floor_key"]
-        for shape in ("a", "b")
-        for name, run_ in shapes.get(shape, {}).items()
-        if name.startswith("ours")
-        for row in run_["turns"][1:]
-    ]
-    print("floors with context: each later turn's new tokens after its context", flush=True)
-    with_context = context_floors(cfg, keys)
+    print(
+        "floors with context: each later turn's new tokens after its context",
+        flush=True,
+    )
+    with_context = context_floors(cfg, later_turns(shapes))
     first_prompt = next(
         (r["turns"][0]["prompt_tokens"] for r in shapes.get("a", {}).values() if r["turns"]), None
     )
     digest = hashlib.sha256("\n".join(sorted(set(cfg.texts))).encode()).hexdigest()[:16]
     result = {
         "model": model if args.model else "default (Gemma 3 270M)",
+        "model_arg": model,
         "cpu_lscpu": cpu_lscpu(),
         "threads": threads,
         "load_avg_start": load_start,

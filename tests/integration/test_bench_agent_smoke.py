@@ -91,7 +91,7 @@ def test_smoke_run_writes_its_json(tiny_model_dir, tmp_path):
     for shape in ("a", "b"):
         for route in ("completions", "responses", "chat"):
             for row in shapes[shape][f"ours/{route}"]["turns"][1:]:
-                floor = floors[row["floor_key"]]
+                floor = floors[f"{row['prompt_tokens'] - row['new_tokens']}+{row['new_tokens']}"]
                 assert floor["new_tokens"] == row["new_tokens"] and floor["ttft_s"] > 0
                 assert floor["context_tokens"] + floor["new_tokens"] == row["prompt_tokens"]
                 assert row["vs_floor"] > 0
