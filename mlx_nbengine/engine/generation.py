@@ -35,6 +35,8 @@ from mlx_nbengine.engine.sequence import Sequence
 
 # An idle loop woken by a request waits this long for the rest of a burst before admitting.
 ADMIT_GRACE_S = 0.005
+# An idle engine gives its memory back (`Runner.idle`) after this long without work.
+GIVE_BACK_AFTER_S = 0.25
 
 
 class GenerationThread:
@@ -244,10 +246,9 @@ class GenerationThread:
             try:
                 wait = scheduler.wait_s()
                 if wait is None:
-                    scheduler.runner.idle()
-                if self._receive(timeout=wait) and wait is None and not self._stopping:
-                    time.sleep(ADMIT_GRACE_S)  # woke from idle: let a burst arrive
-                    self._receive(timeout=0)
+                    self._wait_idle()
+                else:
+                    self._receive(timeout=wait)
                 if self._stopping:
                     break
                 scheduler.tick()
@@ -256,6 +257,18 @@ class GenerationThread:
                 # flight rather than let the loop die and every later request hang.
                 scheduler.fail_in_flight(exc)
             self.active, self.queued = scheduler.active, scheduler.queued
+
+    def _wait_idle(self) -> None:
+        """Nothing to run: wait for work, giving memory back once none came for
+        `GIVE_BACK_AFTER_S` (back-to-back requests keep MLX's buffers: the next one does
+        not fault them in again)."""
+        submitted = self._receive(timeout=GIVE_BACK_AFTER_S)
+        if not submitted and not self._stopping and self.scheduler.wait_s() is None:
+            self.scheduler.runner.idle()
+            submitted = self._receive(timeout=None)
+        if submitted and not self._stopping:
+            time.sleep(ADMIT_GRACE_S)  # woke from idle: let a burst arrive
+            self._receive(timeout=0)
 
     def _receive(self, *, timeout: float | None) -> bool:
         """Handle what is in the inbox, first waiting up to `timeout` s (None: for ever)
