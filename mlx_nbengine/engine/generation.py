@@ -75,6 +75,8 @@ class GenerationThread:
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._stopping = False
+        self._idle_since: float | None = None  # when the loop last found nothing to run
+        self._given_back = False  # memory given back since then
         self.stuck = False  # see `fail_everything`
         self.active = 0
         self.queued = 0
@@ -248,6 +250,7 @@ class GenerationThread:
                 if wait is None:
                     self._wait_idle()
                 else:
+                    self._idle_since = None
                     self._receive(timeout=wait)
                 if self._stopping:
                     break
@@ -259,14 +262,17 @@ class GenerationThread:
             self.active, self.queued = scheduler.active, scheduler.queued
 
     def _wait_idle(self) -> None:
-        """Nothing to run: wait for work, giving memory back once none came for
-        `GIVE_BACK_AFTER_S` (back-to-back requests keep MLX's buffers: the next one does
-        not fault them in again)."""
-        submitted = self._receive(timeout=GIVE_BACK_AFTER_S)
-        if not submitted and not self._stopping and self.scheduler.wait_s() is None:
+        """Nothing to run: wait for a message (then the loop ticks and counts again), giving
+        memory back once the loop has been idle for `GIVE_BACK_AFTER_S` (back-to-back
+        requests keep MLX's buffers: the next one does not fault them in again)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since, self._given_back = now, False
+        timeout = None if self._given_back else self._idle_since + GIVE_BACK_AFTER_S - now
+        if timeout is not None and timeout <= 0:
             self.scheduler.runner.idle()
-            submitted = self._receive(timeout=None)
-        if submitted and not self._stopping:
+            self._given_back, timeout = True, None
+        if self._receive(timeout=timeout) and not self._stopping:
             time.sleep(ADMIT_GRACE_S)  # woke from idle: let a burst arrive
             self._receive(timeout=0)
 
