@@ -196,11 +196,9 @@ class Scheduler:
         # unless the runner takes the states inside a step: `taps_states`); others take
         # bigger steps unless sequences are decoding, which a long step would stall, or
         # someone watches the blocks arrive (`live_blocks`).
-        one_block = (
-            len(self.decoder) > 0
-            or seq.live_blocks
-            or (checkpoints is not None and checkpoints.recurrent and not self.runner.taps_states)
-        )
+        recurrent = checkpoints is not None and checkpoints.recurrent
+        boundaries = recurrent and not self.runner.taps_states  # a step ends at each one
+        one_block = len(self.decoder) > 0 or seq.live_blocks or boundaries
         return next_step(
             seq,
             block_size=self.block_size,
@@ -208,6 +206,7 @@ class Scheduler:
             bidirectional=self.runner.bidirectional,
             image_ends=checkpoints is not None and checkpoints.image_ends,
             alone=not len(self.decoder) and self.admitting == [seq],
+            across=not boundaries and not seq.live_blocks,
         )
 
     def _prefill_step(self, seq: Sequence) -> None:

@@ -1,9 +1,13 @@
 """Prefill step planning: where a sequence's next model call ends, and which final steps
 share one call. Pure functions of a sequence's prompt and cache length.
 
-A *step* is ``(start, end)``: the prompt tokens one model call feeds. Steps end on block
-boundaries (`cache.prefill_steps`), so a checkpoint exists at every boundary; a restore
-that ended inside a block first reaches the next boundary. A sequence's *final step*
+A *step* is ``(start, end)``: the prompt tokens one model call feeds. A checkpoint exists
+at every boundary: where a model's records can all be taken after a step that crossed the
+boundary (`across`: no recurrent state, or one the runner taps inside the step) a step runs
+up to `max_step` tokens from wherever the cache ends, so an agent's next turn (a restore
+that ended inside a block, then a few hundred new tokens) is one model call; otherwise steps
+end on block boundaries (`cache.prefill_steps`) and a restore that ended inside a block
+first reaches the next boundary. A sequence's *final step*
 completes its prefill: it ends before the prompt's last token, which the decode step the
 sequence joins feeds (or, alone and short, it takes that token too and samples there).
 
@@ -37,15 +41,19 @@ def next_step(
     bidirectional: bool = False,
     image_ends: bool = False,
     alone: bool = False,
+    across: bool = False,
 ) -> tuple[int, int]:
     """The tokens ``start:end`` of `seq`'s next prefill step, at most `max_step` long
     (whole blocks). `bidirectional`: an image is computed in one call (a step ending
     inside one is stretched to its end); `image_ends`: a step ends at each image's end
-    (a recurrent state exists only where a call ends); `alone`: no decode step to share.
+    (a recurrent state exists only where a call ends); `alone`: no decode step to share;
+    `across`: the step may cross block boundaries (see the module docstring).
     """
     pos, bs, n = len(seq.cache_tokens), block_size, len(seq.prompt)
     end = n - 1 if n > 1 else n  # the last prompt token is fed by a decode step
-    if pos % bs:
+    if across:
+        step_end = min(end, pos + max_step)
+    elif pos % bs:
         step_end = min(end, (pos // bs + 1) * bs)
     else:
         step_end = prefill_steps(pos, end, block_size=bs, max_step=max_step)[0][1]
