@@ -57,10 +57,9 @@ nothing (a few slow steps per thousand).
 
 *Short prefill steps* (2 to `PARALLEL_MIN_TOKENS` - 1 tokens: an edit's changed tokens)
 are matrix-matrix products like prefill, not the memory-bound products of decode: they
-take the count long prefill steps run faster on (Gemma 3 270M, 20 tokens against 2,028
-cached ones on the idle 2-core machine: 0.52 s on two threads, 0.74 s on one), without
-probing the other (a probe would cost a whole step of an edited re-run), and the decode
-preference until both counts have been timed on prefill.
+take the count long prefill steps run faster on (the README's "Speed on Linux CPU" gives
+the measured difference), without probing the other (a probe would cost a whole step of an
+edited re-run), and the decode preference until both counts have been timed on prefill.
 
 `ThreadPolicy.prefill(n_tokens)` is a prompt step's: `step` for a long one, else the count
 only (`threads_for`: no timing), as the short prefill steps above.
@@ -81,9 +80,8 @@ before they sleep, and a prefill step calls the BLAS between our kernels' work (
 products between the quantized products, norms and RoPE): the spinning thread held one of
 two cores for most of an edit's tail (37% of its samples). Unless ``OPENBLAS_THREAD_TIMEOUT``
 is set already, it is set to `THREAD_TIMEOUT` before the library loads (OpenBLAS reads it
-once, at load): about 20 us of spinning, long enough for back-to-back calls. On the 2-core
-Xeon the 20-token tail went from 100 to 76 ms and cold prefill at 2,048 tokens from 787 to
-846 tok/s.
+once, at load): about 20 us of spinning, long enough for back-to-back calls (the README's
+"Speed on Linux CPU" gives what it saved).
 
 """
 

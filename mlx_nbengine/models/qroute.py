@@ -15,11 +15,12 @@ the library's classes:
 A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bits, group
 32, 64 or 128) on the CPU device, with any number of rows where the kernel set has its GEMM
 (`kernels.gemm_available`: the vectorized sets), else at most `kernels.MAX_ROWS` (64): a
-decode step on the row kernels; an edit's tail on the integer GEMM (a product of 32 to 96
-rows ran 2-8x faster than MLX's dequantize + matmul); a long prefill step with the weights
-dequantized by our kernels a tile at a time onto the BLAS. A longer step of the portable set
-dequantizes with MLX and multiplies on the BLAS, about ten times faster on the CPU than
-``mx.quantized_matmul``; anything else (other modes, the GPU) calls the library's own method.
+decode step on the row kernels; an edit's tail on the integer GEMM (faster there than MLX's
+dequantize + matmul); a long prefill step with the weights dequantized by our kernels a tile
+at a time onto the BLAS. A longer step of the portable set dequantizes with MLX and
+multiplies on the BLAS, much faster on the CPU than ``mx.quantized_matmul`` (the README's
+"Quantized weights on the CPU" gives the figures); anything else (other modes, the GPU)
+calls the library's own method.
 Each route applies only while the library's body is the one restated (`routes.Body`); an
 MLX that changes them keeps its own and one line says so; tests/test_qkernels.py fails
 loudly on such an MLX.
@@ -216,7 +217,7 @@ def _swiglu_call(self: Any, x: mx.array) -> mx.array:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype == mx.float32 and up.dtype == mx.float32 and mx.default_device() == mx.cpu:
         # One pass of our kernel instead of MLX's compiled silu, whose sigmoid is scalar on
-        # x86: a prefill step's activation about 30x faster.
+        # x86.
         return self.down_proj(rowops.silu_mul(gate, up))
     return self.down_proj(swiglu(gate, up))
 

@@ -97,7 +97,7 @@ def blas_hint() -> str | None:
     return (
         "hint: mlx was imported before mlx_nbengine, so CPU prefill runs on a slow BLAS; "
         "restart the kernel and run `%load_ext mlx_nbengine` before importing mlx "
-        "(~30x faster prefill)"
+        f"({_blas.REFERENCE_COST})"
     )
 
 

@@ -387,7 +387,7 @@ def test_load_model_hints_at_a_restart_when_mlx_was_imported_first(ip, capsys, m
     captured = capsys.readouterr()
     [hint] = hint_lines(captured.out)
     assert "restart the kernel" in hint and "`%load_ext mlx_nbengine` before importing mlx" in hint
-    assert "30x faster" in hint
+    assert _blas.REFERENCE_COST in hint  # one figure: the measured one
     assert captured.err == ""
 
 
