@@ -1331,10 +1331,7 @@ def run(args: argparse.Namespace, sizes: dict, tmp: Path) -> int:
     ]
     print("floors: cold prompts of each turn's new tokens", flush=True)
     floors = floor_times(cfg, counts) if counts else {}
-    print(
-        "floors with context: each later turn's new tokens after its context",
-        flush=True,
-    )
+    print("floors with context: each later turn's new tokens after its context", flush=True)
     with_context = context_floors(cfg, later_turns(shapes))
     first_prompt = next(
         (r["turns"][0]["prompt_tokens"] for r in shapes.get("a", {}).values() if r["turns"]), None

@@ -44,7 +44,7 @@ def next_step(
     across: bool = False,
 ) -> tuple[int, int]:
     """The tokens ``start:end`` of `seq`'s next prefill step, at most `max_step` long
-    (whole blocks). `bidirectional`: an image is computed in one call (a step ending
+    (whole blocks unless `across`). `bidirectional`: an image is computed in one call (a step ending
     inside one is stretched to its end); `image_ends`: a step ends at each image's end
     (a recurrent state exists only where a call ends); `alone`: no decode step to share;
     `across`: the step may cross block boundaries (see the module docstring).

@@ -31,12 +31,8 @@ def test_no_module_of_the_notebook_writes_an_inline_style():
     assert not found, f"inline style attributes: {found}"
 
 
-def _rules(name: str) -> str:
-    return pictures.stylesheet(name)
-
-
 def test_blocks_css_has_a_rule_for_every_value_the_pictures_write():
-    css = _rules("blocks.css")
+    css = pictures.stylesheet("blocks.css")
     for k in range(1, pictures.FILL_STEPS):
         assert f'.mnb-fill[data-share="{k}"]{{--mnb-share: {k / pictures.FILL_STEPS:g};}}' in css
     for k in range(2, pictures.MAX_PANEL_IMAGES + 1):
@@ -58,7 +54,7 @@ def test_a_fill_is_never_drawn_empty_or_full():
 
 def _starts_with_views_css(markup: str) -> str:
     sheet = re.match(r"<style>(.*?)</style>", markup, re.S)
-    assert sheet and sheet.group(1) == _rules("views.css")
+    assert sheet and sheet.group(1) == pictures.stylesheet("views.css")
     return markup[sheet.end() :]
 
 
@@ -78,7 +74,7 @@ def test_each_plain_display_starts_with_the_views_stylesheet():
 
 
 def test_views_css_styles_what_the_displays_write():
-    css = _rules("views.css")
+    css = pictures.stylesheet("views.css")
     for selector in (
         ".mnb-answer>.mnb-text{white-space: pre-wrap",
         ".mnb-answer>.mnb-status{",
