@@ -31,7 +31,7 @@ from mlx_nbengine._blas import ensure_fast_blas
 
 TESTS = Path(__file__).resolve().parent
 # The package's folders (unit tests) and the folders whose tests carry a marker.
-UNIT_FOLDERS = ("cache", "engine", "models", "notebook", "server", "project")
+UNIT_FOLDERS = ("cache", "engine", "models", "notebook", "server", "testing", "project")
 MARKED_FOLDERS = ("integration", "browser")
 
 for _folder in (*UNIT_FOLDERS, *MARKED_FOLDERS):

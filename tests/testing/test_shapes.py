@@ -9,7 +9,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_nbengine.models import patches
-from mlx_nbengine.testing import SHAPES, _shape_config
+from mlx_nbengine.testing import SHAPES
+from mlx_nbengine.testing.shapes import shape_config
 
 # Parameters of the published models' text part (embedding tied): about 0.75B and 1.9B.
 PUBLISHED = {"qwen3_5-0.8b": 0.75e9, "qwen3_5-2b": 1.88e9}
@@ -17,7 +18,7 @@ HYBRIDS = sorted(PUBLISHED)
 
 
 def build(shape: str, *, dense: bool):
-    config = _shape_config(shape, dense=dense)
+    config = shape_config(shape, dense=dense)
     model_class, args_class = patches.model_classes(config)
     return config, model_class(args_class.from_dict(config))  # lazy: nothing is drawn
 
@@ -34,9 +35,9 @@ def test_a_hybrid_shape_builds_the_published_size(shape):
 
 @pytest.mark.parametrize("shape", HYBRIDS)
 def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
-    hybrid = _shape_config(shape, dense=False)["text_config"]
+    hybrid = shape_config(shape, dense=False)["text_config"]
     _, model = build(shape, dense=True)
-    twin = _shape_config(shape, dense=True)
+    twin = shape_config(shape, dense=True)
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
         assert twin[key] == hybrid[key], key
     assert len(model.model.layers) == 24 and model.model.layers[0].self_attn.n_heads == 8
@@ -55,7 +56,7 @@ def test_the_gemma4_shape_builds_e2b():
     assert [layer.self_attn.head_dim for layer in layers[:5]] == [256] * 4 + [512]
     assert set(SHAPES) >= {"gemma4-e2b", *HYBRIDS}
     with pytest.raises(ValueError, match="gemma4-e2b has no dense twin"):
-        _shape_config("gemma4-e2b", dense=True)
+        shape_config("gemma4-e2b", dense=True)
 
 
 def test_an_unknown_shape_is_refused_in_one_line(tmp_path):
@@ -69,11 +70,12 @@ def test_a_gguf_tokenizer_is_padded_to_the_models_vocabulary(tmp_path):
     # A real-shape model keeps the tiny tokenizer; llama.cpp wants a token per embedding row.
     import gguf
 
-    from mlx_nbengine.testing import _add_gguf_tokenizer, make_tiny_tokenizer
+    from mlx_nbengine.testing import make_tiny_tokenizer
+    from mlx_nbengine.testing.gguf import add_tokenizer
 
     source = make_tiny_tokenizer(tmp_path / "tok")
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen35")
-    _add_gguf_tokenizer(writer, source, vocab_size=600)
+    add_tokenizer(writer, source, vocab_size=600)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -88,13 +90,15 @@ def test_a_gguf_tokenizer_is_padded_to_the_models_vocabulary(tmp_path):
 def test_a_gguf_written_in_blocks_of_rows_is_the_same_file(tmp_path, monkeypatch):
     # make_shaped_gguf converts and quantizes a large matrix a block of rows at a time (E2B's
     # per-layer table is 9.4 GB as float32): the same bytes as one conversion of the whole.
-    import mlx_nbengine.testing as testing
+    from mlx_nbengine import testing
+    from mlx_nbengine.testing import gguf as tiny_gguf
+    from mlx_nbengine.testing import shapes
 
     source = testing.make_tiny_quantized_model(
         "gemma4_text", tmp_path / "q8", bits=8, group_size=32
     )
     whole = testing.make_shaped_gguf(source, tmp_path / "whole.gguf").read_bytes()
-    monkeypatch.setattr(testing, "_CHUNKED_VALUES", 1000)
-    monkeypatch.setattr(testing._Rows.__init__, "__defaults__", (7,))  # 7 rows a block
+    monkeypatch.setattr(shapes, "_CHUNKED_VALUES", 1000)
+    monkeypatch.setattr(tiny_gguf.Rows.__init__, "__defaults__", (7,))  # 7 rows a block
     blocks = testing.make_shaped_gguf(source, tmp_path / "blocks.gguf").read_bytes()
     assert blocks == whole
