@@ -5,8 +5,9 @@ matrix-vector product; decode is bound by the bytes of weights read per token, s
 4-bit weights should decode two to four times faster than float32. These kernels compute
 ``x @ dequantize(w, scales, biases).T`` for 1 to `MAX_ROWS` rows of ``x`` (a decode step)
 straight from the packed weights, as an MLX primitive on the CPU device; the vectorized
-sets take more rows too (a prefill step: an integer GEMM, or past 96 rows the weights
-dequantized a tile at a time onto the BLAS).
+sets take more rows too (a prefill step: an integer GEMM, and past 96 rows, a *long step*,
+either int8 x multiplied by the weights or the weights dequantized a tile at a time onto the
+BLAS: `long_products`).
 
 `attention` is scaled-dot-product attention (``mx.fast.scaled_dot_product_attention``'s
 function, plus sliding windows and soft-capping): its two products on the BLAS, the softmax
@@ -23,6 +24,15 @@ on Linux), ``avx512``, ``avx2`` or ``portable`` (force a set, falling down where
 lacks it), ``off`` (MLX's own kernels). The module is compiled at first use (`build`);
 where it cannot be built or does not compute right, everything runs on MLX's kernels as
 before and one line on stderr says why (one line for both kinds of kernel).
+
+*Long steps*, ``MLX_NBENGINE_LONG_PRODUCTS``: ``auto`` (the default, now ``blas``), ``blas``
+or ``int8``: x rounded to int8 per row and group, on every set (AVX-512 VNNI's vpdpbusd, the
+int16 tiles on int8 values, or plain C++ on the portable set, all the same bits). int8 runs a
+long step's products 1.6-2.2x faster than the BLAS where the CPU has VNNI
+(`gemm_int8_fast`), but costs the default model about 1.5 points of top-1 agreement with
+float32 (tests/integration/test_default_q8.py), under the 8-bit decode path's; so it is
+asked for, not chosen, until it holds that path's accuracy. The model's variant names the
+choice (`models.qroute.variant`).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ __all__ = [
     "GROUP_SIZES",
     "MAX_ROWS",
     "MODE_ENV",
+    "LONG_PRODUCTS_ENV",
     "KernelStatus",
     "attention",
     "attention_isa",
@@ -52,6 +63,8 @@ __all__ = [
     "build_identity",
     "gated_mlp",
     "gemm_available",
+    "gemm_int8_fast",
+    "long_products",
     "qkv_step",
     "quantized_matmul",
     "status",
@@ -61,6 +74,8 @@ __all__ = [
 
 MODE_ENV = "MLX_NBENGINE_KERNELS"
 MODES = ("auto", "avx512", "avx2", "portable", "off")
+LONG_PRODUCTS_ENV = "MLX_NBENGINE_LONG_PRODUCTS"
+LONG_PRODUCTS = ("auto", "int8", "blas")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # Rows of x the portable set takes (a decode step, a short prefill step in blocks of 8). The
@@ -181,6 +196,34 @@ def gemm_available(isa: str | None = None) -> bool:
     return bool(_module.gemm_available(isa or _status.isa))
 
 
+def gemm_int8_fast(isa: str | None = None) -> bool:
+    """Whether set `isa` (default: the one `status` chose) multiplies int8 at VNNI's rate on
+    this CPU, where a long step's int8 product beats the BLAS."""
+    if not status().active:
+        return False
+    return bool(_module.gemm_int8_fast(isa or _status.isa))
+
+
+_refused_long: set[str] = set()
+
+
+def long_products() -> str:
+    """How a long step's products run: ``"int8"`` or ``"blas"``, as `LONG_PRODUCTS_ENV` asks
+    (``auto``: blas, see the module docstring); another value is ``auto``, and one stderr
+    line says so."""
+    asked = os.environ.get(LONG_PRODUCTS_ENV, "").strip().lower() or "auto"
+    if asked not in LONG_PRODUCTS:
+        if asked not in _refused_long:
+            _refused_long.add(asked)
+            print(
+                f"mlx_nbengine: {LONG_PRODUCTS_ENV}={asked!r} is not one of "
+                f"{', '.join(LONG_PRODUCTS)}; using auto",
+                file=sys.stderr,
+            )
+        asked = "auto"
+    return "blas" if asked == "auto" else asked
+
+
 def supports(*, bits: int, group_size: int, mode: str = "affine") -> bool:
     """Whether weights quantized this way can use the kernels (on a CPU where they are active)."""
     return mode == "affine" and bits in BITS and group_size in GROUP_SIZES
@@ -196,13 +239,15 @@ def quantized_matmul(
     bits: int,
     isa: str | None = None,
     threads: int | None = None,
+    long_products: str = "blas",
 ) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` on our kernels, for 1 to `MAX_ROWS` rows of x,
-    or any number where `gemm_available` (a prefill step).
+    or any number where `gemm_available` or `long_products` is ``"int8"`` (a prefill step).
 
     Like ``mx.quantized_matmul(..., transpose=True)`` with MLX's affine mode. `isa` forces a
     kernel set (default: the one `status` chose); `threads` defaults to the engine's BLAS
-    thread count for the step. Raises RuntimeError where the kernels are not active.
+    thread count for the step; `long_products` (``"blas"`` or ``"int8"``) says how a step of
+    more than 96 rows multiplies. Raises RuntimeError where the kernels are not active.
     """
     if _module is None and not status().active:
         raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
@@ -215,6 +260,7 @@ def quantized_matmul(
         bits,
         isa or _status.isa,
         threads or _blas.current_threads(),
+        long_products,
     )
 
 

@@ -16,11 +16,12 @@ A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bit
 32, 64 or 128) on the CPU device, with any number of rows where the kernel set has its GEMM
 (`kernels.gemm_available`: the vectorized sets), else at most `kernels.MAX_ROWS` (64): a
 decode step on the row kernels; an edit's tail on the integer GEMM (faster there than MLX's
-dequantize + matmul); a long prefill step with the weights dequantized by our kernels a tile
-at a time onto the BLAS. A longer step of the portable set dequantizes with MLX and
-multiplies on the BLAS, much faster on the CPU than ``mx.quantized_matmul`` (the README's
-"Quantized weights on the CPU" gives the figures); anything else (other modes, the GPU)
-calls the library's own method.
+dequantize + matmul); a long prefill step (more than 96 rows) as `kernels.long_products`
+says: the weights dequantized by our kernels a tile at a time onto the BLAS, or int8 x times
+the weights (the output head excepted). A longer step of the portable set dequantizes with
+MLX and multiplies on the BLAS, much faster on the CPU than ``mx.quantized_matmul`` (the
+README's "Quantized weights on the CPU" gives the figures), unless int8 is forced; anything
+else (other modes, the GPU) calls the library's own method.
 Each route applies only while the library's body is the one restated (`routes.Body`); an
 MLX that changes them keeps its own and one line says so; tests/test_qkernels.py fails
 loudly on such an MLX.
@@ -114,9 +115,11 @@ def product_arrays(layer: Any) -> tuple[mx.array, mx.array, mx.array]:
     return layer["weight"], layer["scales"], layer["biases"]
 
 
-def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
+def routed_matmul(layer: Any, x: mx.array, *, head: bool = False) -> mx.array | None:
     """``x @ W.T`` of a quantized layer on our kernels or dequantized on the BLAS; None where
-    the layer's own method should run (see the module docstring)."""
+    the layer's own method should run (see the module docstring). The output `head` keeps
+    the BLAS for long steps: its logits are what is sampled, and a prefill step runs it on
+    one row a sequence, where int8 would gain nothing."""
     if (
         layer.mode != "affine"
         or "biases" not in layer
@@ -125,10 +128,17 @@ def routed_matmul(layer: Any, x: mx.array) -> mx.array | None:
     ):
         return None
     rows = x.size // x.shape[-1] if x.ndim else 0
-    if 1 <= rows <= kernels.MAX_ROWS or (rows > kernels.MAX_ROWS and kernels.gemm_available()):
+    long_products = "blas" if head else kernels.long_products()
+    if 1 <= rows <= kernels.MAX_ROWS or (
+        rows > kernels.MAX_ROWS and (kernels.gemm_available() or long_products == "int8")
+    ):
         note_kernel_products()  # the decode steps' threads are ours, not OpenBLAS's
         return kernels.quantized_matmul(
-            x, *product_arrays(layer), group_size=layer.group_size, bits=layer.bits
+            x,
+            *product_arrays(layer),
+            group_size=layer.group_size,
+            bits=layer.bits,
+            long_products=long_products,
         )
     w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     dense = mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits)
@@ -175,7 +185,7 @@ def _linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 
 def _embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
-    y = routed_matmul(self, x)
+    y = routed_matmul(self, x, head=True)
     if y is None:
         return nn.QuantizedEmbedding.as_linear(self, x)
     return y
@@ -276,11 +286,12 @@ def route(model: Any, routing: Routing) -> bool:
 
 def variant() -> str | None:
     """What the fingerprint records for a model whose quantized layers are routed (the kernel
-    set, as the sets differ in the last bits, and the digest of `VARIANT_SOURCES`); None where
-    the kernels are not active."""
+    set, as the sets differ in the last bits, how long steps multiply, and the digest of
+    `VARIANT_SOURCES`); None where the kernels are not active."""
     if not kernels.status().active:
         return None
-    return f"qmv-{kernels.status().isa}-{digest.of_files(VARIANT_SOURCES)}"
+    long_products = kernels.long_products()
+    return f"qmv-{kernels.status().isa}-{long_products}-{digest.of_files(VARIANT_SOURCES)}"
 
 
 def has_quantized_layers(model: Any) -> bool:

@@ -104,6 +104,7 @@ def test_the_quantized_route_names_its_digest(tmp_path):
     from mlx_nbengine.testing import make_tiny_quantized_model
 
     lm = load(make_tiny_quantized_model("llama", tmp_path / "q4"))
-    qmv = f"qmv-{kernels.status().isa}-{digest.of_files(qroute.VARIANT_SOURCES)}"
+    long = kernels.long_products()
+    qmv = f"qmv-{kernels.status().isa}-{long}-{digest.of_files(qroute.VARIANT_SOURCES)}"
     assert qroute.variant() == qmv
     assert lm.variant.split("+")[0] == qmv

@@ -66,9 +66,14 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          int group_size,
          int bits,
          const std::string& isa,
-         int threads) {
+         int threads,
+         const std::string& long_products) {
+        if (long_products != "blas" && long_products != "int8") {
+          throw std::invalid_argument("long_products must be 'blas' or 'int8'");
+        }
         return mnb::quantized_matvec(
-            x, w, scales, biases, group_size, bits, parse_isa(isa), threads);
+            x, w, scales, biases, group_size, bits, parse_isa(isa), threads,
+            long_products == "int8" ? mnb::LongProducts::int8 : mnb::LongProducts::blas);
       },
       "x"_a,
       "w"_a,
@@ -77,7 +82,8 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "group_size"_a,
       "bits"_a,
       "isa"_a,
-      "threads"_a);
+      "threads"_a,
+      "long_products"_a = "blas");
   m.def(
       "gated_mlp",
       [](const mnb::mx::array& x,
@@ -200,6 +206,7 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "The kernel set that runs for `isa` on this CPU (a lesser one where it lacks `isa`).");
   m.def("max_rows", [] { return mnb::kMaxRows; });
   m.def("gemm_available", [](const std::string& isa) { return mnb::qgemm_available(mnb::usable(parse_isa(isa))); }, "isa"_a);
+  m.def("gemm_int8_fast", [](const std::string& isa) { return mnb::qgemm_int8_fast(mnb::usable(parse_isa(isa))); }, "isa"_a);
   m.def(
       "attention",
       [](const mnb::mx::array& q,

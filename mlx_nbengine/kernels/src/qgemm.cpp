@@ -23,54 +23,65 @@ GemmSet set_for(Isa isa) {
   return s;
 }
 
-// x rounded to int16 per row and group as QActivations rounds it, in blocks of `lanes`
-// rows: pairs [block][pair][lane], xscale and xsum [block][group][lane]; rows past M zero.
+// x rounded per row and group as QActivations rounds it (`int8`: as round_group8 does),
+// in blocks of `lanes` rows, `per_word` (2 or 4) consecutive k a word: words
+// [block][word][lane], xscale and xsum [block][group][lane]; rows past M zero.
 struct PackedX {
-  std::vector<int32_t> pairs;
+  std::vector<int32_t> words;
   std::vector<float> scale, sum;
-  void pack(const QJob& job, int lanes, int threads) {
-    const int M = job.M, K = job.K, group = job.group, G = K / group, P = K / 2;
+  void pack(const QJob& job, int lanes, int per_word, bool int8, int threads) {
+    const int M = job.M, K = job.K, group = job.group, G = K / group, W = K / per_word;
     const int blocks = (M + lanes - 1) / lanes;
-    pairs.assign(size_t(blocks) * P * lanes, 0);
+    words.assign(size_t(blocks) * W * lanes, 0);
     scale.assign(size_t(blocks) * G * lanes, 0.0f);
     sum.assign(size_t(blocks) * G * lanes, 0.0f);
     workers().run(threads, M, std::max(1, M / (threads * 4)), [&](int m0, int m1) {
-      pack_rows(job, lanes, m0, m1);
+      pack_rows(job, lanes, per_word, int8, m0, m1);
     });
   }
-  void pack_rows(const QJob& job, int lanes, int m0, int m1) {
-    const int K = job.K, group = job.group, G = K / group, P = K / 2;
+  void pack_rows(const QJob& job, int lanes, int per_word, bool int8, int m0, int m1) {
+    const int K = job.K, group = job.group, G = K / group, W = K / per_word;
+    const int bits = 32 / per_word;
+    const uint32_t mask = per_word == 2 ? 0xFFFFu : 0xFFu;
     std::vector<int16_t> q(static_cast<size_t>(group));
     for (int m = m0; m < m1; ++m) {
       const int b = m / lanes, l = m % lanes;
       for (int g = 0; g < G; ++g) {
         const float* x = job.x + int64_t(m) * K + int64_t(g) * group;
         const size_t at = (size_t(b) * G + g) * lanes + l;
-        round_group(x, group, q.data(), scale[at], sum[at]);
-        int32_t* dst = pairs.data() + (size_t(b) * P + int64_t(g) * group / 2) * lanes + l;
-        for (int p = 0; p < group / 2; ++p) {
-          dst[int64_t(p) * lanes] =
-              int32_t(uint32_t(uint16_t(q[2 * p])) | uint32_t(uint16_t(q[2 * p + 1])) << 16);
+        if (int8) {
+          round_group8(x, group, q.data(), scale[at], sum[at]);
+        } else {
+          round_group(x, group, q.data(), scale[at], sum[at]);
+        }
+        int32_t* dst = words.data() + (size_t(b) * W + int64_t(g) * group / per_word) * lanes + l;
+        for (int p = 0; p < group / per_word; ++p) {
+          uint32_t word = 0;
+          for (int i = 0; i < per_word; ++i) {
+            word |= (uint32_t(uint16_t(q[per_word * p + i])) & mask) << (bits * i);
+          }
+          dst[int64_t(p) * lanes] = int32_t(word);
         }
       }
     }
   }
 };
 
-// Bytes of x's pairs one chunk of row blocks holds: the chunk stays in a core's L2 cache
+// Bytes of x's words one chunk of row blocks holds: the chunk stays in a core's L2 cache
 // while every tile of output columns passes over it.
 constexpr int64_t kChunkBytes = 256 << 10;
-// Past this many rows the BLAS's float32 product of W dequantized beats the integer tiles
-// (measured on Zen 4, 2 threads: at 128 rows and more the BLAS ran 1.0-1.5x the tiles, at 32
-// to 96 the tiles ran 2-8x MLX's dequantize + matmul); the float copy is made this many
-// bytes at a time.
-constexpr int kBlasRows = 96;
+// kBlasRows (qgemm.h): past it the BLAS's float32 product of W dequantized beats the int16
+// tiles (see the README); the float copy is made this many bytes at a time.
 constexpr int64_t kBlasTileBytes = 8 << 20;
 
 } // namespace
 
 bool qgemm_available(Isa isa) {
   return set_for(isa).tile != nullptr;
+}
+
+bool qgemm_int8_fast(Isa isa) {
+  return set_for(isa).tile8 != nullptr;
 }
 
 namespace {
@@ -96,53 +107,60 @@ void dequantized_product(const QJob& job, const GemmSet& set, int threads) {
 
 } // namespace
 
-void qgemm(const QJob& job, Isa isa, int threads) {
-  const GemmSet set = set_for(isa);
-  if (job.M > kBlasRows) {
-    dequantized_product(job, set, threads);
-    return;
-  }
+namespace {
+
+// The tiles (`tile`, `half`, `widen`) over x packed `per_word` k a word, rounded to int8 or
+// int16 values.
+struct Tiles {
+  void (*tile)(const GemmArgs&);
+  void (*half)(const GemmArgs&);
+  void (*widen)(const QJob&, int, int32_t*, float*, float*);
+  int per_word;
+  bool int8;
+};
+
+void tiled_product(const QJob& job, const GemmSet& set, const Tiles& tiles, int threads) {
   const int L = set.lanes, NR = set.nr;
-  const int M = job.M, K = job.K, N = job.N, G = K / job.group, P = K / 2;
+  const int M = job.M, K = job.K, N = job.N, G = K / job.group, W = K / tiles.per_word;
   if (int64_t(M) * N * K < (int64_t(1) << 22)) {
     threads = 1;
   }
   PackedX x;
-  x.pack(job, L, threads);
+  x.pack(job, L, tiles.per_word, tiles.int8, threads);
   const int blocks = (M + L - 1) / L;
-  const int per_chunk = int(std::max<int64_t>(1, kChunkBytes / (int64_t(L) * P * 4)));
+  const int per_chunk = int(std::max<int64_t>(1, kChunkBytes / (int64_t(L) * W * 4)));
   const int chunks = (blocks + per_chunk - 1) / per_chunk;
-  const int tiles = (N + NR - 1) / NR;
-  // Work item t: row chunk t / tiles against column tile t % tiles; the threads take items
-  // in order, so they share a chunk while it is in cache.
-  workers().run(threads, chunks * tiles, 1, [&](int t0, int t1) {
+  const int column_tiles = (N + NR - 1) / NR;
+  // Work item t: row chunk t / column_tiles against column tile t % column_tiles; the
+  // threads take items in order, so they share a chunk while it is in cache.
+  workers().run(threads, chunks * column_tiles, 1, [&](int t0, int t1) {
     thread_local std::vector<int32_t> wt;
     thread_local std::vector<float> st, bt, res;
-    wt.resize(size_t(NR) * gemm_wstride(P));
+    wt.resize(size_t(NR) * gemm_wstride(W));
     st.resize(size_t(NR) * G);
     bt.resize(size_t(NR) * G);
     res.resize(size_t(NR) * L);
     for (int t = t0; t < t1; ++t) {
-      const int c = t / tiles, n0 = (t % tiles) * NR;
-      set.widen(job, n0, wt.data(), st.data(), bt.data());
+      const int c = t / column_tiles, n0 = (t % column_tiles) * NR;
+      tiles.widen(job, n0, wt.data(), st.data(), bt.data());
       const int ncols = std::min(NR, N - n0);
       for (int b = c * per_chunk; b < std::min(blocks, (c + 1) * per_chunk); ++b) {
         GemmArgs a{
-            x.pairs.data() + size_t(b) * P * L,
+            x.words.data() + size_t(b) * W * L,
             x.scale.data() + size_t(b) * G * L,
             x.sum.data() + size_t(b) * G * L,
             wt.data(),
             st.data(),
             bt.data(),
-            P,
+            W,
             G,
-            job.group / 2,
-            gemm_wstride(P),
+            job.group / tiles.per_word,
+            gemm_wstride(W),
             res.data()};
         const int rows = std::min(L, M - b * L);
         // A last block of few rows (an edit's tail of 20 is 16 + 4) on half the lanes: the
         // same operations lane by lane, so the same bits.
-        (rows <= L / 2 && set.tile_half != nullptr ? set.tile_half : set.tile)(a);
+        (rows <= L / 2 && tiles.half != nullptr ? tiles.half : tiles.tile)(a);
         for (int l = 0; l < rows; ++l) {
           float* dst = job.out + int64_t(b * L + l) * N + n0;
           for (int j = 0; j < ncols; ++j) {
@@ -152,6 +170,71 @@ void qgemm(const QJob& job, Isa isa, int threads) {
       }
     }
   });
+}
+
+// The int8 product in plain C++ (the portable set): x rounded as the tiles round it, and the
+// same float operations in the same order, so the same bits.
+void int8_portable(const QJob& job, int threads) {
+  const int M = job.M, K = job.K, N = job.N, group = job.group, G = K / group;
+  std::vector<int16_t> xq(size_t(M) * K);
+  std::vector<float> xs(size_t(M) * G), xm(size_t(M) * G);
+  for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t at = int64_t(m) * K + int64_t(g) * group;
+      round_group8(job.x + at, group, xq.data() + at, xs[size_t(m) * G + g],
+                   xm[size_t(m) * G + g]);
+    }
+  }
+  const int64_t row_bytes = int64_t(K) * job.bits / 8;
+  workers().run(threads, N, std::max(1, N / (threads * 4)), [&](int n0, int n1) {
+    std::vector<float> s(static_cast<size_t>(G)), b(static_cast<size_t>(G));
+    std::vector<int32_t> codes(static_cast<size_t>(K));
+    for (int n = n0; n < n1; ++n) {
+      const uint8_t* row = job.w + n * row_bytes;
+      for (int k = 0; k < K; ++k) {
+        codes[k] = job.bits == 8 ? row[k] : (row[k / 2] >> (4 * (k % 2))) & 15;
+      }
+      widen_row(job, n, s.data(), b.data());
+      for (int m = 0; m < M; ++m) {
+        const int16_t* x = xq.data() + int64_t(m) * K;
+        float facc = 0.0f, bacc = 0.0f;
+        for (int g = 0; g < G; ++g) {
+          int32_t dot = 0;
+          for (int k = g * group; k < (g + 1) * group; ++k) {
+            dot += codes[k] * x[k];
+          }
+          const float scale = s[g] * xs[size_t(m) * G + g];
+          facc = std::fma(float(dot), scale, facc);
+        }
+        for (int g = 0; g < G; ++g) {
+          bacc = std::fma(b[g], xm[size_t(m) * G + g], bacc);
+        }
+        job.out[int64_t(m) * N + n] = facc + bacc;
+      }
+    }
+  });
+}
+
+} // namespace
+
+void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
+  const GemmSet set = set_for(isa);
+  const bool long_step = job.M > kBlasRows || set.tile == nullptr;
+  if (long_step && long_products == LongProducts::int8) {
+    if (set.tile8 != nullptr) {
+      tiled_product(job, set, Tiles{set.tile8, set.tile8_half, set.widen8, 4, true}, threads);
+    } else if (set.tile != nullptr) {
+      tiled_product(job, set, Tiles{set.tile, set.tile_half, set.widen, 2, true}, threads);
+    } else {
+      int8_portable(job, threads);
+    }
+    return;
+  }
+  if (long_step) {
+    dequantized_product(job, set, threads);
+    return;
+  }
+  tiled_product(job, set, Tiles{set.tile, set.tile_half, set.widen, 2, false}, threads);
 }
 
 } // namespace mnb

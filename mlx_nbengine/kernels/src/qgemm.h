@@ -1,17 +1,25 @@
 // Quantized products of many rows (a prefill step, an edit's tail): x (M x K, M > kBlockRows)
 // times the transpose of an MLX affine-quantized W (N x K), as a small integer GEMM.
 //
-// x is rounded to int16 per row and group exactly as the row kernels round it (QActivations:
-// x ~ xq * xscale), and laid out so that one vector holds a pair of consecutive k of `lanes`
-// rows; each tile of NR output columns has its weights widened once to int16 pairs. A
-// tile's inner step broadcasts one weight pair per output column and multiply-adds it
-// against the rows' pairs (vpmaddwd, or vpdpwssd where the CPU has AVX-512 VNNI) into
-// int32 sums, exact over a group; per group the sums become float:
+// x is rounded per row and group exactly as the row kernels round it (QActivations:
+// x ~ xq * xscale), to int16, or to int8 for a long step's int8 product (`LongProducts`), and
+// laid out so that one vector holds a *word* of consecutive k of `lanes` rows: a pair of int16
+// (or of int8 values held as int16), or with VNNI's int8 dot a quad of int8. Each tile of NR
+// output columns has its weights widened once to words of the same shape. A tile's inner step
+// broadcasts one weight word per output column and multiply-adds it against the rows' words
+// (vpmaddwd, vpdpwssd where the CPU has AVX-512 VNNI, or vpdpbusd for quads) into int32 sums,
+// exact over a group; per group the sums become float:
 //   out[m, n] = sum_g s[n, g] xscale[m, g] dot_g(m, n)  +  sum_g b[n, g] xsum[m, g]
 // each sum in group order. A row's result is the same bits whatever rows share its product
 // (a cold prefill and a restored edit's tail compute the same rows alike), and the same
-// under AVX2 and AVX-512 (with or without VNNI): integer sums are exact, and the float
-// operations are the same in the same order.
+// under AVX2 and AVX-512 (with or without VNNI) and, for the int8 product, the portable set:
+// integer sums are exact, and the float operations are the same in the same order.
+//
+// A long step (more than kBlasRows rows) multiplies either int8 x by the weights (`int8`:
+// four k a multiply-add where the CPU has VNNI) or float32 x by the weights dequantized a tile
+// at a time on the BLAS (`blas`); the int8 product's x carries 2^-8 of its group's largest
+// value where int16's carries 2^-16 (tests/integration/test_default_q8.py measures what that
+// costs), and the model's variant names which product ran.
 
 #pragma once
 
@@ -19,22 +27,35 @@
 
 namespace mnb {
 
-// Whether `isa` has a GEMM on this CPU (the vectorized sets; the portable set has none).
+enum class LongProducts : int { blas = 0, int8 = 1 };
+
+// Rows past which a step is long (see above); up to it, the int16 tiles.
+constexpr int kBlasRows = 96;
+
+// Whether `isa` has a GEMM on this CPU (the vectorized sets; the portable set has none but
+// the int8 product of a long step).
 bool qgemm_available(Isa isa);
 
+// Whether `isa` multiplies int8 quads at VNNI's rate on this CPU (vpdpbusd): where a long
+// step's int8 product is faster than the BLAS's.
+bool qgemm_int8_fast(Isa isa);
+
 // out = x @ dequantize(w).T for job's M rows (job.x float32 row-major), on up to `threads`
-// threads; call it where the product runs (the CPU stream's thread).
-void qgemm(const QJob& job, Isa isa, int threads);
+// threads; call it where the product runs (the CPU stream's thread). A long step (or, on the
+// portable set, any step) with `long_products` int8 takes the int8 product.
+void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products);
 
 // The x86 sets (qgemm_x86.cpp). `lanes` rows of x per vector, `nr` output columns a tile.
 struct GemmArgs {
-  const int32_t* xp; // one block of rows: [pairs][lanes], pair p of row l = xq[2p] | xq[2p+1] << 16
+  // One block of rows: [words][lanes]; word p of row l = xq[2p] | xq[2p+1] << 16 (int16
+  // pairs) or the bytes xq[4p .. 4p+3] (int8 quads).
+  const int32_t* xp;
   const float* xs; // [groups][lanes]: xscale
   const float* xm; // [groups][lanes]: xsum
-  const int32_t* wt; // [nr][wstride]: the tile's weights widened to int16 pairs
+  const int32_t* wt; // [nr][wstride]: the tile's weights widened to words of the same shape
   const float* st; // [nr][groups]: scales as float32
   const float* bt; // [nr][groups]: biases as float32
-  int pairs, groups, group_pairs;
+  int words, groups, group_words;
   int wstride; // ints from one column's weights to the next's (see gemm_wstride)
   float* res; // [nr][lanes]
 };
@@ -49,14 +70,20 @@ struct GemmSet {
   // (columns past N zero).
   void (*widen)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;
   // wt: [nr][gemm_wstride(K / 2)]
+  // The same three on int8 quads with vpdpbusd (wt: [nr][gemm_wstride(K / 4)], each word
+  // four weights as bytes); nullptr where the set has no VNNI (its int8 product then runs
+  // the int16 tiles on int8 values: the same sums).
+  void (*tile8)(const GemmArgs& a) = nullptr;
+  void (*tile8_half)(const GemmArgs& a) = nullptr;
+  void (*widen8)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;
   // Rows n0 .. n1 of W as float32, K a row, from dst.
   void (*dequantize)(const QJob& job, int n0, int n1, float* dst) = nullptr;
 };
 
 // The weights' row stride of a tile: one cache line more than the pairs, so that the tile's
 // columns (read together, a page apart when K is 2,048) do not fall in one L1 cache set.
-inline int gemm_wstride(int pairs) {
-  return pairs + 16;
+inline int gemm_wstride(int words) {
+  return words + 16;
 }
 
 GemmSet gemm_avx2(); // {} where this CPU lacks the set

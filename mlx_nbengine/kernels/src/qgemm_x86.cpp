@@ -1,5 +1,6 @@
 // The x86-64 GEMM tiles (qgemm.h): AVX2 (8 rows a vector, 6 output columns a tile) and
-// AVX-512 (16 rows, 12 columns), the latter with vpdpwssd where the CPU has AVX-512 VNNI.
+// AVX-512 (16 rows, 12 columns), the latter with vpdpwssd where the CPU has AVX-512 VNNI,
+// and there with vpdpbusd on int8 quads for a long step's int8 product.
 // Each function carries its own target attribute; the CPU that runs them decides.
 
 #include <algorithm>
@@ -67,6 +68,7 @@ struct V<8> {
 };
 } // namespace gemm2
 #define MNB_HALF 0
+#define MNB_PER_WORD 2
 #define MNB_TARGET __attribute__((target("avx2,fma,f16c")))
 #define MNB_NS gemm2
 #define MNB_LANES 8
@@ -147,7 +149,7 @@ MNB_V512(gemm5, MNB_T512, false)
 MNB_V512(gemm5v, MNB_T512V, true)
 #undef MNB_V512
 #undef MNB_T512
-#undef MNB_T512V
+#define MNB_T512Q MNB_T512V
 #undef MNB_HALF
 #define MNB_HALF 1
 // AVX-512, twice: with vpmaddwd + vpaddd, and with VNNI's vpdpwssd (the same exact sums).
@@ -181,6 +183,56 @@ MNB_V512(gemm5v, MNB_T512V, true)
 #include "qgemm_x86_body.h"
 #undef MNB_TARGET
 #undef MNB_NS
+#undef WIDEN8_STEP
+#undef WIDEN8
+#undef WIDEN4_STEP
+#undef WIDEN4
+#undef MNB_PER_WORD
+
+// AVX-512 VNNI's int8 product (a long step's `LongProducts::int8`): words of four int8 of x,
+// vpdpbusd multiplying the weights' bytes (unsigned: MLX's codes) by them (signed) and adding
+// four products a lane, four k a multiply-add where vpdpwssd does two.
+namespace gemm5q {
+template <int W>
+struct V;
+template <>
+struct V<16> : gemm5v::V<16> {
+  MNB_T512Q static void dot(I& acc, I a, const int32_t* w) {
+    asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(_mm512_set1_epi32(*w)));
+  }
+};
+template <>
+struct V<8> : gemm5v::V<8> {
+  MNB_T512Q static void dot(I& acc, I a, const int32_t* w) {
+    asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(_mm256_set1_epi32(*w)));
+  }
+};
+} // namespace gemm5q
+#define MNB_PER_WORD 4
+// 8-bit weights: their bytes as they are, 32 at a time.
+#define WIDEN8_STEP 32
+#define WIDEN8(src, dst)                                                                   \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),                                    \
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)))
+// 4-bit weights: 16 bytes of nibbles as 32 bytes, each byte's low nibble first.
+#define WIDEN4_STEP 16
+#define WIDEN4(src, dst)                                                                   \
+  do {                                                                                     \
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));             \
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15));                                \
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));             \
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi8(lo, hi));          \
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst) + 1, _mm_unpackhi_epi8(lo, hi));      \
+  } while (0)
+#define MNB_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define MNB_NS gemm5q
+#include "qgemm_x86_body.h"
+#undef MNB_TARGET
+#undef MNB_NS
+#undef MNB_PER_WORD
+#undef MNB_T512Q
+#undef MNB_T512V
 
 } // namespace
 
@@ -192,7 +244,15 @@ GemmSet gemm_avx512() {
   if (!cpu_has_avx512()) {
     return GemmSet{};
   }
-  return cpu_has_avx512_vnni() ? gemm5v::set() : gemm5::set();
+  if (!cpu_has_avx512_vnni()) {
+    return gemm5::set();
+  }
+  GemmSet s = gemm5v::set();
+  const GemmSet quads = gemm5q::set();
+  s.tile8 = quads.tile;
+  s.tile8_half = quads.tile_half;
+  s.widen8 = quads.widen;
+  return s;
 }
 
 } // namespace mnb

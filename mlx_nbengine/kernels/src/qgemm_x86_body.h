@@ -1,11 +1,13 @@
 // The GEMM tiles' bodies (qgemm.h), included by qgemm_x86.cpp once per set with MNB_TARGET,
-// MNB_NS, MNB_LANES, MNB_NR, MNB_HALF, WIDEN8/WIDEN4 and DEQ_LOAD defined, and V<lanes> (the
-// set's vector operations) declared in MNB_NS. No include guard.
+// MNB_NS, MNB_LANES, MNB_NR, MNB_HALF, MNB_PER_WORD (2: int16 pairs, 4: int8 quads),
+// WIDEN8/WIDEN4 and DEQ_LOAD defined, and V<lanes> (the set's vector operations, `dot` one
+// word's multiply-add) declared in MNB_NS. No include guard.
 
 namespace MNB_NS {
 
 constexpr int kLanes = MNB_LANES;
 constexpr int kNr = MNB_NR;
+constexpr int kPerWord = MNB_PER_WORD;
 
 // One block of rows against a tile of columns; W: the lanes computed (kLanes, or half of them
 // for a last block of few rows), the block's layout kLanes wide either way.
@@ -20,9 +22,9 @@ MNB_TARGET __attribute__((always_inline)) inline void tile_body(const GemmArgs& 
     for (int j = 0; j < kNr; ++j) {
       iacc[j] = V<W>::zeroi();
     }
-    const int32_t* xg = a.xp + int64_t(g) * a.group_pairs * kLanes;
-    const int32_t* wg = a.wt + int64_t(g) * a.group_pairs;
-    for (int p = 0; p < a.group_pairs; ++p) {
+    const int32_t* xg = a.xp + int64_t(g) * a.group_words * kLanes;
+    const int32_t* wg = a.wt + int64_t(g) * a.group_words;
+    for (int p = 0; p < a.group_words; ++p) {
       const VI xv = V<W>::loadi(xg + p * kLanes);
 #pragma GCC unroll 16
       for (int j = 0; j < kNr; ++j) {
@@ -63,7 +65,7 @@ MNB_TARGET void tile_half(const GemmArgs& a) {
 #endif
 
 MNB_TARGET void widen(const QJob& job, int n0, int32_t* wt, float* st, float* bt) {
-  const int K = job.K, G = K / job.group, P = K / 2, S = gemm_wstride(P);
+  const int K = job.K, G = K / job.group, P = K / kPerWord, S = gemm_wstride(P);
   const int64_t row_bytes = int64_t(K) * job.bits / 8;
   for (int j = 0; j < kNr; ++j) {
     const int n = n0 + j;
@@ -77,11 +79,11 @@ MNB_TARGET void widen(const QJob& job, int n0, int32_t* wt, float* st, float* bt
     const uint8_t* row = job.w + n * row_bytes;
     if (job.bits == 8) {
       for (int k = 0; k < K; k += WIDEN8_STEP) {
-        WIDEN8(row + k, w + k / 2);
+        WIDEN8(row + k, w + k / kPerWord);
       }
-    } else { // byte i holds elements 2i (low nibble) and 2i + 1: pair i
-      for (int i = 0; i < P; i += WIDEN4_STEP) {
-        WIDEN4(row + i, w + i);
+    } else { // byte i holds elements 2i (low nibble) and 2i + 1
+      for (int i = 0; i < K / 2; i += WIDEN4_STEP) {
+        WIDEN4(row + i, w + i * 2 / kPerWord);
       }
     }
     widen_row(job, n, st + j * G, bt + j * G);

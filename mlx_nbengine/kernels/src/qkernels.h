@@ -81,11 +81,13 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// One group of `n` values of x rounded to int16 as the vectorized sets read it (see
-// QActivations): q[i] = round(x[i] * 32767 / largest) in order, its scale (largest / 32767)
-// and its float sum. All zero: q stays 0 and the scale is 0. Not finite: q stays 0 and the
-// scale is the largest magnitude, which lets the NaN or inf through the products.
-inline void round_group(const float* x, int n, int16_t* q, float& scale, float& sum) {
+// One group of `n` values of x rounded to integers of at most `levels` (32767: int16, as the
+// vectorized sets read it, see QActivations; 127: int8, see round_group8):
+// q[i] = round(x[i] * levels / largest) in order, its scale (largest / levels) and its float
+// sum. All zero: q stays 0 and the scale is 0. Not finite: q stays 0 and the scale is the
+// largest magnitude, which lets the NaN or inf through the products.
+inline void round_group(const float* x, int n, int16_t* q, float& scale, float& sum,
+                        float levels = 32767.0f) {
   float largest = 0.0f, s = 0.0f;
   for (int i = 0; i < n; ++i) {
     largest = std::max(largest, std::fabs(x[i]));
@@ -97,11 +99,27 @@ inline void round_group(const float* x, int n, int16_t* q, float& scale, float& 
     std::fill(q, q + n, int16_t(0));
     return;
   }
-  scale = largest / 32767.0f;
-  const float to_int = 32767.0f / largest;
+  scale = largest / levels;
+  const float to_int = levels / largest;
   for (int i = 0; i < n; ++i) {
     q[i] = int16_t(std::lrint(x[i] * to_int));
   }
+}
+
+// The int8 rounding (levels 127) of one group, with the sum of the values it rounds to
+// (scale * the integers' exact sum) in place of x's: the bias term then multiplies the same
+// x as the weights' codes do, so a group's error is sum_k w_k (xq_k xscale - x_k) with w
+// centred on zero, not s q_k with q up to 255 (twice the error of int8 x, measured).
+inline void round_group8(const float* x, int n, int16_t* q, float& scale, float& sum) {
+  round_group(x, n, q, scale, sum, 127.0f);
+  if (scale == 0.0f || !std::isfinite(sum)) {
+    return;
+  }
+  int32_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    total += q[i];
+  }
+  sum = scale * float(total);
 }
 
 // Groups a row may have: each row's scales and biases are widened into a stack buffer.

@@ -109,7 +109,8 @@ mx::array quantized_matvec(
     int group_size,
     int bits,
     Isa isa,
-    int threads) {
+    int threads,
+    LongProducts long_products) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
   }
@@ -124,7 +125,8 @@ mx::array quantized_matvec(
   }
   scale_type(scales.dtype());
   const int M = int(x.size() / K);
-  if (M < 1 || (M > kMaxRows && !qgemm_available(usable(isa)))) {
+  if (M < 1 ||
+      (M > kMaxRows && !qgemm_available(usable(isa)) && long_products != LongProducts::int8)) {
     throw std::invalid_argument("quantized_matvec: x must have 1 to 64 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
@@ -132,8 +134,8 @@ mx::array quantized_matvec(
   shape.back() = N;
   std::vector<mx::array> inputs{
       x, contiguous_input(w, s), contiguous_input(scales, s), contiguous_input(biases, s)};
-  auto primitive =
-      std::make_shared<QuantizedMatVec>(s, group_size, bits, usable(isa), std::max(1, threads));
+  auto primitive = std::make_shared<QuantizedMatVec>(
+      s, group_size, bits, usable(isa), std::max(1, threads), long_products);
   if (x.dtype() == mx::float32) {
     // No reshape, copy or cast around it: eval_cpu reads x as M x K (copying only a view
     // whose rows are not contiguous), so a decode step's product is one graph node.
@@ -171,7 +173,8 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   const bool gather = !x.flags().row_contiguous;
   const Isa isa = isa_;
   const int all_threads = threads_;
-  encoder.dispatch([job, isa, threads, all_threads, gather, x]() mutable {
+  const LongProducts long_products = long_products_;
+  encoder.dispatch([job, isa, threads, all_threads, long_products, gather, x]() mutable {
     std::vector<float> dense;
     if (gather) { // a view whose rows are not contiguous: read it as M x K row-major
       std::vector<int64_t> starts;
@@ -184,8 +187,9 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       }
       job.x = dense.data();
     }
-    if (job.M > kBlockRows && qgemm_available(isa)) { // a prefill step: the integer GEMM
-      qgemm(job, isa, all_threads);
+    if ((job.M > kBlockRows && qgemm_available(isa)) ||
+        (job.M > kMaxRows && long_products == LongProducts::int8)) { // a prefill step: a GEMM
+      qgemm(job, isa, all_threads, long_products);
       return;
     }
     // Blocks of at most kBlockRows rows, each with its kernel and its int16 x.
@@ -222,7 +226,7 @@ void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatVec&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_ &&
-      threads_ == o.threads_;
+      threads_ == o.threads_ && long_products_ == o.long_products_;
 }
 
 } // namespace mnb

@@ -6,6 +6,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "qgemm.h"
 #include "qkernels.h"
 
 namespace mnb {
@@ -20,7 +21,9 @@ constexpr int kBlockRows = 8;
 constexpr int kMaxRows = 64;
 
 // x @ dequantize(w, scales, biases).T for x of any leading shape (at most kMaxRows rows in
-// all on the portable set); the result has x's dtype. `threads` splits the output columns.
+// all on the portable set, unless `long_products` is int8); the result has x's dtype.
+// `threads` splits the output columns; `long_products` says how a long step multiplies
+// (qgemm.h).
 mx::array quantized_matvec(
     const mx::array& x,
     const mx::array& w,
@@ -29,16 +32,19 @@ mx::array quantized_matvec(
     int group_size,
     int bits,
     Isa isa,
-    int threads);
+    int threads,
+    LongProducts long_products = LongProducts::blas);
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatVec(mx::Stream stream, int group_size, int bits, Isa isa, int threads)
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits, Isa isa, int threads,
+                  LongProducts long_products)
       : mx::UnaryPrimitive(stream),
         group_size_(group_size),
         bits_(bits),
         isa_(isa),
-        threads_(threads) {}
+        threads_(threads),
+        long_products_(long_products) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -53,6 +59,7 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
   int bits_;
   Isa isa_;
   int threads_;
+  LongProducts long_products_;
 };
 
 // The kernel set `isa` asks for, or the portable one where this CPU lacks it.
