@@ -4,7 +4,10 @@ binding and its own ``llama-bench``).
 One run, one model (default: the default model, Gemma 3 270M, as `load` gives it on the
 CPU: 8-bit weights on our kernels, float32 activations), every variant side by side:
 
-- *ours*: attention routed to our kernel (`mlx_nbengine.models.attnroute`);
+- *ours*: attention routed to our kernel (`mlx_nbengine.models.attnroute`), a long step's
+  products on the BLAS (what ``MLX_NBENGINE_LONG_PRODUCTS=auto`` chooses);
+- *int8*: the same with a long step's products on int8 x (``MLX_NBENGINE_LONG_PRODUCTS=int8``,
+  `kernels.long_products`); its edit tail is ours (20 rows are no long step);
 - *mlx*: the same model with MLX's own ``mx.fast.scaled_dot_product_attention``;
 - *llama.cpp*: the same GGUF through ``llama_cpp`` with the same thread count, when
   ``llama_cpp`` is importable (the ``peers`` extra); else skipped, with the reason printed;
@@ -79,19 +82,22 @@ from bench.common import (  # noqa: E402
 )
 from mlx_nbengine import kernels  # noqa: E402
 from mlx_nbengine.kernels import rowops  # noqa: E402
-from mlx_nbengine.models import attnroute, cpu_math, load  # noqa: E402
+from mlx_nbengine.models import attnroute, cpu_math, load, qroute  # noqa: E402
 from mlx_nbengine.models.head import split_head  # noqa: E402
 
 TEXT = "The river stone sat under seven green lamps by the ocean window. "
-VARIANTS = ("ours", "mlx")
+VARIANTS = ("ours", "int8", "mlx")
 
 
 _LIBRARY = contextlib.ExitStack()  # MLX's attention for the "mlx" variant
 
 
 def use(variant: str) -> None:
+    """Our kernels (`ours`: long steps' products on the BLAS, as `auto` chooses), the same with
+    int8 products (`int8`), or MLX's attention (`mlx`)."""
     _LIBRARY.close()
-    if variant != "ours":
+    os.environ[kernels.LONG_PRODUCTS_ENV] = "int8" if variant == "int8" else "blas"
+    if variant == "mlx":
         _LIBRARY.enter_context(attnroute.ATTENTION.library_functions())
 
 
@@ -214,6 +220,9 @@ def profile_step(lm, ids: list[int], *, cached: int, step: int) -> dict[str, flo
         (mx.fast, "rope", "rope"),
         (nn.Linear, "__call__", "linear"),
         (nn.QuantizedLinear, "__call__", "linear"),
+        # A routed quantized layer's class is its route's own (per instance, not the library's
+        # method): its products are the route's.
+        (qroute, "routed_matmul", "linear"),
         (nn.Embedding, "as_linear", "head"),
         (nn.QuantizedEmbedding, "as_linear", "head"),
         (cpu_math, "gelu_tanh", "gelu"),
@@ -453,11 +462,15 @@ def run(args, model: str) -> int:
     edit = ids[args.tail_context : args.tail_context + args.tail]
     saved = {}
     for v in variants:
+        if v == "int8":
+            continue
         use(v)
         saved[v] = snapshot(prefill(lm, context, step=args.step)[0])
     tail_times: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.repeats + 2):
         for v in variants:
+            if v == "int8":  # a tail is no long step: the same products as ours
+                continue
             use(v)
             tail_times[v] += tail_round(lm, edit, saved[v])
     tail = {v: statistics.median(t) for v, t in tail_times.items()}
@@ -479,7 +492,7 @@ def run(args, model: str) -> int:
         f"{'tokens':>7} "
         + " ".join(f"{v + ' tok/s':>12}" for v in variants)
         + f" {'llama.cpp':>10} {'llama-bench':>12} {'ours/mlx':>9} {'ours/llama':>11}"
-        + f" {'ours/l-bench':>13}",
+        + f" {'ours/l-bench':>13} {'int8/l-bench':>13}",
     ]
     results = {"cold": {}, "tail": {}, "profile": profiles}
     for n in args.lengths:
@@ -496,6 +509,7 @@ def run(args, model: str) -> int:
             "ours_over_mlx": ours / row["mlx"] if ours else None,
             "ours_over_llama_cpp": ours / llama if ours and llama else None,
             "ours_over_llama_bench": ours / pp if ours and pp else None,
+            "int8_over_llama_bench": row["int8"] / pp if "int8" in row and pp else None,
         }
         r = results["cold"][str(n)]
         nan = float("nan")
@@ -505,10 +519,11 @@ def run(args, model: str) -> int:
             + f" {llama or nan:>10.1f} {pp or nan:>12.1f} {r['ours_over_mlx'] or nan:>9.2f}"
             + f" {r['ours_over_llama_cpp'] or nan:>11.2f}"
             + f" {r['ours_over_llama_bench'] or nan:>13.2f}"
+            + f" {r['int8_over_llama_bench'] or nan:>13.2f}"
         )
     lines.append("")
     lines.append(f"edit tail: {args.tail} tokens after {args.tail_context} cached")
-    for v in variants:
+    for v in tail:
         results["tail"][f"{v}_s"] = tail[v]
         lines.append(f"  {v:<5} {tail[v] * 1000:>8.1f} ms")
     if "ours" in tail:
