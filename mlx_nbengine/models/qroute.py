@@ -128,7 +128,9 @@ def routed_matmul(layer: Any, x: mx.array, *, head: bool = False) -> mx.array | 
     ):
         return None
     rows = x.size // x.shape[-1] if x.ndim else 0
-    long_products = "blas" if head else kernels.long_products()
+    # Read only for a step past the row kernels' rows: a decode step's products never ask.
+    long_step = rows > kernels.MAX_ROWS and not head
+    long_products = kernels.long_products() if long_step else "blas"
     if 1 <= rows <= kernels.MAX_ROWS or (
         rows > kernels.MAX_ROWS and (kernels.gemm_available() or long_products == "int8")
     ):

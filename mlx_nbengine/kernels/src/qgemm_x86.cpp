@@ -149,7 +149,6 @@ MNB_V512(gemm5, MNB_T512, false)
 MNB_V512(gemm5v, MNB_T512V, true)
 #undef MNB_V512
 #undef MNB_T512
-#define MNB_T512Q MNB_T512V
 #undef MNB_HALF
 #define MNB_HALF 1
 // AVX-512, twice: with vpmaddwd + vpaddd, and with VNNI's vpdpwssd (the same exact sums).
@@ -197,13 +196,13 @@ template <int W>
 struct V;
 template <>
 struct V<16> : gemm5v::V<16> {
-  MNB_T512Q static void dot(I& acc, I a, const int32_t* w) {
+  MNB_T512V static void dot(I& acc, I a, const int32_t* w) {
     asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(_mm512_set1_epi32(*w)));
   }
 };
 template <>
 struct V<8> : gemm5v::V<8> {
-  MNB_T512Q static void dot(I& acc, I a, const int32_t* w) {
+  MNB_T512V static void dot(I& acc, I a, const int32_t* w) {
     asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(_mm256_set1_epi32(*w)));
   }
 };
@@ -231,7 +230,6 @@ struct V<8> : gemm5v::V<8> {
 #undef MNB_TARGET
 #undef MNB_NS
 #undef MNB_PER_WORD
-#undef MNB_T512Q
 #undef MNB_T512V
 
 } // namespace
