@@ -52,7 +52,11 @@ def int8_reference(x, q, s, b, *, bits: int, group_size: int) -> tuple[np.ndarra
     return rounded @ dense.T, np.abs(rounded) @ np.abs(dense).T
 
 
-def int8(x, q, s, b, *, bits: int, group_size: int, isa: str, threads: int = 2) -> mx.array:
+def int8(
+    x, q, s, b, *, bits: int, group_size: int, isa: str, threads: int = 2, pairs: bool = False
+) -> mx.array:
+    """The int8 product; `pairs`: on the set's int16 tiles, never its VNNI quads (the path a
+    CPU without VNNI takes)."""
     return kernels.quantized_matmul(
         x,
         q,
@@ -62,7 +66,7 @@ def int8(x, q, s, b, *, bits: int, group_size: int, isa: str, threads: int = 2) 
         bits=bits,
         isa=isa,
         threads=threads,
-        long_products="int8",
+        long_products="int8-pairs" if pairs else "int8",
     )
 
 
@@ -79,11 +83,14 @@ def test_the_int8_product_is_its_rounding_times_the_weights(isa, bits):
         q, s, b = quantized(n, k, bits=bits, group_size=group_size)
         for rows in ROWS if isa != "portable" else ROWS[:-1]:  # plain C++: the same loops
             x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3
-            got = np.array(int8(x, q, s, b, bits=bits, group_size=group_size, isa=isa))
             want, magnitudes = int8_reference(x, q, s, b, bits=bits, group_size=group_size)
-            assert got.shape == (rows, n)
             bound = 4 * k * EPS32 * magnitudes + 1e-6
-            assert (np.abs(got - want) <= bound).all(), (group_size, rows)
+            # The set's quads (VNNI) where it has them, and its int16 tiles (a few sizes).
+            for pairs in (False, True) if isa != "portable" and rows < 300 else (False,):
+                got = int8(x, q, s, b, bits=bits, group_size=group_size, isa=isa, pairs=pairs)
+                got = np.array(got)
+                assert got.shape == (rows, n)
+                assert (np.abs(got - want) <= bound).all(), (group_size, rows, pairs)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -91,8 +98,9 @@ def test_every_set_gives_the_same_bits(bits):
     q, s, b = quantized(45, 3 * 64, bits=bits, group_size=64)
     x = mx.random.normal((131, 3 * 64), key=mx.random.key(2))
     sets = [isa for isa in ISAS if kernels.usable_isa(isa) == isa]
-    results = [int8(x, q, s, b, bits=bits, group_size=64, isa=isa) for isa in sets]
-    assert all(mx.array_equal(results[0], other).item() for other in results[1:]), sets
+    paths = [(isa, pairs) for isa in sets for pairs in (False, True)]
+    results = [int8(x, q, s, b, bits=bits, group_size=64, isa=i, pairs=p) for i, p in paths]
+    assert all(mx.array_equal(results[0], other).item() for other in results[1:]), paths
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -138,12 +146,14 @@ def test_the_long_step_choice_follows_the_switch(monkeypatch, capsys):
 
 
 def test_vnni_is_what_makes_int8_fast():
+    # AVX-512 VNNI for the avx512 set, AVX-VNNI (VEX: Alder Lake, Zen 5) for the avx2 set.
     import re
 
     flags = re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.MULTILINE)
-    vnni = flags is not None and "avx512_vnni" in flags[1].split()
-    assert kernels.gemm_int8_fast("avx512") == (vnni and kernels.usable_isa("avx512") == "avx512")
-    assert not kernels.gemm_int8_fast("avx2")
+    flags = set(flags[1].split()) if flags else set()
+    for isa, flag in (("avx512", "avx512_vnni"), ("avx2", "avx_vnni")):
+        has = flag in flags and kernels.usable_isa(isa) == isa
+        assert kernels.gemm_int8_fast(isa) == has, isa
 
 
 def test_the_switch_is_read_by_a_fresh_process_and_named_in_the_fingerprint(tmp_path):

@@ -68,12 +68,14 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          const std::string& isa,
          int threads,
          const std::string& long_products) {
-        if (long_products != "blas" && long_products != "int8") {
-          throw std::invalid_argument("long_products must be 'blas' or 'int8'");
+        if (long_products != "blas" && long_products != "int8" && long_products != "int8-pairs") {
+          throw std::invalid_argument("long_products must be 'blas', 'int8' or 'int8-pairs'");
         }
         return mnb::quantized_matvec(
             x, w, scales, biases, group_size, bits, parse_isa(isa), threads,
-            long_products == "int8" ? mnb::LongProducts::int8 : mnb::LongProducts::blas);
+            long_products == "int8"         ? mnb::LongProducts::int8
+                : long_products == "int8-pairs" ? mnb::LongProducts::int8_pairs
+                                                : mnb::LongProducts::blas);
       },
       "x"_a,
       "w"_a,

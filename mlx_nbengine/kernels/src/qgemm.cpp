@@ -220,8 +220,8 @@ void int8_portable(const QJob& job, int threads) {
 void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
   const GemmSet set = set_for(isa);
   const bool long_step = job.M > kBlasRows || set.tile == nullptr;
-  if (long_step && long_products == LongProducts::int8) {
-    if (set.tile8 != nullptr) {
+  if (long_step && long_products != LongProducts::blas) {
+    if (set.tile8 != nullptr && long_products == LongProducts::int8) {
       tiled_product(job, set, Tiles{set.tile8, set.tile8_half, set.widen8, 4, true}, threads);
     } else if (set.tile != nullptr) {
       tiled_product(job, set, Tiles{set.tile, set.tile_half, set.widen, 2, true}, threads);

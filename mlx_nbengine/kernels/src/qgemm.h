@@ -27,7 +27,10 @@
 
 namespace mnb {
 
-enum class LongProducts : int { blas = 0, int8 = 1 };
+// How a long step multiplies: W dequantized onto the BLAS, or x rounded to int8 (on the set's
+// quads where it has them; `int8_pairs` on its int16 tiles whatever the CPU, the same sums:
+// the tests' switch for what a CPU without VNNI runs).
+enum class LongProducts : int { blas = 0, int8 = 1, int8_pairs = 2 };
 
 // Rows past which a step is long (see above); up to it, the int16 tiles.
 constexpr int kBlasRows = 96;

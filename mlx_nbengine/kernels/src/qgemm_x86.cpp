@@ -21,6 +21,12 @@ bool cpu_has_avx512_vnni() {
   return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
 
+// AVX-VNNI (vpdpbusd on ymm, VEX-encoded): Intel since Alder Lake, AMD since Zen 5.
+bool cpu_has_avx_vnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+}
+
 // 4 bytes of 4-bit weights as 8 int32 lanes, each byte's low nibble first.
 __attribute__((target("avx2,fma,f16c"))) inline __m256i nibbles8(const uint8_t* p) {
   uint32_t word;
@@ -89,15 +95,43 @@ struct V<8> {
 // 8 weights from element k of a row as int32 lanes (for 4-bit: 4 bytes, low nibble first).
 #define DEQ_LOAD(row, k) (job.bits == 8 ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>((row) + (k)))) : nibbles8((row) + (k) / 2))
 #include "qgemm_x86_body.h"
-#undef DEQ_LOAD
 #undef MNB_TARGET
 #undef MNB_NS
+#undef MNB_PER_WORD
+#undef WIDEN8_STEP
+#undef WIDEN8
+#undef WIDEN4_STEP
+#undef WIDEN4
+
+// AVX-VNNI's int8 product on the AVX2 set's vectors (Alder Lake and later, Zen 5): the same
+// quads as gemm5q, with the VEX-encoded vpdpbusd on 8 lanes.
+namespace gemm2q {
+template <int W>
+struct V;
+template <>
+struct V<8> : gemm2::V<8> {
+  __attribute__((target("avx2,fma,f16c,avxvnni"), always_inline)) static inline void
+  dot(I& acc, I a, const int32_t* w) {
+    asm("%{vex%} vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(_mm256_set1_epi32(*w)));
+  }
+};
+} // namespace gemm2q
+#define MNB_PER_WORD 4
+#define MNB_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define MNB_NS gemm2q
+#include "qgemm_x86_quads.h"
+#include "qgemm_x86_body.h"
+#undef MNB_TARGET
+#undef MNB_NS
+#undef MNB_PER_WORD
+#undef DEQ_LOAD
 #undef MNB_LANES
 #undef MNB_NR
 #undef WIDEN8_STEP
 #undef WIDEN8
 #undef WIDEN4_STEP
 #undef WIDEN4
+#define MNB_PER_WORD 2
 
 
 // The AVX-512 sets' vectors: 16 lanes (zmm) and 8 (ymm, AVX-512VL: 32 registers either way),
@@ -208,21 +242,7 @@ struct V<8> : gemm5v::V<8> {
 };
 } // namespace gemm5q
 #define MNB_PER_WORD 4
-// 8-bit weights: their bytes as they are, 32 at a time.
-#define WIDEN8_STEP 32
-#define WIDEN8(src, dst)                                                                   \
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),                                    \
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)))
-// 4-bit weights: 16 bytes of nibbles as 32 bytes, each byte's low nibble first.
-#define WIDEN4_STEP 16
-#define WIDEN4(src, dst)                                                                   \
-  do {                                                                                     \
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));             \
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15));                                \
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));             \
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi8(lo, hi));          \
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst) + 1, _mm_unpackhi_epi8(lo, hi));      \
-  } while (0)
+#include "qgemm_x86_quads.h"
 #define MNB_TARGET \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define MNB_NS gemm5q
@@ -235,7 +255,16 @@ struct V<8> : gemm5v::V<8> {
 } // namespace
 
 GemmSet gemm_avx2() {
-  return cpu_has_avx2() ? gemm2::set() : GemmSet{};
+  if (!cpu_has_avx2()) {
+    return GemmSet{};
+  }
+  GemmSet s = gemm2::set();
+  if (cpu_has_avx_vnni()) {
+    const GemmSet quads = gemm2q::set();
+    s.tile8 = quads.tile;
+    s.widen8 = quads.widen;
+  }
+  return s;
 }
 
 GemmSet gemm_avx512() {
