@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap, model=None)
     ap.add_argument(
-        "--shapes", default=None, help="comma-separated (qwen3_5-0.8b,qwen3_5-2b,gemma4-e2b)"
+        "--shapes",
+        default=None,
+        help="comma-separated (qwen3_5-0.8b,qwen3_5-2b,gemma4-e2b; also gemma4-e4b)",
     )
     ap.add_argument("--lengths", default=None, help="cold prefill lengths (1024,4096)")
     ap.add_argument("--decode", type=int, default=None, help="decode tokens (64)")

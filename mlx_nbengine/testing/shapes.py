@@ -65,6 +65,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_parameters": gemma4_rope(),
     },
 }
+# Gemma 4 E4B's text decoder: 42 layers of width 2,560, five sliding to one full, two KV
+# heads, the last 18 layers sharing KV, single-width MLPs of 10,240.
+SHAPES["gemma4-e4b"] = {
+    **SHAPES["gemma4-e2b"],
+    "hidden_size": 2560,
+    "num_hidden_layers": 42,
+    "intermediate_size": 10240,
+    "num_key_value_heads": 2,
+    "sliding_window_pattern": 6,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+    "num_kv_shared_layers": 18,
+    "use_double_wide_mlp": False,
+}
 
 
 def shape_config(shape: str, *, dense: bool) -> dict[str, Any]:
@@ -119,12 +132,12 @@ def make_shaped_model(
     group_size: int = 64,
     seed: int = 0,
 ) -> Path:
-    """Write a random-weight model in a published shape (`SHAPES`: ``qwen3_5-0.8b``,
-    ``qwen3_5-2b``, ``gemma4-e2b``), or a hybrid's dense twin (`dense`), MLX-quantized at
-    `bits` and `group_size`, with the tiny tokenizer (its ids lie below the vocabulary; the
-    head still computes every row). Speed does not depend on the weights' values. Weights are
-    drawn and quantized one module at a time, so a 2B model needs about its quantized size in
-    memory (E2B's per-layer input table, 9.4 GB as float32, is drawn whole)."""
+    """Write a random-weight model in a published shape (`SHAPES`: ``qwen3_5-0.8b``, ``qwen3_5-2b``,
+    ``gemma4-e2b``, ``gemma4-e4b``), or a hybrid's dense twin (`dense`), MLX-quantized at `bits` and
+    `group_size`, with the tiny tokenizer (its ids lie below the vocabulary; the head still computes
+    every row). Speed does not depend on the weights' values. Weights are drawn and quantized one
+    module at a time, so a 2B model needs about its quantized size in memory (E2B's per-layer input
+    table, 9.4 GB as float32, is drawn whole; E4B's 11.3 GB)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten

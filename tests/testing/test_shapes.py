@@ -59,6 +59,22 @@ def test_the_gemma4_shape_builds_e2b():
         shape_config("gemma4-e2b", dense=True)
 
 
+def test_the_gemma4_shape_builds_e4b():
+    # "E4B": about 4.5B effective parameters (4.64B counted here), the per-layer input table
+    # (42 layers of 256 features, 2.82B) left out; 24 layers keep KV, five sliding to one full.
+    config, model = build("gemma4-e4b", dense=False)
+    params = dict(tree_flatten(model.parameters()))
+    table = math.prod(params["model.embed_tokens_per_layer.weight"].shape)
+    effective = sum(math.prod(v.shape) for v in params.values()) - table
+    assert abs(effective - 4.5e9) / 4.5e9 < 0.05, effective
+    assert table == 262_144 * 42 * 256
+    layers = model.layers
+    assert len(layers) == 42 and len(model.make_cache()) == 24
+    assert [layer.self_attn.head_dim for layer in layers[:6]] == [256] * 5 + [512]
+    assert layers[0].self_attn.n_kv_heads == 2
+    assert layers[-1].mlp.gate_proj.weight.shape == (10240, 2560)  # not doubled when shared
+
+
 def test_an_unknown_shape_is_refused_in_one_line(tmp_path):
     from mlx_nbengine.testing import make_shaped_model
 
