@@ -8,11 +8,14 @@ llama.cpp itself.
   builds from an sdist already downloaded (CI downloads it once for the binding and the
   tools).
 - **Build**: CMake, ``-DGGML_NATIVE=ON`` (the kernels for the CPU that builds them, as
-  llama.cpp's users build it), ``-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF``, no web UI, shared
-  libraries, only the targets ``llama-bench`` and ``llama-server``, ``-j2`` (``--jobs``).
+  llama.cpp's users build it) but without AMX on x86-64 (``-mno-amx-*``: ggml's AMX kernels
+  die with SIGILL on the KVM machines we run on, which report AMX), ``-DLLAMA_CURL=OFF
+  -DLLAMA_OPENSSL=OFF``, no web UI, shared libraries, only the targets ``llama-bench`` and
+  ``llama-server``, ``-j2`` (``--jobs``).
 - **Where**: ``$MLX_NBENGINE_HOME/llama-tools/<version>-<cpu key>/`` (else
   ``~/.cache/mlx_nbengine/...``), never the repository; the CPU key is a hash of the CPU's
-  name and flags, since a native build may use instructions another CPU lacks. Its
+  name and flags (a native build may use instructions another CPU lacks) and of the CMake
+  arguments. Its
   ``build.json`` records the version, the CMake arguments, the CPU, the seconds it took
   and the build's system info (``llama_print_system_info`` of its own ``libllama``).
 - **Use**: `tool` (a built tool's path, or None), `missing` (why not), `llama_bench` (one
@@ -31,6 +34,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -53,6 +57,16 @@ CMAKE_ARGS = (
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
     "-DBUILD_SHARED_LIBS=ON",
+) + (
+    # Without AMX: ggml's AMX kernels (0.3.36) die with SIGILL at their first tileloadd in a
+    # worker thread on the KVM machines we run on, which report amx_int8 (`-march=native`
+    # would build them in). Its AVX-512 VNNI kernels are what then runs.
+    (
+        "-DCMAKE_C_FLAGS=" + " ".join(f"-mno-amx-{x}" for x in ("tile", "int8", "bf16")),
+        "-DCMAKE_CXX_FLAGS=" + " ".join(f"-mno-amx-{x}" for x in ("tile", "int8", "bf16")),
+    )
+    if platform.machine().lower() in ("x86_64", "amd64")
+    else ()
 )
 
 
@@ -99,9 +113,12 @@ def cpu_summary() -> dict:
 
 
 def cpu_key() -> str:
+    """A hash of the CPU (a native build may use instructions another CPU lacks) and of
+    `CMAKE_ARGS` (a build made with other arguments is another build)."""
     info = cpu()
     text = "\n".join([info["model_name"], info["family"] or "", info["model"] or ""])
-    return hashlib.sha256((text + "\n" + " ".join(sorted(info["flags"]))).encode()).hexdigest()[:12]
+    text += "\n" + " ".join(sorted(info["flags"])) + "\n" + " ".join(CMAKE_ARGS)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def build_dir(version: str | None = None) -> Path:
