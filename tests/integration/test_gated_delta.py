@@ -226,7 +226,38 @@ def test_a_fused_decode_step_matches_the_librarys_layer(isa, tmp_path):
         lm.release_routes()
 
 
-def delta_step_of(layer, x, cache, isa):
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_decode_steps_heads_split_over_threads_give_the_same_bits(isa, tmp_path):
+    # One sequence's heads split over the step's threads (a row's state is read by every
+    # core), and rows and heads split together: the same output, conv state and state bits as
+    # one thread, whatever the split.
+    from mlx_lm.models.cache import ArraysCache
+
+    isa_or_skip(isa)
+    lm = load(make_tiny_model("qwen3_5", tmp_path / "m"))
+    try:
+        layer = next(m for _, m in lm.model.named_modules() if deltaroute.DELTA.routes(m))
+        conv_dim, keep = layer.conv_dim, layer.conv_kernel_size - 1
+        for rows in (1, 2, 3):
+            keys = mx.random.split(mx.random.key(10 + rows), 3)
+            x = mx.random.normal((rows, 1, 64), key=keys[0])
+            conv = mx.random.normal((rows, keep, conv_dim), key=keys[1])
+            state = mx.random.normal((rows, 4, 16, 16), key=keys[2]) * 0.1
+            results = []
+            for threads in (1, 2, 3, 5):
+                cache = ArraysCache(2)
+                cache[0], cache[1] = conv, state
+                out = delta_step_of(layer, x, cache, isa, threads=threads)
+                mx.eval(out, cache[0], cache[1])
+                results.append((threads, out, cache[0], cache[1]))
+            for threads, *arrays in results[1:]:
+                for got, want in zip(arrays, results[0][1:], strict=True):
+                    assert mx.array_equal(got, want).item(), (rows, threads)
+    finally:
+        lm.release_routes()
+
+
+def delta_step_of(layer, x, cache, isa, threads=None):
     out, cache[0], cache[1] = delta.delta_step(
         layer.in_proj_qkv(x),
         cache[0],
@@ -243,5 +274,6 @@ def delta_step_of(layer, x, cache, isa):
         value_dim=layer.head_v_dim,
         norm_eps=layer.norm.eps,
         isa=isa,
+        threads=threads,
     )
     return layer.out_proj(out)

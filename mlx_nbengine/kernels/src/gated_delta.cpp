@@ -651,9 +651,21 @@ struct StepJob {
   float norm_eps;
 };
 
-// One batch row: the convolution and its state, the heads' norms, gate and beta, the
-// recurrence (rows_step, in place on the new state) and the output norm.
-MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
+// A decode step's work is (row, block of value heads) units: one sequence's 16 heads split
+// over the step's threads, whose states (a megabyte a layer) one core alone reads at half
+// the machine's bandwidth. Each unit convolves its row (every unit of a row the same bits);
+// the first block of a row writes its convolution state.
+struct StepUnits {
+  int64_t splits; // blocks of heads a row
+  int64_t heads;  // value heads
+  int64_t row(int64_t u) const { return u / splits; }
+  int64_t h0(int64_t u) const { return (u % splits) * heads / splits; }
+  int64_t h1(int64_t u) const { return (u % splits + 1) * heads / splits; }
+};
+
+// A row's convolution and its silu into `mixed`, its queries and keys normalized there, and
+// (`write_state`) its new conv state.
+MNB_INLINE void step_conv(const StepJob& j, int64_t row, float* mixed, bool write_state) {
   const int64_t C = j.C, K = j.K, keep = K - 1;
   const float* kept = j.conv_state + row * keep * C;
   const float* x = j.qkv + row * C;
@@ -664,18 +676,10 @@ MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
     }
     mixed[c] = silu_of(acc);
   }
-  float* new_kept = j.conv_out + row * keep * C;
-  for (int64_t t = 0; t + 1 < keep; ++t) {
-    std::memcpy(new_kept + t * C, kept + (t + 1) * C, size_t(C) * sizeof(float));
-  }
-  if (keep > 0) {
-    std::memcpy(new_kept + (keep - 1) * C, x, size_t(C) * sizeof(float));
-  }
   // normalize_qk: q * Dk^-1 / rms, k * Dk^-0.5 / rms, rms with eps 1e-6 / Dk.
   const float inv2 = 1.0f / float(j.Dk), eps = 1e-6f * inv2;
   float* q = mixed;
   float* k = mixed + j.Hk * j.Dk;
-  const float* v = mixed + 2 * j.Hk * j.Dk;
   for (int64_t h = 0; h < j.Hk; ++h) {
     float* qh = q + h * j.Dk;
     float* kh = k + h * j.Dk;
@@ -687,8 +691,25 @@ MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
       kh[i] = sk * (kh[i] * rk);
     }
   }
+  if (!write_state) {
+    return;
+  }
+  float* new_kept = j.conv_out + row * keep * C;
+  for (int64_t t = 0; t + 1 < keep; ++t) {
+    std::memcpy(new_kept + t * C, kept + (t + 1) * C, size_t(C) * sizeof(float));
+  }
+  if (keep > 0) {
+    std::memcpy(new_kept + (keep - 1) * C, x, size_t(C) * sizeof(float));
+  }
+}
+
+// One batch row's value heads h0 .. h1 after step_conv: their gate and beta, the recurrence (rows_step, in place on the new state) and the output norm.
+MNB_INLINE void step_heads(const StepJob& j, int64_t row, int64_t h0, int64_t h1, float* mixed) {
+  const float* q = mixed;
+  const float* k = mixed + j.Hk * j.Dk;
+  const float* v = mixed + 2 * j.Hk * j.Dk;
   const int64_t group = j.Hv / j.Hk, per = j.Dv * j.Dk;
-  for (int64_t h = 0; h < j.Hv; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const float av = j.a[row * j.Hv + h] + j.dt_bias[h];
     const float softplus = av > 20.0f ? av : std::log1p(std::exp(av));
     const float g = std::exp(-std::exp(j.a_log[h]) * softplus);
@@ -708,21 +729,30 @@ MNB_INLINE void step_row(const StepJob& j, int64_t row, float* mixed) {
   }
 }
 
-void step_portable(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
-  for (int64_t r = r0; r < r1; ++r) {
-    step_row(j, r, mixed);
+// Units u0 .. u1 (StepUnits), a row convolved once for its consecutive units.
+MNB_INLINE void step_units(const StepJob& j, const StepUnits& units, int64_t u0, int64_t u1,
+                           float* mixed) {
+  int64_t convolved = -1;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t row = units.row(u);
+    if (row != convolved) {
+      step_conv(j, row, mixed, units.h0(u) == 0);
+      convolved = row;
+    }
+    step_heads(j, row, units.h0(u), units.h1(u), mixed);
   }
+}
+
+void step_portable(const StepJob& j, const StepUnits& s, int64_t u0, int64_t u1, float* m) {
+  step_units(j, s, u0, u1, m);
 }
 #if defined(__x86_64__)
-MNB_AVX2 void step_avx2(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
-  for (int64_t r = r0; r < r1; ++r) {
-    step_row(j, r, mixed);
-  }
+MNB_AVX2 void step_avx2(const StepJob& j, const StepUnits& s, int64_t u0, int64_t u1, float* m) {
+  step_units(j, s, u0, u1, m);
 }
-MNB_AVX512 void step_avx512(const StepJob& j, int64_t r0, int64_t r1, float* mixed) {
-  for (int64_t r = r0; r < r1; ++r) {
-    step_row(j, r, mixed);
-  }
+MNB_AVX512 void step_avx512(const StepJob& j, const StepUnits& s, int64_t u0, int64_t u1,
+                            float* m) {
+  step_units(j, s, u0, u1, m);
 }
 #endif
 
@@ -789,8 +819,12 @@ void DeltaStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   job.norm_eps = p_.norm_eps;
   const Isa isa = p_.isa;
   const int64_t rows = inputs[0].shape(0);
-  const int threads = int(std::min<int64_t>(p_.threads, rows));
-  encoder.dispatch([inputs, job, isa, rows, threads]() mutable {
+  // Rows first; where threads are left, each row's heads split over them.
+  const int64_t splits =
+      std::clamp<int64_t>((p_.threads + rows - 1) / rows, 1, std::max<int64_t>(1, job.Hv));
+  const StepUnits units{splits, job.Hv};
+  const int threads = int(std::min<int64_t>(p_.threads, rows * splits));
+  encoder.dispatch([inputs, job, isa, rows, units, threads]() mutable {
     const float** fields[] = {&job.qkv, &job.conv_state, &job.conv_w, &job.a, &job.b,
                               &job.a_log, &job.dt_bias, &job.state, &job.z, &job.norm_w};
     for (int i = 0; i < 10; ++i) {
@@ -804,9 +838,9 @@ void DeltaStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       fn = step_avx2;
     }
 #endif
-    workers().run(threads, int(rows), 1, [&](int r0, int r1) {
+    workers().run(threads, int(rows * units.splits), 1, [&](int u0, int u1) {
       std::vector<float> mixed(size_t(job.C));
-      fn(job, r0, r1, mixed.data());
+      fn(job, units, u0, u1, mixed.data());
     });
   });
 }
