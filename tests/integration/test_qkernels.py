@@ -137,6 +137,23 @@ def test_float16_scales_with_float32_inputs(isa, rows):
     assert mx.all(mx.abs(got - want) <= bound).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "portable"])  # it has no GEMM
+def test_half_scales_give_the_bits_of_their_float32_values_in_a_gemm(isa, dtype):
+    # The GEMM (9 to 96 rows) and a long step's dequantized tiles widen half scales and
+    # biases 8 groups at a time (F16C, a shift) and the rest one by one: exact, so the same
+    # bits as float32 scales of the same values. 9 groups: one vector and a tail.
+    isa_or_skip(isa)
+    q, s, b = quantized(37, 9 * 32, bits=8, group_size=32)
+    s, b = s.astype(dtype), b.astype(dtype)
+    s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+    for rows in (9, 20, 96, 130):
+        x = mx.random.normal((rows, 9 * 32), key=mx.random.key(rows))
+        half = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8, isa=isa)
+        full = kernels.quantized_matmul(x, q, s32, b32, group_size=32, bits=8, isa=isa)
+        assert mx.array_equal(half, full).item(), rows
+
+
 def test_leading_dimensions_are_kept():
     q, s, b = quantized(33, 64, bits=8, group_size=32)
     x = mx.random.normal((2, 3, 64), key=mx.random.key(4))
