@@ -14,6 +14,8 @@ polynomial) and the order of its four products: at most 1.9e-6 absolute on value
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -198,32 +200,50 @@ def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_p
     assert warm.tokens == cold.tokens
 
 
+@contextlib.contextmanager
+def routed_delta_layer(tmp_path):
+    """A tiny qwen3_5's first routed gated-delta layer (4 value heads of 16), its routes
+    released after."""
+    lm = load(make_tiny_model("qwen3_5", tmp_path / "m"))
+    try:
+        yield next(m for _, m in lm.model.named_modules() if deltaroute.DELTA.routes(m))
+    finally:
+        lm.release_routes()
+
+
+def step_inputs(layer, rows: int, seed: int):
+    """A decode step's x, conv state and state for `rows` batch rows of `layer`."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((rows, 1, 64), key=keys[0])
+    keep = layer.conv_kernel_size - 1
+    conv = mx.random.normal((rows, keep, layer.conv_dim), key=keys[1])
+    state = mx.random.normal((rows, 4, 16, 16), key=keys[2]) * 0.1
+    return x, conv, state
+
+
+def cache_of(conv, state):
+    from mlx_lm.models.cache import ArraysCache
+
+    cache = ArraysCache(2)
+    cache[0], cache[1] = conv, state
+    return cache
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_fused_decode_step_matches_the_librarys_layer(isa, tmp_path):
     # kernels.delta.delta_step: the convolution, norms, gate, recurrence and output norm of a
     # decode step in one primitive; its layer output, conv state and state against mlx-lm's
     # layer, one and three batch rows. Measured: at most 2.4e-7 on outputs up to about 2.
-    from mlx_lm.models.cache import ArraysCache
-
     isa_or_skip(isa)
-    lm = load(make_tiny_model("qwen3_5", tmp_path / "m"))
-    try:
-        layer = next(m for _, m in lm.model.named_modules() if deltaroute.DELTA.routes(m))
-        conv_dim, keep = layer.conv_dim, layer.conv_kernel_size - 1
+    with routed_delta_layer(tmp_path) as layer:
         for rows in (1, 3):
-            keys = mx.random.split(mx.random.key(rows), 3)
-            x = mx.random.normal((rows, 1, 64), key=keys[0])
-            conv = mx.random.normal((rows, keep, conv_dim), key=keys[1])
-            state = mx.random.normal((rows, 4, 16, 16), key=keys[2]) * 0.1
-            ours, theirs = ArraysCache(2), ArraysCache(2)
-            ours[0], ours[1], theirs[0], theirs[1] = conv, state, conv, state
+            x, conv, state = step_inputs(layer, rows, seed=rows)
+            ours, theirs = cache_of(conv, state), cache_of(conv, state)
             got = delta_step_of(layer, x, ours, isa)
             want = deltaroute._library_call(layer, x, None, theirs)
             assert worst(got, want) <= Y_BOUND
             assert mx.array_equal(ours[0], theirs[0]).item()
             assert worst(ours[1], theirs[1]) <= STATE_BOUND
-    finally:
-        lm.release_routes()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -231,30 +251,19 @@ def test_a_decode_steps_heads_split_over_threads_give_the_same_bits(isa, tmp_pat
     # One sequence's heads split over the step's threads (a row's state is read by every
     # core), and rows and heads split together: the same output, conv state and state bits as
     # one thread, whatever the split.
-    from mlx_lm.models.cache import ArraysCache
-
     isa_or_skip(isa)
-    lm = load(make_tiny_model("qwen3_5", tmp_path / "m"))
-    try:
-        layer = next(m for _, m in lm.model.named_modules() if deltaroute.DELTA.routes(m))
-        conv_dim, keep = layer.conv_dim, layer.conv_kernel_size - 1
+    with routed_delta_layer(tmp_path) as layer:
         for rows in (1, 2, 3):
-            keys = mx.random.split(mx.random.key(10 + rows), 3)
-            x = mx.random.normal((rows, 1, 64), key=keys[0])
-            conv = mx.random.normal((rows, keep, conv_dim), key=keys[1])
-            state = mx.random.normal((rows, 4, 16, 16), key=keys[2]) * 0.1
+            x, conv, state = step_inputs(layer, rows, seed=10 + rows)
             results = []
             for threads in (1, 2, 3, 5):
-                cache = ArraysCache(2)
-                cache[0], cache[1] = conv, state
+                cache = cache_of(conv, state)
                 out = delta_step_of(layer, x, cache, isa, threads=threads)
                 mx.eval(out, cache[0], cache[1])
                 results.append((threads, out, cache[0], cache[1]))
             for threads, *arrays in results[1:]:
                 for got, want in zip(arrays, results[0][1:], strict=True):
                     assert mx.array_equal(got, want).item(), (rows, threads)
-    finally:
-        lm.release_routes()
 
 
 def delta_step_of(layer, x, cache, isa, threads=None):

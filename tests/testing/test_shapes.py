@@ -43,12 +43,17 @@ def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
     assert len(model.model.layers) == 24 and model.model.layers[0].self_attn.n_heads == 8
 
 
+def effective_and_table(model) -> tuple[int, int]:
+    """A Gemma 4 model's parameters without its per-layer input table, and the table's."""
+    params = dict(tree_flatten(model.parameters()))
+    table = math.prod(params["model.embed_tokens_per_layer.weight"].shape)
+    return sum(math.prod(v.shape) for v in params.values()) - table, table
+
+
 def test_the_gemma4_shape_builds_e2b():
     # "E2B": 2.3B effective parameters, the per-layer input table (2.35B more) left out.
     config, model = build("gemma4-e2b", dense=False)
-    params = dict(tree_flatten(model.parameters()))
-    table = math.prod(params["model.embed_tokens_per_layer.weight"].shape)
-    effective = sum(math.prod(v.shape) for v in params.values()) - table
+    effective, table = effective_and_table(model)
     assert abs(effective - 2.3e9) / 2.3e9 < 0.05, effective
     assert abs(table - 2.35e9) / 2.35e9 < 0.01, table
     layers = model.layers
@@ -63,9 +68,7 @@ def test_the_gemma4_shape_builds_e4b():
     # "E4B": about 4.5B effective parameters (4.64B counted here), the per-layer input table
     # (42 layers of 256 features, 2.82B) left out; 24 layers keep KV, five sliding to one full.
     config, model = build("gemma4-e4b", dense=False)
-    params = dict(tree_flatten(model.parameters()))
-    table = math.prod(params["model.embed_tokens_per_layer.weight"].shape)
-    effective = sum(math.prod(v.shape) for v in params.values()) - table
+    effective, table = effective_and_table(model)
     assert abs(effective - 4.5e9) / 4.5e9 < 0.05, effective
     assert table == 262_144 * 42 * 256
     layers = model.layers
