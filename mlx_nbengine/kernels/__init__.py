@@ -247,7 +247,9 @@ def quantized_matmul(
     Like ``mx.quantized_matmul(..., transpose=True)`` with MLX's affine mode. `isa` forces a
     kernel set (default: the one `status` chose); `threads` defaults to the engine's BLAS
     thread count for the step; `long_products` (``"blas"`` or ``"int8"``) says how a step of
-    more than 96 rows multiplies. Raises RuntimeError where the kernels are not active.
+    more than 96 rows multiplies (``"int8-pairs"``: int8 on the set's int16 tiles, never its
+    VNNI quads, the same bits: the tests' switch for a CPU without VNNI). Raises RuntimeError
+    where the kernels are not active.
     """
     if _module is None and not status().active:
         raise RuntimeError(f"the quantized kernels are not active: {status().reason}")

@@ -74,8 +74,9 @@ struct GemmSet {
   void (*widen)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;
   // wt: [nr][gemm_wstride(K / 2)]
   // The same three on int8 quads with vpdpbusd (wt: [nr][gemm_wstride(K / 4)], each word
-  // four weights as bytes); nullptr where the set has no VNNI (its int8 product then runs
-  // the int16 tiles on int8 values: the same sums).
+  // four weights as bytes; AVX-512 VNNI, or AVX-VNNI for the AVX2 set, which has no half
+  // tile); nullptr where the CPU has no VNNI (its int8 product then runs the int16 tiles on
+  // int8 values: the same sums).
   void (*tile8)(const GemmArgs& a) = nullptr;
   void (*tile8_half)(const GemmArgs& a) = nullptr;
   void (*widen8)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;
