@@ -361,9 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         serve_ours(args.serve, args.port, args.disk_budget, args.block_size)
         return 0
     fill_sizes(args, SIZES, QUICK_SIZES)
+    # The models, GGUFs and server logs of the run, removed after it.
+    with tempfile.TemporaryDirectory(prefix="bench-api-", ignore_cleanup_errors=True) as scratch:
+        return run(args, Path(scratch))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    """Measure the servers (`main`'s arguments), their files in `tmp`."""
     from mlx_nbengine.testing import make_tiny_model, make_tiny_vlm
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     block_size = 16 if args.quick else 256
     if args.model is None and args.quick:
         args.model = str(make_tiny_model("llama", tmp / "tiny-llama"))

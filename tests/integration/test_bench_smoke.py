@@ -68,9 +68,12 @@ def test_quick_run_writes_its_json(case, tiny_model_dir, tmp_path):
     if tiny is not None:
         family, kwargs = tiny
         cmd += ["--model", str(tiny_model_dir(family, **kwargs))]
+    scratch = tmp_path / "tmp"  # the run's temporary files, which it must remove
+    scratch.mkdir()
     done = subprocess.run(
         cmd,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -83,6 +86,9 @@ def test_quick_run_writes_its_json(case, tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert isinstance(data, dict) and data, tail
     assert out.with_suffix(".txt").is_file(), "no table written beside the JSON"
+    # MLX keeps a folder of its own there (`mlx`, shared by every process, as in /tmp).
+    left = sorted(p.name for p in scratch.iterdir() if p.name != "mlx")
+    assert not left, f"{module} left temporary files behind: {left}"
     if module in LLAMA_PATHS and not extra:
         check_llama_paths(module, data, done.stdout + done.stderr)
     if module == "bench_cpu_decode" and data["kernels"]["active"]:
