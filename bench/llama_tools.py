@@ -15,16 +15,16 @@ llama.cpp itself.
 - **Where**: ``$MLX_NBENGINE_HOME/llama-tools/<version>-<cpu key>/`` (else
   ``~/.cache/mlx_nbengine/...``), never the repository; the CPU key is a hash of the CPU's
   name and flags (a native build may use instructions another CPU lacks) and of the CMake
-  arguments. Its
-  ``build.json`` records the version, the CMake arguments, the CPU, the seconds it took
-  and the build's system info (``llama_print_system_info`` of its own ``libllama``).
+  arguments. Its ``build.json`` records the version, the CMake arguments, the CPU, the
+  seconds it took and the build's system info (``llama_print_system_info`` of its own ``libllama``).
 - **Use**: `tool` (a built tool's path, or None), `missing` (why not), `llama_bench` (one
   ``llama-bench -o json`` run, parsed), `build_info` (what the JSON of a benchmark records
   about llama.cpp).
 
 ``python -m bench.llama_tools build [--version V] [--sdist PATH] [--jobs N]`` builds (minutes;
 nothing to do if the build is there), ``python -m bench.llama_tools info`` prints the build's
-record, ``python -m bench.llama_tools path llama-bench`` a tool's path.
+record, ``python -m bench.llama_tools path llama-bench`` a tool's path, ``python -m
+bench.llama_tools no-amx`` the flags that leave AMX out (.ci/run builds the binding with them).
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# Without AMX: ggml's AMX kernels (0.3.36) die with SIGILL at their first tileloadd in a
+# worker thread on the KVM machines we run on, which report amx_int8 (`-march=native` would
+# build them in). Its AVX-512 VNNI kernels are what then runs. x86-64's flags; .ci/run gives
+# the binding's build the same (``python -m bench.llama_tools no-amx``).
+NO_AMX = (
+    "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    if platform.machine().lower() in ("x86_64", "amd64")
+    else ""
+)
 DEFAULT_VERSION = "0.3.36"  # llama-cpp-python's, as the ``peers`` extra pins it at least
 TARGETS = ("llama-bench", "llama-server")
 CMAKE_ARGS = (
@@ -57,17 +66,7 @@ CMAKE_ARGS = (
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
     "-DBUILD_SHARED_LIBS=ON",
-) + (
-    # Without AMX: ggml's AMX kernels (0.3.36) die with SIGILL at their first tileloadd in a
-    # worker thread on the KVM machines we run on, which report amx_int8 (`-march=native`
-    # would build them in). Its AVX-512 VNNI kernels are what then runs.
-    (
-        "-DCMAKE_C_FLAGS=" + " ".join(f"-mno-amx-{x}" for x in ("tile", "int8", "bf16")),
-        "-DCMAKE_CXX_FLAGS=" + " ".join(f"-mno-amx-{x}" for x in ("tile", "int8", "bf16")),
-    )
-    if platform.machine().lower() in ("x86_64", "amd64")
-    else ()
-)
+) + ((f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}") if NO_AMX else ())
 
 
 def home() -> Path:
@@ -325,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the tools to build (default: both; CI's smoke tests need llama-bench only)",
     )
     sub.add_parser("info", help="print the build's record")
+    sub.add_parser("no-amx", help="print the compiler flags that leave AMX out (NO_AMX)")
     p = sub.add_parser("path", help="print a tool's path (exit 1 where not built)")
     p.add_argument("name", choices=TARGETS)
     args = ap.parse_args(argv)
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "info":
         print(json.dumps({"dir": str(build_dir()), **build_info()}, indent=2))
+        return 0
+    if args.command == "no-amx":
+        print(NO_AMX)
         return 0
     path = tool(args.name)
     print(path if path is not None else missing(args.name))

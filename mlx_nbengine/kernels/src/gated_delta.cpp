@@ -703,7 +703,8 @@ MNB_INLINE void step_conv(const StepJob& j, int64_t row, float* mixed, bool writ
   }
 }
 
-// One batch row's value heads h0 .. h1 after step_conv: their gate and beta, the recurrence (rows_step, in place on the new state) and the output norm.
+// One batch row's value heads h0 .. h1 after step_conv: their gate and beta, the recurrence
+// (rows_step, in place on the new state) and the output norm.
 MNB_INLINE void step_heads(const StepJob& j, int64_t row, int64_t h0, int64_t h1, float* mixed) {
   const float* q = mixed;
   const float* k = mixed + j.Hk * j.Dk;
