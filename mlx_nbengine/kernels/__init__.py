@@ -304,11 +304,11 @@ def gated_mlp(
 def qkv_step(
     x: mx.array,
     q: tuple[mx.array, mx.array, mx.array],
-    k: tuple[mx.array, mx.array, mx.array],
-    v: tuple[mx.array, mx.array, mx.array],
+    k: tuple[mx.array, mx.array, mx.array] | None,
+    v: tuple[mx.array, mx.array, mx.array] | None,
     *,
     q_norm: mx.array,
-    k_norm: mx.array,
+    k_norm: mx.array | None,
     eps: float,
     x_norm: mx.array | None = None,
     x_eps: float = 0.0,
@@ -316,31 +316,38 @@ def qkv_step(
     kv_heads: int,
     rope_dims: int,
     traditional: bool,
-    base: float,
+    base: float | None,
     scale: float,
     offset: int | mx.array,
     group_size: int,
     bits: int,
+    freqs: mx.array | None = None,
+    v_norm: bool = False,
     isa: str | None = None,
     threads: int | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
+) -> tuple[mx.array, ...]:
     """A decode step's attention heads as one primitive (src/qkv_step.h): for x [B, L, K]
     (float32, at most 8 rows) and the quantized q, k and v projections ((weight, scales,
     biases), one `group_size` and `bits`), ``(rope(rms_norm(q heads, q_norm)),
     rope(rms_norm(k heads, k_norm)), v heads)``, each [B, H, L, D], at positions `offset` + t
     (an int, or an int array of one offset or one per batch row); with `x_norm` ([K]), x
-    is first ``rms_norm(x, x_norm, x_eps)`` (the layer's input norm). The same bits as the
-    norms, products and RoPE one by one (`quantized_matmul`, `rowops`). `isa` and `threads`
-    as in `quantized_matmul`."""
+    is first ``rms_norm(x, x_norm, x_eps)`` (the layer's input norm). Without k, v and
+    k_norm (a layer reading an earlier layer's keys and values), ``(rope(rms_norm(q)),)``.
+    `v_norm`: the value heads are ``rms_norm(v, None, eps)`` (Gemma 4). RoPE's frequencies
+    are `base`'s, or `freqs` ([rope_dims / 2], as ``mx.fast.rope`` takes them) where given.
+    The same bits as the norms, products and RoPE one by one (`quantized_matmul`, `rowops`).
+    `isa` and `threads` as in `quantized_matmul`."""
     if _module is None and not status().active:
         raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
     if not isinstance(offset, mx.array):
         offset = mx.array(int(offset), dtype=mx.int32)
+    if (base is None) == (freqs is None):
+        raise ValueError("qkv_step: give exactly one of base and freqs")
     return _module.qkv_step(
         x,
         *q,
-        *k,
-        *v,
+        *(k or (None, None, None)),
+        *(v or (None, None, None)),
         q_norm,
         k_norm,
         offset,
@@ -351,8 +358,10 @@ def qkv_step(
         float(eps),
         int(rope_dims),
         bool(traditional),
-        float(base),
+        float(base or 0.0),
         float(scale),
+        freqs,
+        bool(v_norm),
         int(group_size),
         int(bits),
         isa or _status.isa,
@@ -375,16 +384,23 @@ def block_tail(
     group_size: int,
     bits: int,
     activation: str,
+    per_layer_input: mx.array | None = None,
+    per_layer_gate: tuple[mx.array, mx.array, mx.array] | None = None,
+    per_layer_projection: tuple[mx.array, mx.array, mx.array] | None = None,
+    post_per_layer_norm: mx.array | None = None,
+    scalar: mx.array | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> mx.array:
     """A decode step's layer after attention as one primitive (src/block_tail.h): for the
     attention output `attn` [B, H, L, D] and the layer's input `x` [B, L, K] (float32, at
     most 8 rows), ``h = x + rms_norm(o(attn rows), post_attn_norm)`` then
-    ``h + rms_norm(mlp(rms_norm(h, pre_ffn_norm)), post_ffn_norm)``, mlp as in `gated_mlp`;
-    every matrix (weight, scales, biases) with one `group_size` and `bits`, the norms' weights
-    [K] as the norms scale by them. The same bits as those operations one by one. `isa` and
-    `threads` as in `quantized_matmul`."""
+    ``out = h + rms_norm(mlp(rms_norm(h, pre_ffn_norm)), post_ffn_norm)``, mlp as in
+    `gated_mlp`; every matrix (weight, scales, biases) with one `group_size` and `bits`, the
+    norms' weights [K] as the norms scale by them. The same bits as those operations one by
+    one. Gemma 4's tail, where given: ``out + rms_norm(per_layer_projection(act(
+    per_layer_gate(out)) * per_layer_input), post_per_layer_norm)`` (`per_layer_input`
+    [B, L, P]), then ``* scalar`` ([1]). `isa` and `threads` as in `quantized_matmul`."""
     if _module is None and not status().active:
         raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
     return _module.block_tail(
@@ -397,6 +413,11 @@ def block_tail(
         *up,
         *down,
         post_ffn_norm,
+        per_layer_input,
+        *(per_layer_gate or (None, None, None)),
+        *(per_layer_projection or (None, None, None)),
+        post_per_layer_norm,
+        scalar,
         float(eps),
         int(group_size),
         int(bits),

@@ -26,7 +26,7 @@ On the CPU, quantized layers run on our kernels (`mlx_nbengine.kernels`, routed 
 (`DEFAULT_CPU_BITS`): decode reads a quarter of float32's bytes. ``dtype="float32"`` keeps
 float32. The fingerprint names the variant, so their cached blocks never mix: the weights'
 (``q8g32x``) and each route's on the CPU (`qroute`, `cpu_math`, `attnroute`, `fastops`,
-`layerroute`, `deltaroute`), a name and a digest of the sources that decide its bits
+`layerroute`, `gemma4route`, `deltaroute`), a name and a digest of the sources that decide its bits
 (`kernels.digest`).
 """
 
@@ -53,6 +53,7 @@ from mlx_nbengine.models import (
     cpu_math,
     deltaroute,
     fastops,
+    gemma4route,
     layerroute,
     patches,
     qroute,
@@ -232,6 +233,7 @@ def _route(model: Any, routing: Routing, *, requantize: bool) -> str | None:
         variants.append(attnroute.variant() if attnroute.route(routing) else None)
         variants.append(fastops.variant() if fastops.route(model, routing) else None)
         variants.append(layerroute.variant() if layerroute.route(model, routing) else None)
+        variants.append(gemma4route.variant() if gemma4route.route(model, routing) else None)
         variants.append(deltaroute.variant() if deltaroute.route(model, routing) else None)
     return "+".join(v for v in variants if v) or None
 

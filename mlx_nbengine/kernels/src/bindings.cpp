@@ -129,14 +129,14 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          const mnb::mx::array& qw,
          const mnb::mx::array& qs,
          const mnb::mx::array& qb,
-         const mnb::mx::array& kw,
-         const mnb::mx::array& ks,
-         const mnb::mx::array& kb,
-         const mnb::mx::array& vw,
-         const mnb::mx::array& vs,
-         const mnb::mx::array& vb,
+         const std::optional<mnb::mx::array>& kw,
+         const std::optional<mnb::mx::array>& ks,
+         const std::optional<mnb::mx::array>& kb,
+         const std::optional<mnb::mx::array>& vw,
+         const std::optional<mnb::mx::array>& vs,
+         const std::optional<mnb::mx::array>& vb,
          const mnb::mx::array& q_norm,
-         const mnb::mx::array& k_norm,
+         const std::optional<mnb::mx::array>& k_norm,
          const mnb::mx::array& offset,
          const std::optional<mnb::mx::array>& x_norm,
          float x_eps,
@@ -147,23 +147,37 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          bool traditional,
          float base,
          float scale,
+         const std::optional<mnb::mx::array>& freqs,
+         bool v_norm,
          int group_size,
          int bits,
          const std::string& isa,
          int threads) {
-        auto out = mnb::qkv_step(
-            x, {qw, qs, qb}, {kw, ks, kb}, {vw, vs, vb}, q_norm, k_norm, offset, x_norm,
-            mnb::QkvParams{heads, kv_heads, eps, rope_dims, traditional, base, scale, group_size,
-                           bits, parse_isa(isa), threads, x_eps});
+        std::optional<mnb::Quantized> k, v;
+        if (kw) {
+          if (!ks || !kb || !vw || !vs || !vb) {
+            throw std::invalid_argument("qkv_step: k and v each need weights, scales and biases");
+          }
+          k = mnb::Quantized{*kw, *ks, *kb};
+          v = mnb::Quantized{*vw, *vs, *vb};
+        }
+        mnb::QkvParams params{heads, kv_heads, eps, rope_dims, traditional, base, scale,
+                              group_size, bits, parse_isa(isa), threads, x_eps};
+        params.v_norm = v_norm;
+        auto out = mnb::qkv_step(x, {qw, qs, qb}, k, v, q_norm, k_norm, offset, x_norm, freqs,
+                                 params);
+        if (out.size() == 1) {
+          return nb::make_tuple(out[0]);
+        }
         return nb::make_tuple(out[0], out[1], out[2]);
       },
-      "x"_a, "q_w"_a, "q_scales"_a, "q_biases"_a, "k_w"_a, "k_scales"_a, "k_biases"_a,
-      "v_w"_a, "v_scales"_a, "v_biases"_a, "q_norm"_a, "k_norm"_a, "offset"_a,
-      "x_norm"_a.none(), "x_eps"_a, "heads"_a,
+      "x"_a, "q_w"_a, "q_scales"_a, "q_biases"_a, "k_w"_a.none(), "k_scales"_a.none(),
+      "k_biases"_a.none(), "v_w"_a.none(), "v_scales"_a.none(), "v_biases"_a.none(),
+      "q_norm"_a, "k_norm"_a.none(), "offset"_a, "x_norm"_a.none(), "x_eps"_a, "heads"_a,
       "kv_heads"_a, "eps"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a,
-      "group_size"_a, "bits"_a, "isa"_a, "threads"_a,
+      "freqs"_a.none(), "v_norm"_a, "group_size"_a, "bits"_a, "isa"_a, "threads"_a,
       "(rope(norm(q)), rope(norm(k)), v) of a decode step (x first normed by x_norm where given),"
-      " each [B, H, L, D] (qkv_step.h).");
+      " each [B, H, L, D]; (rope(norm(q)),) without k and v (qkv_step.h).");
   m.def(
       "block_tail",
       [](const mnb::mx::array& attn,
@@ -183,24 +197,47 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          const mnb::mx::array& ds,
          const mnb::mx::array& db,
          const mnb::mx::array& post_ffn_norm,
+         const std::optional<mnb::mx::array>& per_layer_input,
+         const std::optional<mnb::mx::array>& in_gate_w,
+         const std::optional<mnb::mx::array>& in_gate_s,
+         const std::optional<mnb::mx::array>& in_gate_b,
+         const std::optional<mnb::mx::array>& proj_w,
+         const std::optional<mnb::mx::array>& proj_s,
+         const std::optional<mnb::mx::array>& proj_b,
+         const std::optional<mnb::mx::array>& post_per_layer_norm,
+         const std::optional<mnb::mx::array>& scalar,
          float eps,
          int group_size,
          int bits,
          const std::string& activation,
          const std::string& isa,
          int threads) {
+        mnb::PerLayer per_layer{per_layer_input, std::nullopt, std::nullopt,
+                                post_per_layer_norm, scalar};
+        if (in_gate_w) {
+          if (!in_gate_s || !in_gate_b || !proj_w || !proj_s || !proj_b) {
+            throw std::invalid_argument(
+                "block_tail: the per-layer gate and projection each need weights, scales and "
+                "biases");
+          }
+          per_layer.in_gate = mnb::Quantized{*in_gate_w, *in_gate_s, *in_gate_b};
+          per_layer.proj = mnb::Quantized{*proj_w, *proj_s, *proj_b};
+        }
         return mnb::block_tail(
             attn, x, {ow, os, ob}, post_attn_norm, pre_ffn_norm, {gw, gs, gb}, {uw, us, ub},
-            {dw, ds, db}, post_ffn_norm,
+            {dw, ds, db}, post_ffn_norm, per_layer,
             mnb::TailParams{eps, group_size, bits, parse_activation(activation),
                             parse_isa(isa), threads});
       },
       "attn"_a, "x"_a, "o_w"_a, "o_scales"_a, "o_biases"_a, "post_attn_norm"_a,
       "pre_ffn_norm"_a, "gate_w"_a, "gate_scales"_a, "gate_biases"_a, "up_w"_a, "up_scales"_a,
-      "up_biases"_a, "down_w"_a, "down_scales"_a, "down_biases"_a, "post_ffn_norm"_a, "eps"_a,
+      "up_biases"_a, "down_w"_a, "down_scales"_a, "down_biases"_a, "post_ffn_norm"_a,
+      "per_layer_input"_a.none(), "in_gate_w"_a.none(), "in_gate_scales"_a.none(),
+      "in_gate_biases"_a.none(), "proj_w"_a.none(), "proj_scales"_a.none(),
+      "proj_biases"_a.none(), "post_per_layer_norm"_a.none(), "scalar"_a.none(), "eps"_a,
       "group_size"_a, "bits"_a, "activation"_a, "isa"_a, "threads"_a,
-      "x + norm(o(attn)) then + norm(mlp(norm(.))): a decode step's layer after attention "
-      "(block_tail.h).");
+      "x + norm(o(attn)) then + norm(mlp(norm(.))), then Gemma 4's per-layer tail and scalar "
+      "where given: a decode step's layer after attention (block_tail.h).");
   m.def(
       "usable_isa",
       [](const std::string& isa) { return std::string(isa_name(mnb::usable(parse_isa(isa)))); },

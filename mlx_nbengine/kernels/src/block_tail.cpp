@@ -15,8 +15,10 @@ namespace mnb {
 
 namespace {
 
-// Inputs: attn, x, o (3), post_attn, pre_ffn, gate (3), up (3), down (3), post_ffn.
+// Inputs: attn, x, o (3), post_attn, pre_ffn, gate (3), up (3), down (3), post_ffn; then a
+// PerLayer's input, in_gate (3), proj (3) and post where given, and its scalar where given.
 constexpr int kO = 2, kPostAttn = 5, kPreFfn = 6, kGate = 7, kUp = 10, kDown = 13, kPostFfn = 16;
+constexpr int kPerLayer = 17, kInGate = 18, kProj = 21, kPost = 24;
 
 // out[m] = base[m] + norm(r[m], w) for M rows of K.
 void add_norm(Isa isa, const float* base, const float* r, const float* w, float* out, int M,
@@ -46,6 +48,7 @@ mx::array block_tail(
     const Quantized& up,
     const Quantized& down,
     const mx::array& post_ffn_norm,
+    const PerLayer& per_layer,
     const TailParams& params) {
   const TailParams& p = params;
   if (p.bits != 4 && p.bits != 8) {
@@ -74,6 +77,28 @@ mx::array block_tail(
   for (const mx::array* w : {&post_attn_norm, &pre_ffn_norm, &post_ffn_norm}) {
     check_norm(*w, K);
   }
+  const PerLayer& pl = per_layer;
+  const bool has_per_layer = bool(pl.input);
+  if (bool(pl.in_gate) != has_per_layer || bool(pl.proj) != has_per_layer ||
+      bool(pl.post) != has_per_layer) {
+    throw std::invalid_argument(
+        "block_tail: the per-layer input, its gate, projection and norm come together");
+  }
+  if (has_per_layer) {
+    const auto& in = *pl.input;
+    if (in.ndim() != 3 || in.dtype() != mx::float32 || in.shape(0) != B || in.shape(1) != L ||
+        in.shape(2) % p.group_size != 0) {
+      throw std::invalid_argument(
+          "block_tail: the per-layer input must be float32 [B, L, P], P whole groups");
+    }
+    const int P = in.shape(2);
+    check_quantized(*pl.in_gate, P, K, p.group_size, p.bits, "block_tail", "per-layer gate");
+    check_quantized(*pl.proj, K, P, p.group_size, p.bits, "block_tail", "per-layer projection");
+    check_norm(*pl.post, K);
+  }
+  if (pl.scalar && (pl.scalar->dtype() != mx::float32 || pl.scalar->size() != 1)) {
+    throw std::invalid_argument("block_tail: the layer scalar must be one float32");
+  }
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{attn, x};
   auto add = [&](const Quantized& m) {
@@ -88,10 +113,20 @@ mx::array block_tail(
   add(up);
   add(down);
   inputs.push_back(post_ffn_norm);
+  if (has_per_layer) {
+    inputs.push_back(*pl.input);
+    add(*pl.in_gate);
+    add(*pl.proj);
+    inputs.push_back(*pl.post);
+  }
+  if (pl.scalar) {
+    inputs.push_back(mx::reshape(*pl.scalar, {1}, s));
+  }
   TailParams held = p;
   held.isa = usable(p.isa);
   held.threads = std::max(1, p.threads);
-  return mx::array(x.shape(), mx::float32, std::make_shared<BlockTail>(s, held),
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<BlockTail>(s, held, has_per_layer, bool(pl.scalar)),
                    std::move(inputs));
 }
 
@@ -111,6 +146,18 @@ void BlockTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   QJob gate = quantized_job(inputs, kGate, nullptr, nullptr, M, K, p.group_size, p.bits);
   QJob up = quantized_job(inputs, kUp, nullptr, nullptr, M, K, p.group_size, p.bits);
   QJob down = quantized_job(inputs, kDown, nullptr, nullptr, M, gate.N, p.group_size, p.bits);
+  const bool per_layer = per_layer_;
+  const int P = per_layer ? inputs[kPerLayer].shape(2) : 0;
+  QJob in_gate = per_layer ? quantized_job(inputs, kInGate, nullptr, nullptr, M, K, p.group_size, p.bits)
+                           : gate;
+  QJob proj = per_layer ? quantized_job(inputs, kProj, nullptr, nullptr, M, P, p.group_size, p.bits)
+                        : gate;
+  const std::optional<mx::array> pli =
+      per_layer ? std::optional<mx::array>(inputs[kPerLayer]) : std::nullopt;
+  const std::optional<mx::array> w4 =
+      per_layer ? std::optional<mx::array>(inputs[kPost]) : std::nullopt;
+  const std::optional<mx::array> scalar =
+      scalar_ ? std::optional<mx::array>(inputs.back()) : std::nullopt;
   float* op = out.data<float>();
   encoder.dispatch([=]() mutable {
     // The heads as rows of the output product: row (b, t) is head after head of attn[b, :, t].
@@ -138,6 +185,24 @@ void BlockTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     down.out = r.data();
     gated_mlp_rows(gate, up, down, p.activation, p.isa, p.threads);
     add_norm(p.isa, hbuf.data(), r.data(), dense_rows(w3, wd3), op, M, K, p.eps);
+    if (pli) { // out + norm(proj(gelu_tanh(in_gate(out)) * per-layer input), post)
+      std::vector<float> g(size_t(M) * P), held, wd4;
+      in_gate.x = op;
+      in_gate.out = g.data();
+      rows_product(in_gate, p.isa, p.threads);
+      const float* in = dense_rows(*pli, held);
+      gelu_tanh_mul_for(p.isa, g.data(), in, g.data(), int64_t(g.size()));
+      proj.x = g.data();
+      proj.out = r.data();
+      rows_product(proj, p.isa, p.threads);
+      add_norm(p.isa, op, r.data(), dense_rows(*w4, wd4), op, M, K, p.eps);
+    }
+    if (scalar) {
+      const float f = scalar->data<float>()[0];
+      for (int64_t i = 0; i < int64_t(M) * K; ++i) {
+        op[i] *= f;
+      }
+    }
   });
 }
 
@@ -147,6 +212,10 @@ void BlockTail::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool BlockTail::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const BlockTail&>(other).p_;
+  const auto& other_tail = static_cast<const BlockTail&>(other);
+  if (per_layer_ != other_tail.per_layer_ || scalar_ != other_tail.scalar_) {
+    return false;
+  }
   return p_.eps == o.eps && p_.group_size == o.group_size && p_.bits == o.bits &&
       p_.activation == o.activation && p_.isa == o.isa && p_.threads == o.threads;
 }

@@ -4,6 +4,11 @@
 //   h   = x + norm(o_proj(attn heads as rows), post_attn)
 //   out = h + norm(mlp(norm(h, pre_ffn)), post_ffn)       mlp: down(act(gate) * up)
 //
+// and where a `PerLayer` tail is given (Gemma 4's per-layer inputs and layer scalar):
+//
+//   out = out + norm(proj(act(in_gate(out)) * per_layer_input), post)   (with the matrices)
+//   out = out * scalar                                                   (with the scalar)
+//
 // Where the model's graph has a transpose, a reshape, the output product, three norms, two
 // adds and the MLP (9 nodes), this is one: the products run on the row kernels (the output
 // product as QuantizedMatVec runs it, the MLP as GatedMlp does), the norms on rowops' pass,
@@ -11,10 +16,22 @@
 
 #pragma once
 
+#include <optional>
+
 #include "gated_mlp.h"
 #include "qmatvec.h"
 
 namespace mnb {
+
+// Gemma 4's end of a layer: the per-layer input's gate and projection (where `input` is
+// given: [B, L, P] float32, in_gate [P, K] and proj [K, P] quantized as the layer's other
+// matrices, post [K]), then the layer's scalar (where given: float32 [1]).
+struct PerLayer {
+  std::optional<mx::array> input;
+  std::optional<Quantized> in_gate, proj;
+  std::optional<mx::array> post;
+  std::optional<mx::array> scalar;
+};
 
 struct TailParams {
   float eps; // every norm's
@@ -37,12 +54,13 @@ mx::array block_tail(
     const Quantized& up,
     const Quantized& down,
     const mx::array& post_ffn_norm,
+    const PerLayer& per_layer,
     const TailParams& params);
 
 class BlockTail : public mx::UnaryPrimitive {
  public:
-  BlockTail(mx::Stream stream, const TailParams& params)
-      : mx::UnaryPrimitive(stream), p_(params) {}
+  BlockTail(mx::Stream stream, const TailParams& params, bool per_layer, bool scalar)
+      : mx::UnaryPrimitive(stream), p_(params), per_layer_(per_layer), scalar_(scalar) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -54,6 +72,7 @@ class BlockTail : public mx::UnaryPrimitive {
 
  private:
   TailParams p_;
+  bool per_layer_, scalar_; // whether the inputs hold a PerLayer's matrices, its scalar
 };
 
 } // namespace mnb

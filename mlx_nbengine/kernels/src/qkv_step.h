@@ -26,6 +26,7 @@ struct QkvParams {
   Isa isa;
   int threads;
   float x_eps = 0.0f; // the input norm's, where there is one
+  bool v_norm = false; // the value heads normed too, without a weight (Gemma 4)
 };
 
 // x [B, L, K] (float32, B * L at most kBlockRows rows; first normed by x_norm [K] where
@@ -33,20 +34,31 @@ struct QkvParams {
 // [kv_heads * D, K]: {rope(norm(q, q_norm)), rope(norm(k, k_norm)), v}, each [B, H, L, D]
 // (the layout of x @ W.T reshaped to [B, L, H, D] and transposed), norms over D with weights
 // [D], position of (b, t) offset[b] + t (offset: an int32 scalar or one per batch row).
+// Without k and v (a layer that reads an earlier layer's keys and values): {rope(norm(q))}.
+// With params.v_norm, v's heads are normed without a weight. RoPE's frequencies are
+// base^(-2i/rope_dims), or 1 / freqs[i] where freqs [rope_dims / 2] is given (as
+// mx.fast.rope takes them; an infinite one leaves its pair unrotated).
 std::vector<mx::array> qkv_step(
     const mx::array& x,
     const Quantized& q,
-    const Quantized& k,
-    const Quantized& v,
+    const std::optional<Quantized>& k,
+    const std::optional<Quantized>& v,
     const mx::array& q_norm,
-    const mx::array& k_norm,
+    const std::optional<mx::array>& k_norm,
     const mx::array& offset,
     const std::optional<mx::array>& x_norm,
+    const std::optional<mx::array>& freqs,
     const QkvParams& params);
 
 class QkvStep : public mx::Primitive {
  public:
-  QkvStep(mx::Stream stream, const QkvParams& params) : mx::Primitive(stream), p_(params) {}
+  // Where each optional input sits among the inputs (-1: absent).
+  struct Slots {
+    int k = -1, v = -1, k_norm = -1, x_norm = -1, freqs = -1;
+  };
+
+  QkvStep(mx::Stream stream, const QkvParams& params, Slots slots)
+      : mx::Primitive(stream), p_(params), slots_(slots) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -58,6 +70,7 @@ class QkvStep : public mx::Primitive {
 
  private:
   QkvParams p_;
+  Slots slots_;
 };
 
 } // namespace mnb

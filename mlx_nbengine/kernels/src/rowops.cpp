@@ -389,6 +389,18 @@ void silu_mul_for(Isa isa, const float* gate, const float* up, float* out, int64
   silu_mul_portable(gate, up, out, n);
 }
 
+void gelu_tanh_mul_for(Isa isa, const float* gate, const float* up, float* out, int64_t n) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) {
+    return gelu_mul_avx512(gate, up, out, n);
+  }
+  if (isa == Isa::avx2) {
+    return gelu_mul_avx2(gate, up, out, n);
+  }
+#endif
+  gelu_mul_portable(gate, up, out, n);
+}
+
 // --- the operations ------------------------------------------------------------------------
 
 mx::array gated_activation(const mx::array& gate, const mx::array& up, bool silu, Isa isa,

@@ -65,6 +65,8 @@ void norm_dense_rows(Isa isa, const float* x, const float* w, float* out, int64_
 std::vector<float> rope_inv_freq(float base, int half);
 // silu(gate) * up over n contiguous floats (silu_mul's pass, for primitives that fuse it).
 void silu_mul_for(Isa isa, const float* gate, const float* up, float* out, int64_t n);
+// gelu_tanh(gate) * up likewise (gelu_tanh_mul's pass); out may be gate.
+void gelu_tanh_mul_for(Isa isa, const float* gate, const float* up, float* out, int64_t n);
 void rope_rows_for(Isa isa, const float* x, const int64_t* starts, const int* table_row,
                    const std::vector<float>& inv_freq, const std::vector<int64_t>& positions,
                    float scale, float* out, int64_t rows, int n, int dims, bool traditional);
