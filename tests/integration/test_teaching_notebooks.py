@@ -253,6 +253,35 @@ def test_the_hybrid_model_restores_to_a_boundary_with_a_state_checkpoint(kv_note
     assert "read kv + state" in summary and summary.rstrip().endswith("boundary: state")
 
 
+def test_a_real_shape_hybrid_restores_its_blocks_and_one_state_checkpoint(kv_notebook):
+    # Qwen3.5-0.8B's published shape with random weights: 6 full layers of 2 key/value heads
+    # of 256 (6.3 MB a block in float32), 18 linear layers of 16 states of 128 x 128 and
+    # their convolutions' last 3 inputs (20.2 MB, whatever the length). Rows: a block's, a
+    # fixed size's and 4,096 tokens' MB.
+    sizes = html(cell(kv_notebook, "import json").outputs[-1])
+    found = re.findall(r"<td>(\d+\.\d)</td>", sizes)
+    assert found == ["6.3", "0.0", "100.7", "0.0", "20.2", "20.2"]
+    real = block_map(kv_notebook, "%%llm --interpolate --blocks -o real_edited")
+    assert "state" in real["layer_kinds"] and "kv" in real["layer_kinds"]
+    restored = [b for b in real["blocks"] if b["source"] == "disk"]
+    assert len(restored) >= 2 and restored[-1]["reason"] == "kv+state"
+    assert {b["reason"] for b in restored[:-1]} == {"kv"}
+    edit = real["edit"]["position"]
+    assert restored[-1]["end"] == edit // BLOCK * BLOCK < edit
+    summary = printed(cell(kv_notebook, "r = real_edited.report"))
+    found = re.search(
+        rf"edited: {NUMBER} restored \((\d+) blocks of keys and values and 1 state checkpoint, "
+        r"([\d.]+) MB read; by the config: ([\d.]+) MB\)",
+        summary,
+    )
+    assert found, summary
+    assert number(found) == restored[-1]["end"] and int(found[2]) == len(restored)
+    assert found[3] == found[4]  # the bytes read are the config's arithmetic
+    cold = float(re.search(r"cold: .* after ([\d.]+) s", summary)[1])
+    warm = float(re.search(r"edited: .* after ([\d.]+) s", summary)[1])
+    assert warm < cold
+
+
 def test_the_agent_step_restores_its_prompt_up_to_where_it_leaves_the_first(kv_notebook):
     summary = printed(cell(kv_notebook, 'print(\n    f"steps 1-2'))
     found = re.search(rf"{NUMBER} restored \(the prompts diverge at token {NUMBER}", summary)
