@@ -58,17 +58,19 @@ def _candidate(model: Any) -> SplitHead | None:
             continue
         cap = getattr(owner, "final_logit_softcapping", None)
         if cap:
-            softcap = getattr(sys.modules.get(type(owner).__module__), "logit_softcap", None)
-            if softcap is None:
+            module = sys.modules.get(type(owner).__module__)
+            if not callable(getattr(module, "logit_softcap", None)):
                 return None  # a cap we cannot apply the library's way: whole-model calls
-            head = _capped(head, softcap, cap)
+            head = _capped(head, module, cap)
         return SplitHead(body, head)
     return None
 
 
-def _capped(head: Callable, softcap: Callable, cap: float) -> Callable[[mx.array], mx.array]:
+def _capped(head: Callable, module: Any, cap: float) -> Callable[[mx.array], mx.array]:
+    # The module's function looked up at each call, as its model does: a route may replace it
+    # (cpu_math.SOFTCAP) and give it back.
     def capped(hidden: mx.array) -> mx.array:
-        return softcap(cap, head(hidden))
+        return module.logit_softcap(cap, head(hidden))
 
     return capped
 

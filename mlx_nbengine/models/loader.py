@@ -229,6 +229,7 @@ def _route(model: Any, routing: Routing, *, requantize: bool) -> str | None:
     returns the variant the fingerprint records (their names and digests), or None."""
     variants = [_route_quantized(model, routing, requantize=requantize)]
     variants.append(cpu_math.variant() if cpu_math.speed_up(model, routing) else None)
+    variants.append(cpu_math.softcap_variant() if cpu_math.cap_logits(model, routing) else None)
     if _on_cpu():
         variants.append(attnroute.variant() if attnroute.route(routing) else None)
         variants.append(fastops.variant() if fastops.route(model, routing) else None)

@@ -104,3 +104,26 @@ def test_other_families_and_other_dtypes_are_left_as_the_library_wrote_them(tiny
     bf16 = load(tiny_model_dir("gemma3_text"), dtype="bfloat16")
     assert all(type(layer.mlp).__name__ == "MLP" for layer in bf16.model.layers)
     assert cpu_math.speed_up(bf16.model, routes.Routing()) == 0
+
+
+def test_a_float32_gemma4_caps_its_logits_with_the_rational_tanh(tiny_model_dir):
+    lm = load(tiny_model_dir("gemma4_text"))
+    try:
+        assert "cpu-softcap-gemma4_text" in lm.routing.names()
+        assert cpu_math.softcap_variant() in lm.variant.split("+")
+        assert cpu_math.SOFTCAP.probe_fails() is None, "mlx-lm changed Gemma 4's logit cap"
+        prompt = mx.array([list(range(3, 120))])
+        ours = lm.model(prompt)
+        with lm.routing.suspended(cpu_math.SOFTCAP):
+            library = lm.model(prompt)
+        cap = lm.model.final_logit_softcapping
+        # The rational tanh's error (at most 3.5e-7) times the cap, plus a rounding or two.
+        assert 0 < mx.abs(ours - library).max().item() <= 1e-6 * cap
+        assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(library, -1)).item()
+    finally:
+        lm.release_routes()
+    # Given back with the model: the module's own function again.
+    assert (
+        importlib.import_module("mlx_lm.models.gemma4_text").logit_softcap
+        is (cpu_math.SOFTCAP.library["logit_softcap"])
+    )
