@@ -51,7 +51,7 @@ import mlx.nn as nn
 from mlx_nbengine import kernels
 from mlx_nbengine._blas import note_kernel_products
 from mlx_nbengine.kernels import digest
-from mlx_nbengine.models import cpu_math, fastops, layerroute, qroute
+from mlx_nbengine.models import cpu_math, fastops, layerroute
 from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
 __all__ = [
@@ -160,8 +160,6 @@ output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
 return self.o_proj(output), (keys, values), offset"""
 
 _MODULE = "mlx_lm.models.gemma4_text"
-# A layer's (arrays, plan), held on the layer itself (it goes with the model; not a parameter).
-_PLAN_ATTRIBUTE = "_mlx_nbengine_plan"
 
 Matrix = tuple[mx.array, mx.array, mx.array]
 
@@ -197,14 +195,6 @@ class _Plan:
     rope_scale: float
     group_size: int
     bits: int
-
-
-def _matrix(layer: Any) -> Matrix | None:
-    if not qroute.LINEAR.routes(layer) or layer.mode != "affine":
-        return None
-    if "biases" not in layer or "bias" in layer:
-        return None
-    return qroute.product_arrays(layer)
 
 
 def _layers(block: Any) -> tuple[Any, ...]:
@@ -261,7 +251,7 @@ def _make_plan(block: Any) -> _Plan | None:
         return None
     layers = _layers(block)
     present = [layer for layer in layers if layer is not None]
-    matrices = [None if layer is None else _matrix(layer) for layer in layers]
+    matrices = [None if layer is None else layerroute.fused_matrix(layer) for layer in layers]
     if any(m is None for m, layer in zip(matrices, layers, strict=True) if layer is not None):
         return None
     bits, group = present[0].bits, present[0].group_size
@@ -313,19 +303,11 @@ def _plan(block: Any, x: mx.array, cache: Any, shared_kv: Any, offset: Any) -> _
             return None
     elif cache is not None or not fastops.offset_fits(offset, x.shape[0]):
         return None
-    arrays = _arrays(block)
-    held = block.__dict__.get(_PLAN_ATTRIBUTE)
-    if held is None or any(a is not b for a, b in zip(held[0], arrays, strict=True)):
-        held = (arrays, _make_plan(block))
-        # Past nn.Module's __setattr__, which would take a tuple of arrays for parameters.
-        object.__setattr__(block, _PLAN_ATTRIBUTE, held)
-    return held[1]
+    return layerroute.held_plan(block, _arrays(block), _make_plan)
 
 
-def plan_of(block: Any) -> _Plan | None:
-    """The plan `block` last routed a decode step with (tests), else None."""
-    held = block.__dict__.get(_PLAN_ATTRIBUTE)
-    return None if held is None else held[1]
+# The plan a layer last routed a decode step with (tests), held as Gemma 3's layers hold theirs.
+plan_of = layerroute.plan_of
 
 
 def _call(
@@ -375,20 +357,10 @@ def _call(
     output = sys.modules[_MODULE].scaled_dot_product_attention(
         queries, keys, values, cache=cache, scale=attn.scale, mask=mask
     )
-    h = kernels.block_tail(
+    h = layerroute.gemma_tail(
         output,
         x,
-        plan.o,
-        plan.gate,
-        plan.up,
-        plan.down,
-        post_attn_norm=plan.post_attn_norm,
-        pre_ffn_norm=plan.pre_ffn_norm,
-        post_ffn_norm=plan.post_ffn_norm,
-        eps=plan.eps,
-        group_size=plan.group_size,
-        bits=plan.bits,
-        activation="gelu_tanh",
+        plan,
         per_layer_input=per_layer_input,
         per_layer_gate=plan.per_layer_gate,
         per_layer_projection=plan.per_layer_projection,

@@ -35,6 +35,7 @@ same.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,9 @@ __all__ = [
     "EXPECTED_BLOCK",
     "LAYER",
     "VARIANT_SOURCES",
+    "fused_matrix",
+    "gemma_tail",
+    "held_plan",
     "plan_of",
     "route",
     "variant",
@@ -133,7 +137,9 @@ class _Plan:
     bits: int
 
 
-def _matrix(layer: Any) -> Matrix | None:
+def fused_matrix(layer: Any) -> Matrix | None:
+    """What a fused step hands the kernels for `layer`, a projection `qroute` routes (affine
+    quantized, no bias): (weight, scales, biases); None for any other layer."""
     if not qroute.LINEAR.routes(layer) or layer.mode != "affine":
         return None
     if "biases" not in layer or "bias" in layer:
@@ -179,7 +185,7 @@ def _arrays(block: Any) -> tuple[Any, ...]:
 def _make_plan(block: Any) -> _Plan | None:
     attn, mlp = block.self_attn, block.mlp
     layers = _layers(block)
-    matrices = [_matrix(layer) for layer in layers]
+    matrices = [fused_matrix(layer) for layer in layers]
     if any(m is None for m in matrices) or not cpu_math.runs_gelu_mlp(mlp):
         return None
     bits, group = layers[0].bits, layers[0].group_size
@@ -214,16 +220,21 @@ def _plan(block: Any, x: mx.array, cache: Any) -> _Plan | None:
         return None
     if mx.default_device() != mx.cpu or not fastops.offset_fits(cache.offset, x.shape[0]):
         return None
-    arrays = _arrays(block)
+    return held_plan(block, _arrays(block), _make_plan)
+
+
+def held_plan(block: Any, arrays: tuple[Any, ...], make: Callable[[Any], Any]) -> Any:
+    """`block`'s plan, remade by `make(block)` when any of `arrays` (what it is made of) is not
+    the one it was made from; held on the block (it goes with the model)."""
     held = block.__dict__.get(_PLAN_ATTRIBUTE)
     if held is None or any(a is not b for a, b in zip(held[0], arrays, strict=True)):
-        held = (arrays, _make_plan(block))
+        held = (arrays, make(block))
         # Past nn.Module's __setattr__, which would take a tuple of arrays for parameters.
         object.__setattr__(block, _PLAN_ATTRIBUTE, held)
     return held[1]
 
 
-def plan_of(block: Any) -> _Plan | None:
+def plan_of(block: Any) -> Any:
     """The plan `block` last routed a decode step with (tests), else None."""
     held = block.__dict__.get(_PLAN_ATTRIBUTE)
     return None if held is None else held[1]
@@ -259,6 +270,13 @@ def _call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     output = sys.modules[_MODULE].scaled_dot_product_attention(
         queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
     )
+    return gemma_tail(output, x, plan)
+
+
+def gemma_tail(output: mx.array, x: mx.array, plan: Any, **extra: Any) -> mx.array:
+    """`kernels.block_tail` of a Gemma layer's plan (its output product, sandwich norms and
+    GELU MLP: the fields Gemma 3's and Gemma 4's plans share) after attention's `output`;
+    `extra` goes to the primitive as it is (Gemma 4's per-layer tail)."""
     return kernels.block_tail(
         output,
         x,
@@ -273,6 +291,7 @@ def _call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
         group_size=plan.group_size,
         bits=plan.bits,
         activation="gelu_tanh",
+        **extra,
     )
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
+from decoding import decode_logits  # tests/ is on sys.path
+from kernelsets import ISAS, isa_or_skip, needs_kernels
 from mlx.utils import tree_flatten
 
 from mlx_nbengine import kernels
@@ -203,17 +204,6 @@ def tiny_q8(tmp_path_factory) -> Path:
     return make_tiny_quantized_model(
         "gemma3_text", tmp_path_factory.mktemp("q") / "tiny-q8", bits=8, group_size=32
     )
-
-
-def decode_logits(lm, prompt: list[int], *, rows: int, steps: int) -> list[mx.array]:
-    cache = lm.make_cache()
-    logits = lm.model(mx.array([prompt] * rows), cache=cache)[:, -1:, :]
-    out = [logits]
-    for _ in range(steps):
-        logits = lm.model(mx.argmax(logits, axis=-1), cache=cache)[:, -1:, :]
-        out.append(logits)
-    mx.eval(out)
-    return out
 
 
 def test_the_library_layer_and_attention_are_what_we_restate():

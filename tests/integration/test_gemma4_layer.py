@@ -13,7 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
+from decoding import decode_logits  # tests/ is on sys.path
+from kernelsets import ISAS, isa_or_skip, needs_kernels
 
 from mlx_nbengine import kernels
 from mlx_nbengine.kernels import rowops
@@ -90,18 +91,17 @@ def test_gemma4_heads_have_the_bits_of_the_graph_they_replace(
 
 def test_a_proportional_rope_leaves_its_unrotated_features_as_they_are():
     q = quantized(2 * D, seed=1)
-    got = kernels.qkv_step(
-        mx.random.normal((1, 1, K), key=mx.random.key(2)), q, None, None,
-        q_norm=mx.ones((D,)), k_norm=None, eps=EPS, heads=2, kv_heads=1, rope_dims=D,
-        traditional=False, base=None, freqs=proportional_freqs(D, D // 4, 1e6), scale=1.0,
-        offset=900, group_size=32, bits=8,
-    )[0]  # fmt: skip
-    at_zero = kernels.qkv_step(
-        mx.random.normal((1, 1, K), key=mx.random.key(2)), q, None, None,
-        q_norm=mx.ones((D,)), k_norm=None, eps=EPS, heads=2, kv_heads=1, rope_dims=D,
-        traditional=False, base=None, freqs=proportional_freqs(D, D // 4, 1e6), scale=1.0,
-        offset=0, group_size=32, bits=8,
-    )[0]  # fmt: skip
+    x = mx.random.normal((1, 1, K), key=mx.random.key(2))
+
+    def queries(offset: int) -> mx.array:
+        return kernels.qkv_step(
+            x, q, None, None, q_norm=mx.ones((D,)), k_norm=None, eps=EPS, heads=2, kv_heads=1,
+            rope_dims=D, traditional=False, base=None,
+            freqs=proportional_freqs(D, D // 4, 1e6), scale=1.0, offset=offset, group_size=32,
+            bits=8,
+        )[0]  # fmt: skip
+
+    got, at_zero = queries(900), queries(0)
     # Non-traditional RoPE pairs feature i with i + D/2; the first D/8 pairs turn.
     turning = list(range(D // 8)) + list(range(D // 2, D // 2 + D // 8))
     still = [i for i in range(D) if i not in turning]
@@ -205,17 +205,6 @@ def tiny_q8(tmp_path_factory) -> Path:
     return make_tiny_quantized_model(
         "gemma4_text", tmp_path_factory.mktemp("q") / "tiny-q8", bits=8, group_size=32
     )
-
-
-def decode_logits(lm, prompt: list[int], *, rows: int, steps: int) -> list[mx.array]:
-    cache = lm.make_cache()
-    logits = lm.model(mx.array([prompt] * rows), cache=cache)[:, -1:, :]
-    out = [logits]
-    for _ in range(steps):
-        logits = lm.model(mx.argmax(logits, axis=-1), cache=cache)[:, -1:, :]
-        out.append(logits)
-    mx.eval(out)
-    return out
 
 
 @pytest.mark.parametrize("rows", [1, 3])
