@@ -80,8 +80,8 @@ std::vector<mx::array> qkv_step(
     check_quantized(*k, p.kv_heads * D, K, p.group_size, p.bits, "qkv_step", "key");
     check_quantized(*v, p.kv_heads * D, K, p.group_size, p.bits, "qkv_step", "value");
   }
-  for (const mx::array* w : {&q_norm, has_kv ? &*k_norm : &q_norm}) {
-    if (w->dtype() != mx::float32 || w->ndim() != 1 || w->shape(0) != D) {
+  for (const mx::array* w : {&q_norm, has_kv ? &*k_norm : nullptr}) {
+    if (w != nullptr && (w->dtype() != mx::float32 || w->ndim() != 1 || w->shape(0) != D)) {
       throw std::invalid_argument("qkv_step: the norms' weights must be float32 [head dim]");
     }
   }
