@@ -36,7 +36,9 @@ wrapped in ``with policy.step(n_tokens):``. *Prefill* steps (at least `PARALLEL_
 tokens) get whichever of {all threads, one thread} has the lower recent seconds
 per token: each is tried once, then the better one is kept, and the other is
 re-tried every `PROBE_EVERY` prefill steps so a change in the machine's load is
-noticed.
+noticed. A try of the other count waits for a step of at most `PROBE_MAX_TOKENS` tokens
+(all threads until then): a whole 1,024-token step on one thread would cost a long
+prompt seconds (a hybrid model's, tens of them) where a block-sized step costs a fraction.
 
 *Decode* steps (fewer tokens) start on one thread, the safe choice on a busy
 machine; on a quiet one all threads decode faster. A decode *probe* runs
@@ -170,6 +172,8 @@ _max_threads = 1
 PARALLEL_MIN_TOKENS = 32
 # Prefill steps between two tries of the thread count not currently preferred.
 PROBE_EVERY = 16
+# The longest prefill step a try of the other thread count may take (one block).
+PROBE_MAX_TOKENS = 256
 _SMOOTHING = 0.5  # weight of the newest measurement in the seconds-per-token average
 
 # Decode steps on the preferred count between probes of the other one, at first.
@@ -305,6 +309,7 @@ class ThreadPolicy:
         self.clock = clock
         self.seconds_per_token: dict[int, float] = {}  # prefill count -> smoothed s/token
         self.prefill_steps = 0
+        self._probed_at = 0  # `prefill_steps` when the other count was last tried
         self.kernel_threads: int | None = None  # our kernels' count in a decode step
         self.kernel_products = False  # a product went to our kernels since the last decode
         self._decode: _DecodeTuner | None = None
@@ -338,13 +343,17 @@ class ThreadPolicy:
             return self.decode.preferred
         return min(candidates, key=lambda c: self.seconds_per_token[c])
 
-    def _prefill_choice(self) -> int:
+    def _prefill_choice(self, n_tokens: int, *, probe: bool = False) -> int:
+        """The count of a prefill step over `n_tokens`; with `probe` (a timed step) the
+        other count's try where one is due and the step is short enough to pay for it."""
         candidates = self._candidates()
-        untried = [c for c in candidates if c not in self.seconds_per_token]
-        if untried:
-            return untried[0]
-        best = min(candidates, key=lambda c: self.seconds_per_token[c])
-        if self.prefill_steps % PROBE_EVERY == 0:
+        timed = [c for c in candidates if c in self.seconds_per_token]
+        if not timed:
+            return candidates[0]
+        best = min(timed, key=lambda c: self.seconds_per_token[c])
+        due = len(timed) < len(candidates) or self.prefill_steps - self._probed_at >= PROBE_EVERY
+        if probe and due and n_tokens <= PROBE_MAX_TOKENS:
+            self._probed_at = self.prefill_steps
             return next(c for c in candidates if c != best)
         return best
 
@@ -375,7 +384,7 @@ class ThreadPolicy:
                 yield threads
                 return
             self.decode.interrupt()
-            threads = self._prefill_choice()
+            threads = self._prefill_choice(n_tokens, probe=True)
             self.set_step_threads(threads, decode=False)
             start = time.perf_counter()
             yield threads
@@ -409,7 +418,7 @@ class ThreadPolicy:
         if self.library is None:
             return 1
         if n_tokens >= PARALLEL_MIN_TOKENS:
-            threads = self._prefill_choice()
+            threads = self._prefill_choice(n_tokens)
         elif n_tokens > 1:
             threads = self._short_step_choice()
         else:

@@ -326,20 +326,50 @@ def test_prefill_tries_both_thread_counts_then_keeps_the_faster():
     if _blas._openblas is None or _blas._max_threads < 2:
         pytest.skip("needs OpenBLAS with at least two threads")
     policy = _blas.ThreadPolicy()
-    policy.prefill_steps = 1
     n = _blas.PARALLEL_MIN_TOKENS
     with policy.step(n) as first:
         pass
     with policy.step(n) as second:
         pass
-    assert {first, second} == {_blas._max_threads, 1}
+    assert (first, second) == (_blas._max_threads, 1)
     policy.seconds_per_token.update({1: 0.001, _blas._max_threads: 0.003})
-    with policy.step(n) as third:
-        assert third == 1 == _blas._openblas.openblas_get_num_threads()
-    # Every PROBE_EVERY prefill steps the other count is tried again.
-    policy.prefill_steps = _blas.PROBE_EVERY
+    for _ in range(_blas.PROBE_EVERY - 1):
+        with policy.step(n) as kept:
+            assert kept == 1 == _blas._openblas.openblas_get_num_threads()
+    # PROBE_EVERY prefill steps after the last try, the other count is tried again.
     with policy.step(n) as probe:
         assert probe == _blas._max_threads
+    policy.seconds_per_token.update({1: 0.001, _blas._max_threads: 0.003})
+    with policy.step(n) as after:
+        assert after == 1
+
+
+@linux_with_openblas
+def test_long_prefill_steps_never_try_the_other_count():
+    """A try of the other count waits for a step of at most PROBE_MAX_TOKENS tokens: a
+    1,024-token step on one thread would cost a long prompt seconds (tens of them on a
+    hybrid model), and the engine's steps are that long."""
+    _blas.ensure_fast_blas()
+    if _blas._openblas is None or _blas._max_threads < 2:
+        pytest.skip("needs OpenBLAS with at least two threads")
+    many, long = _blas._max_threads, _blas.PROBE_MAX_TOKENS + 1
+    policy = _blas.ThreadPolicy()
+    for _ in range(2 * _blas.PROBE_EVERY):  # one count untimed, then probes overdue
+        with policy.step(long) as threads:
+            assert threads == many
+    assert set(policy.seconds_per_token) == {many}
+    with policy.step(_blas.PROBE_MAX_TOKENS) as threads:  # the first short one tries it
+        assert threads == 1
+    policy.seconds_per_token = {1: 0.001, many: 0.003}  # one thread measured faster
+    with policy.step(long) as threads:
+        assert threads == 1  # long steps take the faster count, never a try
+    for _ in range(2 * _blas.PROBE_EVERY):
+        with policy.step(long) as threads:
+            assert threads == 1
+        policy.seconds_per_token = {1: 0.001, many: 0.003}
+    with policy.step(_blas.PROBE_MAX_TOKENS) as threads:  # overdue: the next short step
+        assert threads == many
+    assert policy.threads_for(long) == 1  # an untimed step takes the best, never a try
 
 
 def test_short_prefill_steps_take_the_count_prefill_runs_faster_on():
