@@ -105,6 +105,18 @@ def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
     return out
 
 
+def gguf_apart(shape: str, path: Path, scratch: Path) -> Path:
+    """`gguf_of`, first written in a child process: the write holds the source model and the
+    GGUF in memory together (E4B: about 16 GB), which beside an engine's model would not fit
+    a 24 GB machine, and a child gives all of it back when it ends."""
+    import multiprocessing
+
+    if shape.startswith("tiny") or (path.parent / f"{path.name}.gguf").is_file():
+        return gguf_of(shape, path, scratch)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(gguf_of, (shape, path, scratch))
+
+
 def llama_missing() -> str | None:
     import importlib.util
 
@@ -268,14 +280,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-families-") as scratch:
         for shape in args.shapes.split(","):
             paths = model_dirs(shape, Path(scratch))
+            missing = llama_missing()
+            gguf = gguf_apart(shape, paths["ours"], Path(scratch)) if missing is None else None
             variants = {"ours": measure(paths["ours"], lengths, args, library=False)}
             if not args.no_library:
                 variants["library"] = measure(paths["ours"], lengths, args, library=True)
             if "dense twin" in paths:
                 variants["dense twin"] = measure(paths["dense twin"], lengths, args, library=False)
-            missing = llama_missing()
-            if missing is None:
-                gguf = gguf_of(shape, paths["ours"], Path(scratch))
+            if gguf is not None:
                 variants["llama.cpp"] = measure_llama(gguf, lengths, args)
             else:
                 print(f"llama.cpp skipped: {missing}", flush=True)
