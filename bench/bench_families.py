@@ -35,6 +35,12 @@ threads are in the JSON):
 - *edited re-run*: a prompt of the first length, then the same prompt with one token changed
   at 90%, its whole ``--answer``-token answer in seconds (restored from the block store).
 
+Beside a hybrid's ratios to its twin, the row *twin's work / ours* gives the ratios that
+equal speed per weight would give, from the files alone (`work_of`): the twin's multiply-adds
+a token over the hybrid's for prefill (the twin's wider attention scores left out), its
+bytes a decode step reads over the hybrid's for decode. The twin of the same width and depth
+does less: a gated-delta layer's products are twice its attention's.
+
 Run from the repository root: ``.venv/bin/python -m bench.bench_families``. Writes
 ``bench/results/families.json`` and ``.txt``; ``--quick``: the tiny hybrid with a tiny
 qwen3 twin, and a tiny gemma4_text, small sizes, writing only ``--json``.
@@ -208,7 +214,7 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
     from mlx_nbengine.engine import Engine
     from mlx_nbengine.models import deltaroute, qroute
 
-    out: dict = {}
+    out: dict = {} if library else {"work": work_of(path)}
     with tempfile.TemporaryDirectory() as cache, Engine.load(str(path), cache_dir=cache) as engine:
         out["routes"] = list(engine.model.routing.names())
         warm_up(engine, lengths[0])
@@ -220,6 +226,38 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
         out.update(decode_rates(engine, args.decode))
         out["edited_rerun_s"] = edited_rerun(engine, lengths[0], args.answer)
     return out
+
+
+def work_of(path: Path) -> dict:
+    """What a token costs the model at `path` by its files alone: the multiply-adds of its
+    matrices but the embedding (a prefill step's; the head runs on one row) and the bytes a
+    decode step reads (every matrix, the tied head included, with scales and biases)."""
+    import json
+    import struct
+
+    bits = json.loads((path / "config.json").read_text()).get("quantization", {}).get("bits")
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    products = read = 0
+    for name, info in header.items():
+        if name == "__metadata__" or len(info["shape"]) != 2:
+            continue
+        start, end = info["data_offsets"]
+        read += end - start
+        if name.endswith(".weight") and "embed_tokens" not in name:
+            packed = 32 // bits if info["dtype"] == "U32" else 1
+            products += info["shape"][0] * info["shape"][1] * packed
+    return {"products_per_token": products, "bytes_per_token": read}
+
+
+def work_row(shape: str, ours: dict, twin: dict, lengths: list[int]) -> str:
+    """The hybrid / twin ratios that equal work per weight would give: the twin's products
+    over ours for prefill (attention's scores left out: they favour the hybrid as prompts
+    grow), its bytes over ours for decode."""
+    prefill = twin["work"]["products_per_token"] / ours["work"]["products_per_token"]
+    decode = twin["work"]["bytes_per_token"] / ours["work"]["bytes_per_token"]
+    cells = [f"{prefill:.2f}x"] * len(lengths) + [f"{decode:.2f}x"] * 2 + [""]
+    return f"| {shape} | twin's work / ours | " + " | ".join(cells) + " |"
 
 
 def ratio_row(shape: str, ours: dict, peer: dict, name: str, lengths: list[int]) -> str:
@@ -255,6 +293,8 @@ def table(results: dict, lengths: list[int]) -> str:
         for peer in ("dense twin", "llama.cpp"):
             if peer in variants:
                 lines.append(ratio_row(shape, variants["ours"], variants[peer], peer, lengths))
+            if peer == "dense twin" and "work" in variants.get(peer, {}):
+                lines.append(work_row(shape, variants["ours"], variants[peer], lengths))
     return "\n".join(lines)
 
 
