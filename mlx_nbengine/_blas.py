@@ -348,7 +348,7 @@ class ThreadPolicy:
         other count's try where one is due and the step is short enough to pay for it."""
         candidates = self._candidates()
         timed = [c for c in candidates if c in self.seconds_per_token]
-        if not timed:
+        if not timed or len(candidates) == 1:
             return candidates[0]
         best = min(timed, key=lambda c: self.seconds_per_token[c])
         due = len(timed) < len(candidates) or self.prefill_steps - self._probed_at >= PROBE_EVERY

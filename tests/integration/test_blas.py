@@ -297,6 +297,18 @@ def test_one_core_never_probes():
 
 
 @linux_with_openblas
+def test_one_core_prefills_on_one_thread_and_never_probes():
+    _blas.ensure_fast_blas()
+    if _blas._openblas is None:
+        pytest.skip("needs OpenBLAS")
+    policy = _blas.ThreadPolicy(max_threads=1)
+    for n in (_blas.PARALLEL_MIN_TOKENS, _blas.PROBE_MAX_TOKENS, 1024) * _blas.PROBE_EVERY:
+        with policy.step(n) as threads:
+            assert threads == 1
+    assert set(policy.seconds_per_token) == {1}
+
+
+@linux_with_openblas
 def test_a_policy_step_sets_the_decode_choice_and_prefill_interrupts_it():
     _blas.ensure_fast_blas()
     if _blas._openblas is None or _blas._max_threads < 2:
