@@ -55,7 +55,10 @@ compared with the fastest of as many intervals just before it on the preferred
 count; the minimum ignores idle pauses between generations. A probe that wins
 by `DECODE_MARGIN` switches the preference and resets the wait; a losing one
 doubles it, up to `DECODE_PROBE_MAX`, so a busy machine pays almost
-nothing (a few slow steps per thousand).
+nothing (a few slow steps per thousand). A probe whose first interval is already
+`DECODE_PROBE_GIVE_UP` times the baseline (and less than `DECODE_PAUSE` times, which is taken
+for an idle pause) ends there, lost: on a quiet machine a probe of one thread cost three
+steps at half speed, about 9% of a session's first 64-token answer.
 
 *Short prefill steps* (2 to `PARALLEL_MIN_TOKENS` - 1 tokens: an edit's changed tokens)
 are matrix-matrix products like prefill, not the memory-bound products of decode: they
@@ -184,6 +187,12 @@ DECODE_PROBE_MAX = 1024
 DECODE_PROBE_STEPS = 3
 # A probe must be this much faster (fraction of the preferred count's time) to switch.
 DECODE_MARGIN = 0.1
+# A probe whose first interval is this many times the baseline has lost: it ends there, so a
+# quiet machine's probe of one thread costs one slow step, not `DECODE_PROBE_STEPS`.
+DECODE_PROBE_GIVE_UP = 1.5
+# ... but one of more than this many times is taken for an idle pause (the user reading between
+# two answers), not a verdict: the probe goes on.
+DECODE_PAUSE = 10.0
 
 
 class _DecodeTuner:
@@ -217,6 +226,8 @@ class _DecodeTuner:
         if self.last is not None:
             started, threads = self.last
             (self.probe if threads != self.preferred else self.recent).append(now - started)
+        if self.probe_left > 0 and self._hopeless():
+            self.probe_left = 0
         if self.probe_left == 0 and self.probe:
             self._judge()
         if self.max_threads < 2:
@@ -232,6 +243,14 @@ class _DecodeTuner:
             threads = self.preferred
         self.last = (now, threads)
         return threads
+
+    def _hopeless(self) -> bool:
+        """The probe's first interval is already `DECODE_PROBE_GIVE_UP` times the baseline
+        (and less than `DECODE_PAUSE` times: a pause is no verdict)."""
+        if len(self.probe) != 1 or not self.recent:
+            return False
+        ratio = self.probe[0] / max(min(self.recent), 1e-9)
+        return DECODE_PROBE_GIVE_UP <= ratio < DECODE_PAUSE
 
     def _judge(self) -> None:
         probe, baseline = min(self.probe), min(self.recent)

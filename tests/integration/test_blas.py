@@ -262,6 +262,26 @@ def test_decode_preference_follows_the_machine_when_it_becomes_quiet():
     assert tuner.preferred == 2
 
 
+def test_a_hopeless_probe_ends_after_one_step():
+    """On a quiet machine a probe of one thread is twice as slow: it ends after its first
+    step; a probe that is slower but not hopeless runs its steps."""
+    clock = FakeClock()
+    tuner = _blas._DecodeTuner(2, clock)
+    quiet = {1: 0.2, 2: 0.1}
+    run_decode(tuner, clock, quiet, 2 * _blas.DECODE_PROBE_STEPS + 1)
+    assert tuner.preferred == 2
+    used = run_decode(tuner, clock, quiet, 2000)
+    lost = tuner.probes[1:]
+    assert lost and all(t == 1 for t, _, _ in lost)
+    assert used.count(1) == len(lost)  # one slow step a probe
+    tuner = _blas._DecodeTuner(2, clock)
+    close = {1: 0.2, 2: 0.2 / (_blas.DECODE_PROBE_GIVE_UP * 0.9)}  # one thread 1.35x as slow
+    run_decode(tuner, clock, close, 2 * _blas.DECODE_PROBE_STEPS + 1)
+    assert tuner.preferred == 2
+    used = run_decode(tuner, clock, close, 2000)
+    assert used.count(1) == _blas.DECODE_PROBE_STEPS * len(tuner.probes[1:]) > 0
+
+
 def test_a_probe_must_win_by_the_margin():
     clock = FakeClock()
     tuner = _blas._DecodeTuner(2, clock)
