@@ -42,7 +42,8 @@ bytes a decode step reads over the hybrid's for decode. The twin of the same wid
 does less: a gated-delta layer's products are twice its attention's.
 
 Run from the repository root: ``.venv/bin/python -m bench.bench_families``. Writes
-``bench/results/families.json`` and ``.txt``; ``--quick``: the tiny hybrid with a tiny
+``bench/results/families.json`` (after each shape, so a later shape's failure keeps the
+earlier ones) and ``.txt``; ``--quick``: the tiny hybrid with a tiny
 qwen3 twin, and a tiny gemma4_text, small sizes, writing only ``--json``.
 """
 
@@ -53,7 +54,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import add_run_args, cpu_name, fill_sizes, usable_cpus, write_results
+from bench.common import (
+    RESULTS,
+    add_run_args,
+    cpu_name,
+    fill_sizes,
+    machine,
+    usable_cpus,
+    write_results,
+)
 
 SIZES = {
     "lengths": "1024,4096",
@@ -318,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {}
     skipped: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-families-") as scratch:
-        for shape in args.shapes.split(","):
+        shapes = args.shapes.split(",")
+        partial = args.json or (None if args.quick else RESULTS / "families.json")
+        for shape in shapes:
             paths = model_dirs(shape, Path(scratch))
             missing = llama_missing()
             gguf = gguf_apart(shape, paths["ours"], Path(scratch)) if missing is None else None
@@ -334,13 +345,32 @@ def main(argv: list[str] | None = None) -> None:
                 skipped["llama.cpp"] = missing
             results[shape] = variants
             print(f"{shape}: {variants}", flush=True)
-    data = {
+            if partial is not None and shape != shapes[-1]:  # a later shape's crash keeps it
+                write_json(partial, data_of(args, results, skipped))
+    write_results(
+        "families",
+        data_of(args, results, skipped),
+        table(results, lengths),
+        json_path=args.json,
+        quick=args.quick,
+    )
+
+
+def data_of(args, results: dict, skipped: dict) -> dict:
+    return {
         "sizes": {k: getattr(args, k) for k in SIZES},
         "threads": usable_cpus(),
         "results": results,
         "skipped": skipped,
     }
-    write_results("families", data, table(results, lengths), json_path=args.json, quick=args.quick)
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    """The results so far, in the JSON the run will end with (`machine()` and `data`)."""
+    import json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**machine(), **data}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
