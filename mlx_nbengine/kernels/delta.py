@@ -83,6 +83,7 @@ def delta_step(
     key_dim: int,
     value_dim: int,
     norm_eps: float,
+    mask: mx.array | None = None,
     isa: str | None = None,
     threads: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
@@ -91,7 +92,9 @@ def delta_step(
     recurrence and the gated output norm in one primitive. qkv [B, 1, C], conv_state
     [B, K - 1, C], conv_w [C, K, 1], a and b [B, 1, Hv], a_log and dt_bias [Hv], state
     [B, Hv, Dv, Dk], z [B, 1, Hv, Dv], norm_w [Dv]. Returns (the normed output
-    [B, 1, Hv * Dv], the new conv state, the new state)."""
+    [B, 1, Hv * Dv], the new conv state, the new state). `mask` (bool [B, 1], a batched
+    cache's left padding): a masked row's input counts as zeros and its state is kept, as
+    the library's masked token."""
     module = _module()
     return module.delta_step(
         qkv,
@@ -104,6 +107,7 @@ def delta_step(
         state,
         z,
         norm_w,
+        mask,
         int(heads_k),
         int(key_dim),
         int(value_dim),

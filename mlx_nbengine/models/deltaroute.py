@@ -320,10 +320,11 @@ def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
 
 def _one_step(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> bool:
     """Whether a call is a decode step `_decode_step` takes: one float32 token a row, no
-    mask, a cache without lengths, one process."""
+    mask or a row mask (a batched cache's left padding), a cache without lengths, one
+    process."""
     return (
         inputs.shape[1] == 1
-        and mask is None
+        and (mask is None or (mask.dtype == mx.bool_ and mask.shape == (inputs.shape[0], 1)))
         and cache is not None
         and getattr(cache, "lengths", None) is None
         and layer.sharding_group is None
@@ -335,7 +336,7 @@ def _one_step(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> bool:
     )
 
 
-def _decode_step(layer: Any, inputs: mx.array, cache: Any) -> mx.array:
+def _decode_step(layer: Any, inputs: mx.array, cache: Any, mask: Any = None) -> mx.array:
     """The layer's decode step: its four projections, then `kernels.delta.delta_step` (the
     convolution, norms, gate, recurrence and output norm in one graph node, where the
     library builds about twenty), then its output projection."""
@@ -365,6 +366,7 @@ def _decode_step(layer: Any, inputs: mx.array, cache: Any) -> mx.array:
         key_dim=layer.head_k_dim,
         value_dim=layer.head_v_dim,
         norm_eps=layer.norm.eps,
+        mask=mask,
     )
     cache.advance(1)
     return layer.out_proj(out)
@@ -374,7 +376,7 @@ def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     if self.training or mx.default_device() != mx.cpu or not kernels.status().active:
         return _library_call(self, inputs, mask, cache)
     if _one_step(self, inputs, mask, cache):
-        return _decode_step(self, inputs, cache)
+        return _decode_step(self, inputs, cache, mask)
     B, S, _ = inputs.shape
     if self.sharding_group is not None:
         inputs = sum_gradients(self.sharding_group)(inputs)

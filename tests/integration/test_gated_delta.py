@@ -247,6 +247,45 @@ def test_a_fused_decode_step_matches_the_librarys_layer(isa, tmp_path):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_masked_decode_step_matches_the_librarys_masked_layer(isa, tmp_path):
+    # A batched cache's left padding makes a row mask even for a decode step. delta_step takes
+    # it: a masked row's input counts as zeros (its conv state still shifts) and its state is
+    # kept, as the library's masked token; unmasked rows are the unmasked step's.
+    isa_or_skip(isa)
+    with routed_delta_layer(tmp_path) as layer:
+        x, conv, state = step_inputs(layer, 3, seed=7)
+        mask = mx.array([[True], [False], [True]])
+        ours, theirs = cache_of(conv, state), cache_of(conv, state)
+        got = delta_step_of(layer, x, ours, isa, mask=mask)
+        want = deltaroute._library_call(layer, x, mask, theirs)
+        assert worst(got, want) <= Y_BOUND
+        assert mx.array_equal(ours[0], theirs[0]).item()
+        assert worst(ours[1], theirs[1]) <= STATE_BOUND
+        assert mx.array_equal(ours[1][1], state[1]).item()  # the masked row's state, kept
+        plain = cache_of(conv, state)
+        unmasked = delta_step_of(layer, x, plain, isa)
+        assert mx.array_equal(got[0::2], unmasked[0::2]).item()
+        assert mx.array_equal(ours[1][0::2], plain[1][0::2]).item()
+
+
+def test_a_left_padded_decode_step_takes_the_fused_step(tmp_path, monkeypatch):
+    # The engine's batched decode (ArraysCache with left padding: make_mask gives a [B, 1]
+    # mask) goes to _decode_step, not the general path; a longer mask does not.
+    with routed_delta_layer(tmp_path) as layer:
+        fused = []
+        real = deltaroute._decode_step
+        monkeypatch.setattr(deltaroute, "_decode_step", lambda *a: fused.append(1) or real(*a))
+        x, conv, state = step_inputs(layer, 2, seed=3)
+        cache = cache_of(conv, state)
+        cache.left_padding = mx.array([0, -2])
+        layer(x, cache.make_mask(1), cache)
+        assert fused == [1]
+        cache = cache_of(conv, state)
+        layer(mx.concatenate([x, x], axis=1), mx.ones((2, 2), dtype=mx.bool_), cache)
+        assert fused == [1]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_a_decode_steps_heads_split_over_threads_give_the_same_bits(isa, tmp_path):
     # One sequence's heads split over the step's threads (a row's state is read by every
     # core), and rows and heads split together: the same output, conv state and state bits as
@@ -266,7 +305,7 @@ def test_a_decode_steps_heads_split_over_threads_give_the_same_bits(isa, tmp_pat
                     assert mx.array_equal(got, want).item(), (rows, threads)
 
 
-def delta_step_of(layer, x, cache, isa, threads=None):
+def delta_step_of(layer, x, cache, isa, threads=None, mask=None):
     out, cache[0], cache[1] = delta.delta_step(
         layer.in_proj_qkv(x),
         cache[0],
@@ -282,6 +321,7 @@ def delta_step_of(layer, x, cache, isa, threads=None):
         key_dim=layer.head_k_dim,
         value_dim=layer.head_v_dim,
         norm_eps=layer.norm.eps,
+        mask=mask,
         isa=isa,
         threads=threads,
     )

@@ -647,6 +647,7 @@ MNB_INLINE float silu_of(float x) {
 struct StepJob {
   const float *qkv, *conv_state, *conv_w, *a, *b, *a_log, *dt_bias, *state, *z, *norm_w;
   float *out, *conv_out, *state_out;
+  const bool* mask; // null: every row counts; else a masked row keeps its state
   int64_t C, K, Hk, Hv, Dk, Dv;
   float norm_eps;
 };
@@ -668,9 +669,10 @@ struct StepUnits {
 MNB_INLINE void step_conv(const StepJob& j, int64_t row, float* mixed, bool write_state) {
   const int64_t C = j.C, K = j.K, keep = K - 1;
   const float* kept = j.conv_state + row * keep * C;
+  const bool masked = j.mask != nullptr && !j.mask[row];
   const float* x = j.qkv + row * C;
   for (int64_t c = 0; c < C; ++c) {
-    float acc = j.conv_w[c * K + keep] * x[c];
+    float acc = j.conv_w[c * K + keep] * (masked ? 0.0f : x[c]);
     for (int64_t t = 0; t < keep; ++t) {
       acc += j.conv_w[c * K + t] * kept[t * C + c];
     }
@@ -698,7 +700,9 @@ MNB_INLINE void step_conv(const StepJob& j, int64_t row, float* mixed, bool writ
   for (int64_t t = 0; t + 1 < keep; ++t) {
     std::memcpy(new_kept + t * C, kept + (t + 1) * C, size_t(C) * sizeof(float));
   }
-  if (keep > 0) {
+  if (keep > 0 && masked) {
+    std::fill(new_kept + (keep - 1) * C, new_kept + keep * C, 0.0f);
+  } else if (keep > 0) {
     std::memcpy(new_kept + (keep - 1) * C, x, size_t(C) * sizeof(float));
   }
 }
@@ -721,6 +725,9 @@ MNB_INLINE void step_heads(const StepJob& j, int64_t row, int64_t h0, int64_t h1
     const float* kh = k + (h / group) * j.Dk;
     float* y = j.out + (row * j.Hv + h) * j.Dv;
     state_rows(s, j.Dv, j.Dk, qh, kh, v + h * j.Dv, g, beta, y);
+    if (j.mask != nullptr && !j.mask[row]) { // a masked row gives its y and keeps its state
+      std::memcpy(s, j.state + (row * j.Hv + h) * per, size_t(per) * sizeof(float));
+    }
     // rms_norm(y) * w * silu(z)
     const float ry = 1.0f / std::sqrt(sum_squares_of(y, j.Dv) / float(j.Dv) + j.norm_eps);
     const float* zh = j.z + (row * j.Hv + h) * j.Dv;
@@ -770,6 +777,7 @@ std::vector<mx::array> delta_step(
     const mx::array& state,
     const mx::array& z,
     const mx::array& norm_w,
+    const std::optional<mx::array>& mask,
     const DeltaStepParams& params) {
   const int B = qkv.shape(0), C = qkv.shape(-1), K = conv_w.ndim() == 3 ? conv_w.shape(1) : 0;
   const int Hv = state.ndim() == 4 ? state.shape(1) : 0, Dv = params.value_dim;
@@ -785,6 +793,9 @@ std::vector<mx::array> delta_step(
   if (!fits) {
     throw std::invalid_argument("delta_step: the layer's arrays do not fit one decode step");
   }
+  if (mask && (mask->dtype() != mx::bool_ || mask->shape() != mx::Shape{B, 1})) {
+    throw std::invalid_argument("delta_step: mask must be bool [B, 1]");
+  }
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs;
   const char* names[] = {"qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias",
@@ -793,6 +804,9 @@ std::vector<mx::array> delta_step(
   for (const mx::array* x : {&qkv, &conv_state, &conv_w, &a, &b, &a_log, &dt_bias, &state, &z,
                              &norm_w}) {
     inputs.push_back(float32_input(*x, names[i++], s));
+  }
+  if (mask) {
+    inputs.push_back(contiguous_input(*mask, s));
   }
   DeltaStepParams held = params;
   held.isa = usable(params.isa);
@@ -831,6 +845,7 @@ void DeltaStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     for (int i = 0; i < 10; ++i) {
       *fields[i] = inputs[i].data<float>();
     }
+    job.mask = inputs.size() > 10 ? inputs[10].data<bool>() : nullptr;
     auto fn = step_portable;
 #if defined(__x86_64__)
     if (isa == Isa::avx512) {

@@ -71,7 +71,9 @@ class ConvSilu : public mx::UnaryPrimitive {
 // beta = sigmoid(b), the recurrence, and the output norm rms_norm(y) * w * silu(z).
 // qkv [B, 1, C], conv_state [B, K - 1, C], conv_w [C, K, 1], a and b [B, 1, Hv], A_log and
 // dt_bias [Hv], state [B, Hv, Dv, Dk], z [B, 1, Hv, Dv], norm_w [Dv]; float32. Returns the
-// normed output [B, 1, Hv * Dv], the new conv state and the new state.
+// normed output [B, 1, Hv * Dv], the new conv state and the new state. With `mask` (bool
+// [B, 1], a batched cache's left padding) a masked row is the library's masked token: its
+// input zeroed before the convolution (whose state still shifts) and its state kept.
 struct DeltaStepParams {
   int heads_k, key_dim, value_dim; // Hk, Dk, Dv
   float norm_eps; // the output norm's
@@ -90,6 +92,7 @@ std::vector<mx::array> delta_step(
     const mx::array& state,
     const mx::array& z,
     const mx::array& norm_w,
+    const std::optional<mx::array>& mask,
     const DeltaStepParams& params);
 
 class DeltaStep : public mx::Primitive {

@@ -69,16 +69,17 @@ void bind_rowops(nb::module_& m, mnb::Isa (*parse_isa)(const std::string&)) {
                   const mnb::mx::array& conv_w, const mnb::mx::array& a, const mnb::mx::array& b,
                   const mnb::mx::array& a_log, const mnb::mx::array& dt_bias,
                   const mnb::mx::array& state, const mnb::mx::array& z,
-                  const mnb::mx::array& norm_w, int heads_k, int key_dim, int value_dim,
-                  float norm_eps, const std::string& isa, int threads) {
+                  const mnb::mx::array& norm_w, const std::optional<mnb::mx::array>& mask,
+                  int heads_k, int key_dim, int value_dim, float norm_eps,
+                  const std::string& isa, int threads) {
         auto out = mnb::delta_step(
-            qkv, conv_state, conv_w, a, b, a_log, dt_bias, state, z, norm_w,
+            qkv, conv_state, conv_w, a, b, a_log, dt_bias, state, z, norm_w, mask,
             mnb::DeltaStepParams{heads_k, key_dim, value_dim, norm_eps, parse_isa(isa), threads});
         return nb::make_tuple(out[0], out[1], out[2]);
       },
       "qkv"_a, "conv_state"_a, "conv_w"_a, "a"_a, "b"_a, "a_log"_a, "dt_bias"_a, "state"_a,
-      "z"_a, "norm_w"_a, "heads_k"_a, "key_dim"_a, "value_dim"_a, "norm_eps"_a, "isa"_a,
-      "threads"_a,
+      "z"_a, "norm_w"_a, "mask"_a.none(), "heads_k"_a, "key_dim"_a, "value_dim"_a,
+      "norm_eps"_a, "isa"_a, "threads"_a,
       "A decode step of Qwen 3.5's linear-attention layer between its projections: "
       "(out, conv_state, state) (see gated_delta.h).");
   m.def(
