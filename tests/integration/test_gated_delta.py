@@ -266,6 +266,9 @@ def test_a_masked_decode_step_matches_the_librarys_masked_layer(isa, tmp_path):
         unmasked = delta_step_of(layer, x, plain, isa)
         assert mx.array_equal(got[0::2], unmasked[0::2]).item()
         assert mx.array_equal(ours[1][0::2], plain[1][0::2]).item()
+        for bad in (mask.astype(mx.float32), mx.array([[True, False]] * 3)):
+            with pytest.raises(ValueError, match=r"^delta_step: mask must be bool \[B, 1\]$"):
+                delta_step_of(layer, x, cache_of(conv, state), isa, mask=bad)
 
 
 def test_a_left_padded_decode_step_takes_the_fused_step(tmp_path, monkeypatch):
