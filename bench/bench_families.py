@@ -55,12 +55,12 @@ import time
 from pathlib import Path
 
 from bench.common import (
-    RESULTS,
     add_run_args,
     cpu_name,
     fill_sizes,
-    machine,
+    results_path,
     usable_cpus,
+    write_json,
     write_results,
 )
 
@@ -103,6 +103,11 @@ def model_dirs(shape: str, scratch: Path) -> dict[str, Path]:
     return out
 
 
+def gguf_beside(path: Path) -> Path:
+    """A shaped model's GGUF, beside its directory."""
+    return path.parent / f"{path.name}.gguf"  # not with_suffix: "qwen3_5-0.8b-..." has a dot
+
+
 def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
     """The model's GGUF (made once beside it; the tiny ones in `scratch`)."""
     from mlx_nbengine.testing import make_shaped_gguf, make_tiny_gguf
@@ -111,7 +116,7 @@ def gguf_of(shape: str, path: Path, scratch: Path) -> Path:
         return make_tiny_gguf("qwen3_5", scratch / "hybrid.gguf", source=path)
     if shape == "tiny-gemma4":
         return make_tiny_gguf("gemma4_text", scratch / "gemma4.gguf", source=path)
-    out = path.parent / f"{path.name}.gguf"  # not with_suffix: "qwen3_5-0.8b-..." has a dot
+    out = gguf_beside(path)
     if not out.is_file():
         print(f"writing {out.name} (once)...", flush=True)
         part = path.parent / f"{path.name}.gguf.part"
@@ -126,7 +131,7 @@ def gguf_apart(shape: str, path: Path, scratch: Path) -> Path:
     a 24 GB machine, and a child gives all of it back when it ends."""
     import multiprocessing
 
-    if shape.startswith("tiny") or (path.parent / f"{path.name}.gguf").is_file():
+    if shape.startswith("tiny") or gguf_beside(path).is_file():
         return gguf_of(shape, path, scratch)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(gguf_of, (shape, path, scratch))
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-families-") as scratch:
         shapes = args.shapes.split(",")
-        partial = args.json or (None if args.quick else RESULTS / "families.json")
+        partial = results_path("families", args.json, args.quick)
         for shape in shapes:
             paths = model_dirs(shape, Path(scratch))
             missing = llama_missing()
@@ -363,14 +368,6 @@ def data_of(args, results: dict, skipped: dict) -> dict:
         "results": results,
         "skipped": skipped,
     }
-
-
-def write_json(path: str | Path, data: dict) -> None:
-    """The results so far, in the JSON the run will end with (`machine()` and `data`)."""
-    import json
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**machine(), **data}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,20 @@ def fill_sizes(args: argparse.Namespace, sizes: dict, quick_sizes: dict) -> None
             setattr(args, key, value)
 
 
+def results_path(name: str, json_path: Path | str | None, quick: bool) -> Path | None:
+    """Where a run's JSON goes: `json_path`, else ``bench/results/<name>.json``; None for a
+    `quick` run without `json_path` (it only prints)."""
+    if json_path is None:
+        return None if quick else RESULTS / f"{name}.json"
+    return Path(json_path)
+
+
+def write_json(json_path: Path, data: dict) -> None:
+    """``machine()`` + `data` at `json_path` (also a run's results so far)."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({**machine(), **data}, indent=2) + "\n")
+
+
 def write_results(
     name: str, data: dict, text: str, *, json_path: Path | None = None, quick: bool = False
 ) -> None:
@@ -127,15 +141,11 @@ def write_results(
     `json_path` replaces ``bench/results/<name>.json`` (the table goes beside it, ``.txt``);
     a `quick` run without `json_path` only prints."""
     print(text)
-    if json_path is None and quick:
+    json_path = results_path(name, json_path, quick)
+    if json_path is None:
         print("\n(--quick: no results written; --json PATH writes them)")
         return
-    if json_path is None:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        json_path = RESULTS / f"{name}.json"
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({**machine(), **data}, indent=2) + "\n")
+    write_json(json_path, data)
     json_path.with_suffix(".txt").write_text(text + "\n")
     print(f"\nwritten: {json_path} and {json_path.with_suffix('.txt').name}")
 
