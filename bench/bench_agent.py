@@ -45,7 +45,8 @@ the first turn's time), then ``--after-restart`` turns; the first turn after the
 against the same request sent cold (a fresh server with nothing cached).
 
 **Measured**: per turn the time to the first streamed token (TTFT), the request's whole
-time and ``cached_tokens`` as each server reports it (Responses: ``input_tokens_details``;
+time (each server's requests through one HTTP client that keeps its connection open, as an
+agent's CLI does) and ``cached_tokens`` as each server reports it (Responses: ``input_tokens_details``;
 llama-server: ``timings.cache_n`` where its usage has none); each shape's whole trace time.
 *New tokens* of a turn: its prompt's tokens past the longest prefix it shares with an
 earlier turn's prompt plus answer (our tokenizer, text as rendered): what an ideal prefix
@@ -89,6 +90,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -396,6 +398,7 @@ class Server:
         self.model = model
         self.port = int(cmd[cmd.index("--port") + 1]) if "--port" in cmd else None
         self.log = log
+        self._client: Any = None
         self._log_start = log.stat().st_size if log.exists() else 0
         self._log_file = open(log, "a")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -406,6 +409,17 @@ class Server:
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def client(self) -> Any:
+        """The one HTTP client of this server's requests, its connection kept open between
+        them as an agent's CLI keeps it (a new client per request would add its own set-up,
+        about 20 ms here, to every turn's time to first token)."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.Client()
+        return self._client
 
     def _output(self) -> str:
         return self.log.read_text(errors="replace")[self._log_start :]
@@ -433,6 +447,9 @@ class Server:
         raise RuntimeError(f"{self.name} did not start in {START_TIMEOUT_S} s")
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -547,7 +564,7 @@ def stream(server: Server, route: str, payload: dict, deadline: float | None = N
     text: list[str] = []
     usage: dict = {}
     timings: dict = {}
-    with httpx.stream(
+    with server.client.stream(
         "POST", server.base + path[route], json=body, timeout=httpx.Timeout(timeout)
     ) as response:
         if response.status_code != 200:
