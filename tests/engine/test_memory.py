@@ -3,9 +3,12 @@ left alone (a process with an MLX distributed group, outside the steps' pauses).
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_nbengine.engine import memory
@@ -64,6 +67,52 @@ def test_an_idle_engine_gives_memory_back_after_a_pause_not_between_requests(
         done = time.monotonic()
         wait_until(lambda: len(calls) > before)
         assert calls[-1] - done >= 0.5
+
+
+glibc = pytest.mark.skipif(
+    memory._MALLOPT is None, reason="glibc's mallopt is not here (not Linux/glibc)"
+)
+
+
+def page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def touched(nbytes: int) -> np.ndarray:
+    a = np.empty(nbytes, np.uint8)
+    a.fill(1)  # every page written, as a step writes its buffers
+    return a
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+@glibc
+def test_a_steps_freed_buffer_comes_back_without_page_faults():
+    # 8 MiB: a prefill step's activations. Under the pinned mmap threshold it comes from an
+    # arena, whose pages the next step's buffer of the size reuses; with glibc's threshold
+    # pinned at 128 KiB each was a mapping of its own, 2,048 page faults at every use.
+    memory.keep_large_buffers_mapped()
+    nbytes = 8 << 20
+    first = touched(nbytes)
+    del first
+    before = page_faults()
+    second = touched(nbytes)
+    assert page_faults() - before < (nbytes >> 12) // 8
+    del second
+
+
+@glibc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_buffer_over_the_threshold_leaves_rss_when_freed():
+    memory.keep_large_buffers_mapped()
+    nbytes = 2 * memory._MMAP_THRESHOLD_BYTES  # a long prompt's attention scores
+    big = touched(nbytes)
+    held = resident_bytes()
+    del big
+    assert held - resident_bytes() > nbytes * 0.9
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:
