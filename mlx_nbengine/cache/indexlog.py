@@ -5,8 +5,8 @@ The layout (header, entry frames, the ``P``/``D``/``F`` entries) is described in
 
 - *replay*: reading a log from its header to its first damaged or truncated entry, into
   the live puts (oldest first) and followers (`Replay`, `read_index`).
-- *append*: entries written at the log's end (a put's entry synced, others not), cut back
-  when a write fails (`IndexLog.append`).
+- *append*: entries written at the log's end, not synced (`IndexLog.flush` syncs them), cut
+  back when a write fails (`IndexLog.append`).
 - *rewrite*: the live entries written whole to ``index.log.tmp``, synced and renamed over the
   log (`IndexLog.rewrite`; atomic: either log is whole). *broken*: why the log can no longer
   be written (None while it can); nothing is appended then.
@@ -349,15 +349,14 @@ class IndexLog:
         if state.end < state.size:
             os.ftruncate(self.fd, state.end)  # later entries must not follow garbage
 
-    def append(self, entries: list[LogEntry], *, sync: bool) -> None:
-        """Append `entries`; on failure cut the log back and raise `OSError`."""
+    def append(self, entries: list[LogEntry]) -> None:
+        """Append `entries` (not synced: see `flush`); on failure cut the log back and raise
+        `OSError`."""
         if self.broken is not None:
             raise OSError(errno.EIO, f"the store's index cannot be written ({self.broken})")
         frames = b"".join(encode_entry(e) for e in entries)
         try:
             pwrite_all(self.fd, frames, self.end)
-            if sync:
-                (getattr(os, "fdatasync", None) or os.fsync)(self.fd)
         except OSError as exc:
             try:
                 os.ftruncate(self.fd, self.end)
@@ -410,7 +409,7 @@ class IndexLog:
     def flush(self) -> None:
         """Make every entry appended so far durable."""
         if self.broken is None and self.fd >= 0:
-            os.fsync(self.fd)
+            (getattr(os, "fdatasync", None) or os.fsync)(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -132,7 +132,8 @@ class Persistence:
             ]
 
     def flush(self) -> None:
-        """Make a persistent store's index durable now (puts already are, one by one)."""
+        """Make what a persistent store wrote durable now (its syncer does so after each put,
+        on a thread of its own; a failure here is its next put's)."""
         with self._lock:
             if self._open():
                 try:

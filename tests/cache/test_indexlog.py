@@ -96,7 +96,7 @@ def test_attach_cuts_a_torn_tail_before_appending(tmp_path):
     state = read_index(path)
     log = IndexLog(tmp_path, store_id=STORE_ID, identity=IDENTITY)
     log.attach(state)
-    log.append([Put("b", "kv", 26, 10, 2)], sync=True)
+    log.append([Put("b", "kv", 26, 10, 2)])
     log.close()
     assert list(read_index(path).puts) == [("a", "kv"), ("b", "kv")]
 
@@ -159,7 +159,7 @@ def test_a_failed_append_cuts_the_log_back_and_raises(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match="No space left"):
-        log.append([Put("b", "kv", 26, 10, 2)], sync=True)
+        log.append([Put("b", "kv", 26, 10, 2)])
     monkeypatch.undo()
     assert log.end == end and log.broken is None
     log.close()
@@ -176,9 +176,9 @@ def test_a_log_that_cannot_be_cut_back_is_broken_and_appends_nothing_more(tmp_pa
     monkeypatch.setattr(os, "pwrite", failing)
     monkeypatch.setattr(os, "ftruncate", failing)
     with pytest.raises(OSError):
-        log.append([Put("b", "kv", 26, 10, 2)], sync=False)
+        log.append([Put("b", "kv", 26, 10, 2)])
     monkeypatch.undo()
     assert log.broken == "Input/output error"
     with pytest.raises(OSError, match="cannot be written"):
-        log.append([Put("c", "kv", 36, 10, 3)], sync=False)
+        log.append([Put("c", "kv", 36, 10, 3)])
     log.close()
