@@ -33,7 +33,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from mlx_nbengine import kernels
@@ -309,30 +308,28 @@ def has_quantized_layers(model: Any) -> bool:
 GRID_STEPS = (127, 16, 8)
 
 
-def _on_grid(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _on_grid(w: mx.array, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
     """Per group of `w` (float32 [N, K]): whether the group is d * k for integers k with
     |k| <= 127 and d its largest magnitude over one of `GRID_STEPS` (a block of Q8_0, Q5_0
-    or Q4_0 dequantized), and, where it is, d and k + 128 (uint8, [N, K]). A group is checked
-    whole for a grid only where its first value is on it (most groups of other formats fail
-    there, at a 32nd of the work)."""
+    or Q4_0 dequantized), the first such grid's d where it is (else 0), and k + 128 (uint8,
+    [N, K]; 128 elsewhere). Evaluated, one pass over `w` a grid, stopping once every group
+    is on one (a GGUF's Q8_0 tensors: at the first)."""
     groups = w.reshape(w.shape[0], -1, group_size)
-    largest = np.abs(groups).max(axis=-1)
-    exact = np.zeros(largest.shape, dtype=bool)
-    step = np.zeros(largest.shape, dtype=np.float32)
-    q = np.full(groups.shape, 128, dtype=np.uint8)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for grid in GRID_STEPS:
-            d = largest / np.float32(grid)
-            first = groups[..., 0] / d
-            rows, cols = np.nonzero(
-                ~exact & (largest > 0) & (first == np.round(first)) & (np.abs(first) <= 127)
-            )
-            k = groups[rows, cols] / d[rows, cols, None]
-            fits = np.all(k == np.round(k), axis=-1) & np.all(np.abs(k) <= 127, axis=-1)
-            rows, cols = rows[fits], cols[fits]
-            exact[rows, cols] = True
-            step[rows, cols] = d[rows, cols]
-            q[rows, cols] = (k[fits] + 128).astype(np.uint8)
+    largest = mx.abs(groups).max(axis=-1)
+    exact = mx.zeros(largest.shape, dtype=mx.bool_)
+    step = mx.zeros(largest.shape, dtype=mx.float32)
+    q = mx.full(groups.shape, 128, dtype=mx.uint8)
+    for grid in GRID_STEPS:
+        d = largest / grid
+        k = groups / d[..., None]  # not finite where d is 0: those groups never fit
+        fits = mx.all(k == mx.round(k), axis=-1) & (mx.abs(k).max(axis=-1) <= 127)
+        fits = fits & (largest > 0) & ~exact
+        step = mx.where(fits, d, step)
+        q = mx.where(fits[..., None], (k + 128).astype(mx.uint8), q)
+        exact = exact | fits
+        mx.eval(exact, step, q)
+        if exact.all().item():
+            break
     return exact, step, q.reshape(w.shape)
 
 
@@ -347,30 +344,38 @@ def _exact_where_on_grid(module: Any, weight: mx.array) -> int:
     scales and biases exactly (a GGUF block's d is a float16), the layer keeps float16 copies
     for our kernels (`product_arrays`). Returns how many groups changed."""
     rows, group = weight.shape[0], module.group_size
-    codes = np.array(module.weight).view(np.uint8).reshape(rows, -1)
-    scales = np.array(module.scales.astype(mx.float32))
-    biases = np.array(module.biases.astype(mx.float32))
+    codes = mx.view(module.weight, mx.uint8).reshape(rows, -1)
+    scales = module.scales.astype(mx.float32)
+    biases = module.biases.astype(mx.float32)
+    parts: list[tuple[mx.array, mx.array, mx.array]] = []
     changed = 0
     for start in range(0, rows, _GRID_ROWS):
         end = min(rows, start + _GRID_ROWS)
-        w = np.array(weight[start:end].astype(mx.float32))
-        exact, d, q = _on_grid(w, group)
-        if not exact.any():
-            continue
-        changed += int(exact.sum())
-        n = end - start
-        codes[start:end].reshape(n, -1, group)[exact] = q.reshape(n, -1, group)[exact]
-        scales[start:end][exact] = d[exact]
-        biases[start:end][exact] = -128 * d[exact]
+        part = (codes[start:end], scales[start:end], biases[start:end])
+        exact, d, q = _on_grid(weight[start:end].astype(mx.float32), group)
+        n = exact.sum().item()
+        if n:
+            changed += n
+            shape = (end - start, -1, group)
+            part = (
+                mx.where(exact[..., None], q.reshape(shape), part[0].reshape(shape)).reshape(
+                    end - start, -1
+                ),
+                mx.where(exact, d, part[1]),
+                mx.where(exact, -128 * d, part[2]),
+            )
+            mx.eval(part)
+        parts.append(part)
     if changed:
-        module.weight = mx.array(codes.reshape(-1).view(np.uint32).reshape(rows, -1))
-        module.scales = mx.array(scales).astype(module.scales.dtype)
-        module.biases = mx.array(biases).astype(module.biases.dtype)
+        codes, scales, biases = (mx.concatenate(p) for p in zip(*parts, strict=True))
+        module.weight = mx.view(codes.reshape(-1), mx.uint32).reshape(rows, -1)
+        module.scales = scales.astype(module.scales.dtype)
+        module.biases = biases.astype(module.biases.dtype)
     if changed == scales.size:  # every group on a grid: float16 may hold them exactly
-        half = scales.astype(np.float16), biases.astype(np.float16)
+        half = scales.astype(mx.float16), biases.astype(mx.float16)
         pairs = zip(half, (scales, biases), strict=True)
-        if all(np.array_equal(h.astype(np.float32), f) for h, f in pairs):
-            copies = (module.scales, mx.array(half[0]), mx.array(half[1]))
+        if all(mx.array_equal(h.astype(mx.float32), f).item() for h, f in pairs):
+            copies = (module.scales, half[0], half[1])
             object.__setattr__(module, _HALF_ATTRIBUTE, copies)
     return changed
 
