@@ -104,6 +104,12 @@ class CacheIO:
         self._closing = False
         self.prefix: Any = None  # PrefixCache, set by `open` on this thread
         self.save_errors = 0
+        # Called on this thread each time its queue empties after a job: freed blobs and
+        # decoded arrays are garbage then. At once by default; an engine hands it to its
+        # generation thread (`GenerationThread.io_drained`), which gives memory back once
+        # it has been idle a while: emptied from here at once, MLX's pool and the heap's
+        # free pages were gone for the next request (50,000 page faults an agent's turn).
+        self.on_drained: Callable[[], None] = give_back_memory
         self._queued_saves: dict[str, tuple] = {}  # key -> (records, parent, tokens)
         self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -287,8 +293,7 @@ class CacheIO:
                 except BaseException as exc:  # delivered to whoever waits on the future
                     fut.set_exception(exc)
             if self._jobs.empty():
-                # Serialized blobs and decoded arrays are garbage now; let RSS fall back.
-                give_back_memory()
+                self.on_drained()
         while True:  # the jobs left behind are dropped; tell any waiter
             try:
                 _, _, fn, fut = self._jobs.get_nowait()

@@ -101,6 +101,7 @@ class Engine:
             loader = sharded.load
             sharded.group.on_fault = self._rank_fault
         self._gen = _generation_thread(loader, self._io, self._ledger, config, sharded)
+        self._io.on_drained = self._gen.io_drained
         self.internals = EngineInternals(self._gen, self._io, closed=lambda: self._closed)
         try:
             self.model = self._gen.start()

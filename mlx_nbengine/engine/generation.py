@@ -106,6 +106,11 @@ class GenerationThread:
     def cancel(self, request: Any) -> None:
         self._inbox.put(("cancel", request))
 
+    def io_drained(self) -> None:
+        """The cache-I/O thread's queue emptied (`CacheIO.on_drained`): an idle loop gives
+        memory back `GIVE_BACK_AFTER_S` from now, unless a request comes first."""
+        self._inbox.put(("drained", None))
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel everything in flight, stop the loop and join the thread (at most
         `timeout` s; not at all once it is `stuck`)."""
@@ -298,6 +303,9 @@ class GenerationThread:
                 self.scheduler.restored(arg)
             elif kind == "call":
                 arg()
+            elif kind == "drained":
+                if self._idle_since is not None:  # idle: give back again, a while from now
+                    self._idle_since, self._given_back = time.monotonic(), False
             elif kind == "stop":
                 self._stopping = True
                 return submitted

@@ -3,7 +3,10 @@
 *Freed* memory is not yet *returned*: MLX keeps freed buffers in a reuse pool, and
 glibc keeps freed heap pages in per-thread arenas. Both make a process's RSS stay at
 the high-water mark of its largest prefill long after nothing holds those buffers.
-`give_back_memory` empties both; the engine's threads call it when they go idle.
+`give_back_memory` empties both. An engine's generation thread calls it once it has been
+idle a while, and again a while after the cache-I/O thread's queue of saves empties
+(`CacheIO.on_drained`), never between back-to-back requests; a sharded model's workers call it
+from their own threads.
 
 glibc also raises its mmap threshold each time a large block is freed, so later large
 buffers land in the arenas, where fragmentation can keep them resident even after
@@ -19,7 +22,11 @@ each step: a 430-token prefill step after 5,503 tokens on the default model took
 page faults and 0.73 s where it takes none and 0.57 s now (Intel Xeon, 2 threads), with
 about the same RSS once idle (`bench/bench_engine.py --only b`, four prompts of 1,024 or
 4,096 tokens: extra RAM within 2 MB of none, once 24 MB, against 150-410 MB for a store kept
-in RAM).
+in RAM). Since the cache-I/O thread leaves giving back to the idle generation thread outside
+a prompt's reading (`GenerationThread.io_drained`), the 1,024-token figure is higher: +10 and +27 MB
+in two runs (against 164-175 MB kept in RAM), where giving back at every drained save queue,
+also in the middle of a burst of prompts, gave -21 and -27 MB, and 50,000 page faults an
+agent's turn.
 Any thread may call either function.
 
 Once this process formed an MLX distributed group (any rank of a sharded model), MLX's pool

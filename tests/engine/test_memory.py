@@ -68,6 +68,40 @@ def test_an_idle_engine_gives_memory_back_after_a_pause_not_between_requests(
         assert calls[-1] - done >= 0.5
 
 
+def test_the_store_thread_leaves_giving_back_to_the_idle_engine(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # The cache-I/O thread's queue empties after each request's saves; giving memory back
+    # there at once emptied MLX's pool and the heap between back-to-back requests. It tells
+    # the generation thread instead, which gives back once it has been idle a while.
+    from mlx_nbengine.engine import Engine, cacheio, generation
+    from mlx_nbengine.engine.runner import Runner
+
+    monkeypatch.setattr(generation, "GIVE_BACK_AFTER_S", 1.0)
+    from_io: list[float] = []
+    monkeypatch.setattr(cacheio, "give_back_memory", lambda: from_io.append(time.monotonic()))
+    calls: list[float] = []
+    idle = Runner.idle
+
+    def counted(self) -> None:
+        calls.append(time.monotonic())
+        idle(self)
+
+    monkeypatch.setattr(Runner, "idle", counted)
+    words = " ".join(f"w{i}" for i in range(80))
+    with Engine.load(str(tiny_model_dir("llama")), cache_dir=tmp_path, block_size=16) as engine:
+        wait_until(lambda: calls)  # idle after the load
+        before = len(calls)
+        for n in range(3):
+            engine.submit(f"{n} {words}", max_tokens=4).result()
+        engine.wait_for_saves(timeout=30)
+        assert engine.stats()["stored"] > 0
+        drained = time.monotonic()
+        assert len(calls) == before and not from_io
+        wait_until(lambda: len(calls) > before)  # given back once idle, after the saves
+        assert calls[-1] - drained >= 0.5 and not from_io
+
+
 glibc = pytest.mark.skipif(
     memory._MALLOPT is None, reason="glibc's mallopt is not here (not Linux/glibc)"
 )
