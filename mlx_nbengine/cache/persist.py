@@ -325,8 +325,9 @@ class _Syncer:
         try:
             self._sync()
         except OSError as exc:
-            if self.error is None:
-                self.error = exc
+            with self._wake:
+                if self.error is None:
+                    self.error = exc
             raise
 
     def wait(self) -> None:
