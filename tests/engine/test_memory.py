@@ -40,12 +40,10 @@ def test_with_a_distributed_group_the_pool_is_emptied_only_between_steps(collect
     assert mx.get_cache_memory() == 0
 
 
-def test_an_idle_engine_gives_memory_back_after_a_pause_not_between_requests(
-    tiny_model_dir, tmp_path, monkeypatch
-):
-    # Back-to-back requests keep MLX's buffers (the next request does not fault them in
-    # again); once no work came for GIVE_BACK_AFTER_S, the engine gives its memory back.
-    from mlx_nbengine.engine import Engine, generation
+def idle_give_backs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When the generation thread gives memory back (`Runner.idle`), with
+    `GIVE_BACK_AFTER_S` at 1 s."""
+    from mlx_nbengine.engine import generation
     from mlx_nbengine.engine.runner import Runner
 
     monkeypatch.setattr(generation, "GIVE_BACK_AFTER_S", 1.0)
@@ -57,6 +55,17 @@ def test_an_idle_engine_gives_memory_back_after_a_pause_not_between_requests(
         idle(self)
 
     monkeypatch.setattr(Runner, "idle", counted)
+    return calls
+
+
+def test_an_idle_engine_gives_memory_back_after_a_pause_not_between_requests(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # Back-to-back requests keep MLX's buffers (the next request does not fault them in
+    # again); once no work came for GIVE_BACK_AFTER_S, the engine gives its memory back.
+    from mlx_nbengine.engine import Engine
+
+    calls = idle_give_backs(monkeypatch)
     with Engine.load(str(tiny_model_dir("llama")), cache_dir=tmp_path) as engine:
         wait_until(lambda: calls)  # idle after the load
         before = len(calls)
@@ -74,20 +83,11 @@ def test_the_store_thread_leaves_giving_back_to_the_idle_engine(
     # The cache-I/O thread's queue empties after each request's saves; giving memory back
     # there at once emptied MLX's pool and the heap between back-to-back requests. It tells
     # the generation thread instead, which gives back once it has been idle a while.
-    from mlx_nbengine.engine import Engine, cacheio, generation
-    from mlx_nbengine.engine.runner import Runner
+    from mlx_nbengine.engine import Engine, cacheio
 
-    monkeypatch.setattr(generation, "GIVE_BACK_AFTER_S", 1.0)
+    calls = idle_give_backs(monkeypatch)
     from_io: list[float] = []
     monkeypatch.setattr(cacheio, "give_back_memory", lambda: from_io.append(time.monotonic()))
-    calls: list[float] = []
-    idle = Runner.idle
-
-    def counted(self) -> None:
-        calls.append(time.monotonic())
-        idle(self)
-
-    monkeypatch.setattr(Runner, "idle", counted)
     words = " ".join(f"w{i}" for i in range(80))
     with Engine.load(str(tiny_model_dir("llama")), cache_dir=tmp_path, block_size=16) as engine:
         wait_until(lambda: calls)  # idle after the load

@@ -485,16 +485,24 @@ def test_an_injected_write_error_turns_saving_off_and_reads_go_on(tmp_path, monk
     store.close()
 
 
+# The name in `os` of the sync a store's data file gets, and that function.
+DATA_SYNC = ("fdatasync", os.fdatasync) if hasattr(os, "fdatasync") else ("fsync", os.fsync)
+
+
+def synced_store(directory: Path, n: int) -> tuple[BlockStore, list, int]:
+    """A store holding `n` records, their syncs done; the records, its data file's fd."""
+    store = open_store(directory)
+    items = fill(store, n)
+    store.persistence.synced()
+    return store, items, store.blobfile.fileno()
+
+
 def test_an_fsync_error_turns_saving_off_and_a_full_index_loses_only_that_record(
     tmp_path, monkeypatch
 ):
     directory = tmp_path / "store"
-    store = open_store(directory)
-    items = fill(store, 10)
-    store.persistence.synced()
-    data_fd = store.blobfile.fileno()
-    sync = getattr(os, "fdatasync", os.fsync)
-    name = "fdatasync" if hasattr(os, "fdatasync") else "fsync"
+    store, items, data_fd = synced_store(directory, 10)
+    name, sync = DATA_SYNC
     monkeypatch.setattr(os, name, failing(errno.EIO, sync, when=lambda fd: fd == data_fd))
     # The put returns before its sync, which fails on the store's own thread; the next put
     # raises that failure, which turns saving off.
@@ -525,12 +533,8 @@ def test_a_put_and_a_read_never_wait_for_the_disk(tmp_path, monkeypatch):
     """The data file's sync is held up; a put still returns, and its record and every other
     are read, while it is; close waits for it and leaves the record durable."""
     directory = tmp_path / "store"
-    store = open_store(directory)
-    items = fill(store, 3)
-    store.persistence.synced()
-    data_fd = store.blobfile.fileno()
-    sync = getattr(os, "fdatasync", os.fsync)
-    name = "fdatasync" if hasattr(os, "fdatasync") else "fsync"
+    store, items, data_fd = synced_store(directory, 3)
+    name, sync = DATA_SYNC
     entered, release = threading.Event(), threading.Event()
     synced_fds = []
 
