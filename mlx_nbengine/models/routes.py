@@ -280,8 +280,10 @@ class Routing:
         self, route: InstanceRoute, model: Any, where: Callable[[Any], bool] | None = None
     ) -> int:
         """Give every module of `model` whose class is the route's library class (and that
-        `where` accepts) the routed subclass, where the route is usable. Returns how many."""
-        if not route.present():
+        `where` accepts) the routed subclass, where the route is usable. Returns how many.
+        A class whose module was never imported has no instances: nothing is imported for it
+        (mlx-vlm's modules cost seconds)."""
+        if route.bodies[0].module not in sys.modules or not route.present():
             return 0
         cls = route.library_class()
         found = [m for _, m in model.named_modules() if type(m) is cls]
