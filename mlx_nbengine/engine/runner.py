@@ -52,7 +52,7 @@ class Runner:
             )
         # The recurrent layers whose states can be taken inside a prefill step (the hybrid's,
         # on our kernels: `deltaroute.tapping`), where they are all the model's; else None.
-        self._tapping_layers = deltaroute.tapping_layers(lm) if self.vision is None else None
+        self._tapping_layers = deltaroute.tapping_layers(lm)
         # Sampled rows are drawn in numpy on the CPU, in the MLX graph elsewhere (`sampling`).
         self.host_sampling = mx.default_device().type == mx.DeviceType.cpu
         # Called with every set of logits a token is sampled from (rows = sequences).
@@ -222,14 +222,12 @@ def _logits(out: Any) -> mx.array:
 def _tapped_states(cache: list[Any], taps: deltaroute.Taps, start: int) -> dict[int, dict]:
     """{boundary: {layer index: a stand-in cache holding that layer's state there}} from a
     step that began at `start`; a layer that gave none leaves its boundary out."""
-    from mlx_lm.models.cache import ArraysCache  # noqa: PLC0415 - mlx-lm's, where used
-
     out: dict[int, dict[int, Any]] = {}
     for i, layer_cache in enumerate(cache):
         for n, arrays in zip(taps.at, taps.found.get(id(layer_cache), []), strict=False):
-            stand_in = ArraysCache(size=len(arrays))
+            stand_in = type(layer_cache)(size=len(arrays))  # mlx-lm's or mlx-vlm's class
             for j, array in enumerate(arrays):
                 stand_in[j] = array
             out.setdefault(start + n, {})[i] = stand_in
-    layers = {i for i, c in enumerate(cache) if isinstance(c, ArraysCache)}
+    layers = {i for i, c in enumerate(cache) if isinstance(c, deltaroute.arrays_cache_classes())}
     return {b: states for b, states in out.items() if set(states) == layers}

@@ -1,5 +1,8 @@
-"""Route Qwen 3.5's linear-attention layers (gated delta) to our CPU primitive: the route of
-mlx-lm's ``qwen3_5.GatedDeltaNet``.
+"""Route Qwen 3.5's linear-attention layers (gated delta) to our CPU primitive: the routes of
+mlx-lm's ``qwen3_5.GatedDeltaNet`` (`DELTA`) and of mlx-vlm's ``Qwen3_5GatedDeltaNet``
+(`DELTA_VLM`: Qwen publishes the family with a vision tower, so its checkpoints load through
+mlx-vlm, whose CPU path prefills with a chunked scan of MLX operations and decodes with the
+per-token loop, about a quarter of the routed speed).
 
 mlx-lm's ``gated_delta_update`` has Metal kernels only. On the CPU it runs
 ``gated_delta_ops``, a Python loop that calls a compiled step once per token and layer
@@ -29,6 +32,7 @@ MLX's own kernels) runs the library's layer.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -45,7 +49,9 @@ from mlx_nbengine.models.routes import Body, InstanceRoute, Routing
 
 __all__ = [
     "DELTA",
+    "DELTA_VLM",
     "VARIANT_SOURCES",
+    "arrays_cache_classes",
     "Taps",
     "route",
     "taps_every_state",
@@ -195,6 +201,146 @@ x = x.astype(mx.float32)
 return (gate * x).astype(h.dtype)"""
 
 
+# mlx-vlm's Qwen 3.5 (the published checkpoints carry a vision tower, so they load through
+# mlx-vlm): its own layer, which keeps its states through the cache's `update_window` and
+# `update_recurrent` and, on the CPU, prefills with a chunked scan in MLX operations (its decode
+# steps run the per-token loop). The recurrence, the step and the output norm are the bodies
+# above under mlx-vlm's names.
+_VLM_MODULE = "mlx_vlm.models.qwen3_5.language"
+_VLM_DELTA_MODULE = "mlx_vlm.models.qwen3_5.gated_delta"
+_VLM_CACHE_MODULE = "mlx_vlm.models.cache"
+
+EXPECTED_VLM_LAYER = """\
+B, S, _ = inputs.shape
+mixed_qkv = self.in_proj_qkv(inputs)
+z = self.in_proj_z(inputs)
+b, a = self._project_gates(inputs)
+z = z.reshape(B, S, -1, self.head_v_dim)
+if cache is not None and cache[0] is not None:
+    conv_state = cache[0]
+    if conv_state.shape[0] != B:
+        conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+else:
+    conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+if mask is not None:
+    if mask.shape[0] != B:
+        mask = None
+    else:
+        mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
+conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+if cache is not None:
+    cache.update_window(0, conv_input, self.conv_kernel_size - 1, lengths=cache.lengths)
+if (
+    S == 1
+    and conv_input.shape[1] == self.conv_kernel_size
+    and self.conv1d.weight.dtype in (mx.bfloat16, mx.float16)
+):
+    conv_out = nn.silu(self._causal_conv1d_decode(conv_input))
+else:
+    conv_out = nn.silu(self.conv1d(conv_input))
+q, k, v = [
+    t.reshape(B, S, h, d)
+    for t, h, d in zip(
+        mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+        [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+        [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+    )
+]
+q, k = self._normalize_qk(q, k)
+out, _ = gated_delta_update(
+    q, k, v, a, b, self.A_log, self.dt_bias,
+    mask=mask, use_kernel=not self.training, cache=cache,
+)
+if cache is not None:
+    if hasattr(cache, "advance"):
+        cache.advance(S)
+        _qwen3_5_advance_lengths_info(cache, S)
+out = self.norm(out, z)
+return self.out_proj(out.reshape(B, S, -1))"""
+
+EXPECTED_VLM_UPDATE = """\
+if cache is not None:
+    if state is not None or state_steps is not None:
+        raise ValueError("The cache owns recurrent state and history retention.")
+    return cache.update_recurrent(
+        cache_index,
+        q.shape[1],
+        lambda initial, steps: gated_delta_update(
+            q, k, v, a, b, A_log, dt_bias,
+            state=(initial if initial is None or initial.shape[0] == q.shape[0] else None),
+            mask=mask, use_kernel=use_kernel, state_steps=steps,
+        ),
+    )
+if state_steps is not None:
+    return gated_delta_update_with_states(
+        q, k, v, a, b, A_log, dt_bias, state, mask,
+        use_kernel=use_kernel, state_steps=state_steps,
+    )
+g, beta = _compute_g_beta(A_log, a, b, dt_bias)
+if state is None:
+    B, _, _Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+if not use_kernel or mx.default_device() != mx.gpu or not mx.metal.is_available():
+    if q.shape[1] > 1 and g.ndim == 3:
+        return gated_delta_chunked(q, k, v, g, beta, state, mask)
+    return gated_delta_ops(q, k, v, g, beta, state, mask)
+return gated_delta_kernel(q, k, v, g, beta, state, mask)"""
+
+EXPECTED_VLM_G = "return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))"
+EXPECTED_VLM_G_BETA = "return compute_g(A_log, a, dt_bias), mx.sigmoid(b)"
+
+EXPECTED_VLM_NORMALIZE = """\
+inv_scale = k.shape[-1] ** -0.5
+eps = 1e-6 / k.shape[-1]
+q = (inv_scale**2) * mx.fast.rms_norm(q, None, eps)
+k = inv_scale * mx.fast.rms_norm(k, None, eps)
+return q, k"""
+
+EXPECTED_VLM_NORM = """\
+x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
+if gate is not None:
+    return _precise_swiglu(hidden_states, gate, x)
+return x.astype(hidden_states.dtype)"""
+
+# What a decode step relies on when it sets the cache's two entries itself: a cache that records
+# no history (no speculation) and has no lengths keeps the window's last inputs and the state.
+EXPECTED_VLM_WINDOW = """\
+width = int(width)
+length = source.shape[1] - width
+if width < 0 or length < 0:
+    raise ValueError("Invalid causal cache window width.")
+if self.history_capacity:
+    self.record_speculative_window(index, source, width)
+if lengths is None:
+    state = mx.contiguous(source[:, length : length + width])
+else:
+    positions = mx.clip(lengths, 0, length)[:, None] + mx.arange(width)
+    positions = positions.reshape(*positions.shape, *([1] * (source.ndim - 2)))
+    state = mx.take_along_axis(source, positions, axis=1)
+self.cache[index] = state
+return state"""
+
+EXPECTED_VLM_RECURRENT = """\
+if length < 1:
+    raise ValueError("Recurrent updates must contain at least one token.")
+if self.history_capacity:
+    if self._recorded_length(index) + length > self.history_capacity:
+        raise ValueError("Recurrent update exceeds the cache history capacity.")
+    state_steps = length - 1 if length > 1 else None
+else:
+    state_steps = None
+result = update(self.cache[index], state_steps)
+output, state = result[:2]
+if self.history_capacity:
+    intermediate = result[2] if len(result) > 2 else None
+    if (0 if intermediate is None else intermediate.shape[1]) != length - 1:
+        raise ValueError("Recurrent update did not return the requested history.")
+    self.record_speculative_states(index, intermediate, state)
+self.cache[index] = state
+return output, state"""
+
+
 @dataclass
 class Taps:
     """The states a prefill step leaves inside it: `at` (token counts into the step, each a
@@ -221,17 +367,32 @@ def tapping(at: tuple[int, ...]) -> Iterator[Taps]:
         _TAPS.reset(token)
 
 
-def tapping_layers(lm: Any) -> list[Any] | None:
-    """`lm`'s linear-attention layers (``GatedDeltaNet`` modules) where they are all its
-    recurrent layers (its ``ArraysCache`` layers), else None: while `taps_every_state` of
-    them, `tapping` gives the state of every recurrent layer."""
+def arrays_cache_classes() -> tuple[type, ...]:
+    """The recurrent layers' cache classes (``ArraysCache``) of mlx-lm and, where a model of
+    it was loaded (its module imported), mlx-vlm."""
     from mlx_lm.models.cache import ArraysCache  # noqa: PLC0415 - mlx-lm's, where it is used
 
-    if not DELTA.present():
+    vlm = sys.modules.get(_VLM_CACHE_MODULE)
+    return (ArraysCache,) if vlm is None else (ArraysCache, vlm.ArraysCache)
+
+
+def _routes_here() -> tuple[InstanceRoute, ...]:
+    """The routes whose library class a model in this process can have (mlx-vlm's only once
+    its module is imported: importing it for a text model would cost seconds)."""
+    vlm = (DELTA_VLM,) if _VLM_MODULE in sys.modules and DELTA_VLM.present() else ()
+    return ((DELTA,) if DELTA.present() else ()) + vlm
+
+
+def tapping_layers(lm: Any) -> list[Any] | None:
+    """`lm`'s linear-attention layers (mlx-lm's or mlx-vlm's Qwen 3.5 ``GatedDeltaNet``
+    modules) where they are all its recurrent layers (its ``ArraysCache`` layers), else None:
+    while `taps_every_state` of them, `tapping` gives the state of every recurrent layer."""
+    routes = _routes_here()
+    if not routes:
         return None
-    cls = DELTA.library_class()
-    layers = [m for _, m in lm.model.named_modules() if isinstance(m, cls)]
-    recurrent = sum(isinstance(c, ArraysCache) for c in lm.make_cache())
+    classes = tuple(r.library_class() for r in routes)
+    layers = [m for _, m in lm.language_model.named_modules() if isinstance(m, classes)]
+    recurrent = sum(isinstance(c, arrays_cache_classes()) for c in lm.make_cache())
     return layers if recurrent > 0 and len(layers) == recurrent else None
 
 
@@ -242,7 +403,7 @@ def taps_every_state(layers: list[Any] | None) -> bool:
         bool(layers)
         and kernels.status().active
         and mx.default_device() == mx.cpu
-        and all(DELTA.routes(m) for m in layers)
+        and all(DELTA.routes(m) or DELTA_VLM.routes(m) for m in layers)
     )
 
 
@@ -250,8 +411,27 @@ def _library_call(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> mx.arr
     return DELTA.library_class().__call__(layer, inputs, mask, cache)
 
 
+def _conv_heads(layer: Any, conv_input: mx.array) -> list[mx.array]:
+    """The layer's short convolution and its silu over `conv_input` (the kept inputs, then
+    the step's), split into q, k and v heads, as the library computes them."""
+    B, S = conv_input.shape[0], conv_input.shape[1] - (layer.conv_kernel_size - 1)
+    if conv_input.dtype == mx.float32 and layer.conv1d.weight.dtype == mx.float32:
+        conv_out = delta.conv_silu(conv_input, layer.conv1d.weight)
+    else:
+        conv_out = nn.silu(layer.conv1d(conv_input))
+    return [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+            strict=True,
+        )
+    ]
+
+
 def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> tuple[list[mx.array], mx.array]:
-    """The layer's short convolution of q, k and v (its state kept in ``cache[0]``), split
+    """mlx-lm's layer's short convolution of q, k and v (its state kept in ``cache[0]``), split
     into heads, as the library computes it, and the convolution's input (the kept inputs,
     then the step's)."""
     B, S, _ = qkv.shape
@@ -270,28 +450,13 @@ def _convolved(layer: Any, qkv: mx.array, mask: Any, cache: Any) -> tuple[list[m
             cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
         else:
             cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    if conv_input.dtype == mx.float32 and layer.conv1d.weight.dtype == mx.float32:
-        conv_out = delta.conv_silu(conv_input, layer.conv1d.weight)
-    else:
-        conv_out = nn.silu(layer.conv1d(conv_input))
-    heads = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
-            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
-            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
-            strict=True,
-        )
-    ]
-    return heads, conv_input
+    return _conv_heads(layer, conv_input), conv_input
 
 
-def _recurrence(layer: Any, q, k, v, a, b, state, mask, at=()) -> tuple[mx.array, ...]:
-    """``gated_delta_update`` of the layer's heads on our primitive (the library's gate and
-    beta; a new state is float32 zeros, as the library's); with `at`, also the states after
-    those token counts."""
-    beta = mx.sigmoid(b)
-    g = compute_g(layer.A_log, a, layer.dt_bias)
+def _recurrence(q, k, v, g, beta, state, mask, at=()) -> tuple[mx.array, ...]:
+    """``gated_delta_ops`` of the layer's heads on our primitive, given the library's gate
+    `g` and `beta` (a new state is float32 zeros, as the library's); with `at`, also the
+    states after those token counts."""
     if state is None:
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
@@ -310,6 +475,19 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask, at=()) -> tuple[mx.array
     return (y.astype(q.dtype), state, *tapped)
 
 
+def _taps_of(cache: Any, B: int, S: int) -> tuple[Taps | None, tuple[int, ...]]:
+    """The `tapping` block's taps and the counts inside a step of `S` tokens (one sequence)."""
+    taps = _TAPS.get() if cache is not None and B == 1 else None
+    return taps, tuple(r for r in taps.at if 0 < r < S) if taps is not None else ()
+
+
+def _keep_taps(layer: Any, taps: Taps, cache: Any, conv_input: mx.array, at, tapped) -> None:
+    keep = layer.conv_kernel_size - 1
+    taps.found[id(cache)] = [
+        [mx.contiguous(conv_input[:, r : r + keep, :]), tapped[0][i]] for i, r in enumerate(at)
+    ]
+
+
 def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
     """The layer's output norm, ``silu(z) * rms_norm(out)``, with one pass of our kernel for
     the activation (MLX's sigmoid is scalar on x86)."""
@@ -320,14 +498,18 @@ def _gated_norm(norm: Any, out: mx.array, z: mx.array) -> mx.array:
 
 def _one_step(layer: Any, inputs: mx.array, mask: Any, cache: Any) -> bool:
     """Whether a call is a decode step `_decode_step` takes: one float32 token a row, no
-    mask or a row mask (a batched cache's left padding), a cache without lengths, one
+    mask or a row mask (a batched cache's left padding), a cache without lengths that
+    records no history (mlx-vlm's speculation) and whose entries are the step's rows, one
     process."""
+    B = inputs.shape[0]
     return (
         inputs.shape[1] == 1
-        and (mask is None or (mask.dtype == mx.bool_ and mask.shape == (inputs.shape[0], 1)))
+        and (mask is None or (mask.dtype == mx.bool_ and mask.shape == (B, 1)))
         and cache is not None
         and getattr(cache, "lengths", None) is None
-        and layer.sharding_group is None
+        and not getattr(cache, "history_capacity", 0)
+        and all(c is None or c.shape[0] == B for c in (cache[0], cache[1]))
+        and getattr(layer, "sharding_group", None) is None
         and inputs.dtype == mx.float32
         and all(
             p.dtype == mx.float32
@@ -343,7 +525,7 @@ def _decode_step(layer: Any, inputs: mx.array, cache: Any, mask: Any = None) -> 
     B = inputs.shape[0]
     qkv = layer.in_proj_qkv(inputs)
     z = layer.in_proj_z(inputs).reshape(B, 1, layer.num_v_heads, layer.head_v_dim)
-    b, a = layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+    b, a = layer.in_proj_b(inputs), layer.in_proj_a(inputs)  # mlx-vlm's `_project_gates`
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=mx.float32)
@@ -373,6 +555,7 @@ def _decode_step(layer: Any, inputs: mx.array, cache: Any, mask: Any = None) -> 
 
 
 def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-lm's layer (`EXPECTED_LAYER`) on our primitives."""
     if self.training or mx.default_device() != mx.cpu or not kernels.status().active:
         return _library_call(self, inputs, mask, cache)
     if _one_step(self, inputs, mask, cache):
@@ -387,14 +570,11 @@ def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     (q, k, v), conv_input = _convolved(self, qkv, mask, cache)
     state = cache[1] if cache else None
     q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-    taps = _TAPS.get() if cache is not None and B == 1 else None
-    at = tuple(r for r in taps.at if 0 < r < S) if taps is not None else ()
-    out, state, *tapped = _recurrence(self, q, k, v, a, b, state, mask, at)
+    taps, at = _taps_of(cache, B, S)
+    g = compute_g(self.A_log, a, self.dt_bias)
+    out, state, *tapped = _recurrence(q, k, v, g, mx.sigmoid(b), state, mask, at)
     if tapped:
-        keep = self.conv_kernel_size - 1
-        taps.found[id(cache)] = [
-            [mx.contiguous(conv_input[:, r : r + keep, :]), tapped[0][i]] for i, r in enumerate(at)
-        ]
+        _keep_taps(self, taps, cache, conv_input, at, tapped)
     if cache is not None:
         cache[1] = state
         cache.advance(S)
@@ -402,6 +582,55 @@ def _call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     if self.sharding_group is not None:
         out = mx.distributed.all_sum(out, group=self.sharding_group)
     return out
+
+
+def _vlm_call(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-vlm's layer (`EXPECTED_VLM_LAYER`) on our primitives: the states still go through
+    its cache's `update_window` and `update_recurrent`; a cache that records history (its
+    speculative decoding) runs the library's layer."""
+    if (
+        self.training
+        or mx.default_device() != mx.cpu
+        or not kernels.status().active
+        or getattr(cache, "history_capacity", 0)
+    ):
+        return DELTA_VLM.library_class().__call__(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    if mask is not None and mask.shape[0] != B:
+        mask = None
+    if _one_step(self, inputs, mask, cache):
+        return _decode_step(self, inputs, cache, mask)
+    qkv = self.in_proj_qkv(inputs)
+    z = self.in_proj_z(inputs).reshape(B, S, -1, self.head_v_dim)
+    b, a = self._project_gates(inputs)
+    keep = self.conv_kernel_size - 1
+    conv_state = cache[0] if cache is not None else None
+    if conv_state is None or conv_state.shape[0] != B:
+        conv_state = mx.zeros((B, keep, self.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    if cache is not None:
+        cache.update_window(0, conv_input, keep, lengths=cache.lengths)
+    q, k, v = _conv_heads(self, conv_input)
+    q, k = self._normalize_qk(q, k)
+    g, beta = sys.modules[_VLM_DELTA_MODULE]._compute_g_beta(self.A_log, a, b, self.dt_bias)
+    taps, at = _taps_of(cache, B, S)
+
+    def update(initial: mx.array | None, _steps: Any) -> tuple[mx.array, ...]:
+        state = initial if initial is not None and initial.shape[0] == B else None
+        out, state, *tapped = _recurrence(q, k, v, g, beta, state, mask, at)
+        if tapped:
+            _keep_taps(self, taps, cache, conv_input, at, tapped)
+        return out, state
+
+    if cache is None:
+        out, _ = update(None, None)
+    else:
+        out, _ = cache.update_recurrent(1, S, update)
+        cache.advance(S)
+        sys.modules[_VLM_MODULE]._qwen3_5_advance_lengths_info(cache, S)
+    return self.out_proj(_gated_norm(self.norm, out, z).reshape(B, S, -1))
 
 
 DELTA = InstanceRoute(
@@ -422,13 +651,36 @@ DELTA = InstanceRoute(
 )
 
 
+DELTA_VLM = InstanceRoute(
+    name="gated-delta-vlm-qwen3_5",
+    bodies=(
+        Body(_VLM_MODULE, "Qwen3_5GatedDeltaNet.__call__", EXPECTED_VLM_LAYER),
+        Body(_VLM_MODULE, "Qwen3_5GatedDeltaNet._normalize_qk", EXPECTED_VLM_NORMALIZE),
+        Body(_VLM_DELTA_MODULE, "gated_delta_update", EXPECTED_VLM_UPDATE),
+        Body(_VLM_DELTA_MODULE, "compute_g", EXPECTED_VLM_G),
+        Body(_VLM_DELTA_MODULE, "_compute_g_beta", EXPECTED_VLM_G_BETA),
+        Body(_VLM_DELTA_MODULE, "gated_delta_ops", EXPECTED_OPS),
+        Body(_VLM_DELTA_MODULE, "_gated_delta_step_ops", EXPECTED_STEP),
+        Body(_VLM_MODULE, "Qwen3_5RMSNormGated.__call__", EXPECTED_VLM_NORM),
+        Body(_VLM_MODULE, "_precise_swiglu", EXPECTED_SWIGLU),
+        Body(_VLM_CACHE_MODULE, "ArraysCache.update_window", EXPECTED_VLM_WINDOW),
+        Body(_VLM_CACHE_MODULE, "ArraysCache.update_recurrent", EXPECTED_VLM_RECURRENT),
+    ),
+    checked_with="mlx-vlm 0.7.10",
+    refusal="Qwen 3.5's linear attention (mlx-vlm) is not on the CPU kernel",
+    fallback="its layers run mlx-vlm's chunked scan and per-token decode loop (about 4x slower)",
+    methods={"__call__": _vlm_call},
+    prefix="Cpu",
+)
+
+
 def route(model: Any, routing: Routing) -> bool:
-    """Route `model`'s Qwen 3.5 linear-attention layers (any it has) to the primitive where
-    the kernels are active and the library's bodies are the ones restated; never raises.
-    Returns whether any layer is routed."""
+    """Route `model`'s Qwen 3.5 linear-attention layers (any it has: mlx-lm's, or mlx-vlm's
+    in a vision model) to the primitive where the kernels are active and the library's
+    bodies are the ones restated; never raises. Returns whether any layer is routed."""
     if not kernels.status().active:
         return False
-    return routing.swap(DELTA, model) > 0
+    return sum(routing.swap(r, model) for r in _routes_here()) > 0
 
 
 def variant() -> str | None:

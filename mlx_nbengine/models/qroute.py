@@ -267,6 +267,21 @@ SWIGLU_MLPS = tuple(
         fallback="its decode steps run the library's MLP (three products, not one)",
         methods={"__call__": _swiglu_call},
     ),
+    # mlx-vlm's Qwen 3.5 (the published checkpoints, with their vision tower), the same body.
+    InstanceRoute(
+        name="swiglu-mlp-vlm-qwen3_5",
+        bodies=(
+            Body(
+                "mlx_vlm.models.qwen3_5.language",
+                "Qwen3_5MLP.__call__",
+                "return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))",
+            ),
+        ),
+        checked_with="mlx-vlm 0.7.10",
+        refusal="the fused SwiGLU MLP is not used for mlx-vlm's qwen3_5",
+        fallback="its decode steps run the library's MLP (three products, not one)",
+        methods={"__call__": _swiglu_call},
+    ),
 )
 
 

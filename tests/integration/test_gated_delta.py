@@ -26,7 +26,11 @@ from restoring import restored_and_cold  # tests/ is on sys.path
 from mlx_nbengine import Engine, kernels
 from mlx_nbengine.kernels import delta
 from mlx_nbengine.models import deltaroute, load, qroute
-from mlx_nbengine.testing import make_tiny_model, make_tiny_quantized_model
+from mlx_nbengine.testing import (
+    make_tiny_model,
+    make_tiny_quantized_model,
+    make_tiny_qwen3_5_vlm,
+)
 
 pytestmark = needs_kernels
 
@@ -329,3 +333,118 @@ def delta_step_of(layer, x, cache, isa, threads=None, mask=None):
         threads=threads,
     )
     return layer.out_proj(out)
+
+
+# --- mlx-vlm's Qwen 3.5 layer (the published checkpoints carry a vision tower) -------------
+
+
+@contextlib.contextmanager
+def routed_vlm(tmp_path):
+    """A tiny Qwen 3.5 vision model (mlx-vlm's classes) and its first routed gated-delta layer
+    (2 key and 4 value heads of 16), its routes released after."""
+    lm = load(make_tiny_qwen3_5_vlm(tmp_path / "vlm"))
+    try:
+        yield lm, next(m for _, m in lm.model.named_modules() if deltaroute.DELTA_VLM.routes(m))
+    finally:
+        lm.release_routes()
+
+
+def vlm_cache_of(conv, state):
+    from mlx_vlm.models.cache import ArraysCache
+
+    cache = ArraysCache(2)
+    cache[0], cache[1] = conv, state
+    return cache
+
+
+def test_mlx_vlms_layer_on_our_primitive_matches_its_sequential_loop(tmp_path, monkeypatch):
+    # Prefill steps (fresh and from a restored state, two rows with a pad mask) and decode
+    # steps (one and three rows, with a row mask) of the routed layer against mlx-vlm's own,
+    # whose prefill on the CPU is a chunked scan: here it runs its sequential loop
+    # (gated_delta_ops), which our primitive restates, so the bounds are the loop's.
+    from mlx_vlm.models.qwen3_5 import gated_delta as vlm_delta
+
+    monkeypatch.setattr(vlm_delta, "gated_delta_chunked", vlm_delta.gated_delta_ops)
+    fused = []
+    real = deltaroute._decode_step
+    monkeypatch.setattr(deltaroute, "_decode_step", lambda *a: fused.append(1) or real(*a))
+    with routed_vlm(tmp_path) as (_, layer):
+        keep = layer.conv_kernel_size - 1
+        cases = (  # rows, tokens, restored, mask
+            (1, 37, False, None),
+            (2, 37, True, mx.array([[True] * 37, [False] * 5 + [True] * 32])),
+            (1, 1, True, None),
+            (3, 1, True, mx.array([[True], [False], [True]])),
+        )
+        for i, (rows, tokens, restored, mask) in enumerate(cases):
+            keys = mx.random.split(mx.random.key(20 + i), 3)
+            x = mx.random.normal((rows, tokens, layer.hidden_size), key=keys[0])
+            conv = mx.random.normal((rows, keep, layer.conv_dim), key=keys[1]) if restored else None
+            shape = (rows, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim)
+            state = mx.random.normal(shape, key=keys[2]) * 0.1 if restored else None
+            ours, theirs = vlm_cache_of(conv, state), vlm_cache_of(conv, state)
+            got = layer(x, mask, ours)
+            want = deltaroute.DELTA_VLM.library_class().__call__(layer, x, mask, theirs)
+            assert worst(got, want) <= Y_BOUND, i
+            assert mx.array_equal(ours[0], theirs[0]).item(), i
+            assert worst(ours[1], theirs[1]) <= STATE_BOUND, i
+    assert fused == [1, 1]  # both decode steps took the one-node step
+
+
+def test_a_tiny_qwen3_5_vlm_decodes_the_librarys_greedy_tokens(tmp_path):
+    # Through mlx-vlm's language model: a 296-token prefill step, then decode steps, against
+    # the library's layer (its chunked scan, then its per-token loop).
+    def greedy_vlm(lm, prompt, n=24):
+        cache = lm.make_cache()
+        out = []
+        logits = lm.language_model(mx.array(prompt)[None], cache=cache).logits
+        for _ in range(n):
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = lm.language_model(mx.array([[out[-1]]]), cache=cache).logits
+        return out
+
+    with routed_vlm(tmp_path) as (lm, _):
+        assert "gated-delta-vlm-qwen3_5" in lm.routing.names()
+        assert f"delta-{kernels.status().isa}-" in lm.variant
+        assert sum(deltaroute.DELTA_VLM.routes(m) for _, m in lm.model.named_modules()) == 3
+        prompt = [2, *range(5, 300)]
+        ours = greedy_vlm(lm, prompt)
+        with lm.routing.suspended(deltaroute.DELTA_VLM):
+            assert greedy_vlm(lm, prompt) == ours
+    assert not any(deltaroute.DELTA_VLM.routes(m) for _, m in lm.model.named_modules())
+
+
+def test_the_engine_restores_an_edited_qwen3_5_vlm_prompt_to_a_cold_runs_tokens(tmp_path):
+    # The vision model's text prompt is read in one step too, its blocks' states taken
+    # inside it by the routed layers.
+    path = make_tiny_qwen3_5_vlm(tmp_path / "vlm")
+    prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
+    edited = [*prompt[:600], 9, *prompt[601:]]
+    with Engine.load(path, store=False) as engine:
+        assert engine.model.modality == "vision"
+        assert "gated-delta-vlm-qwen3_5" in engine.model.routing.names()
+        assert engine.internals.takes_states_inside_steps
+    warm, cold = restored_and_cold(path, tmp_path, prompt, edited)
+    assert warm.report.restore_source == "disk"
+    assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]
+    assert warm.tokens == cold.tokens
+
+
+def test_a_text_model_never_imports_mlx_vlm_for_a_route(tmp_path):
+    # Routes of mlx-vlm's classes are looked at only once mlx-vlm's model module is imported
+    # (a vision model loaded): importing it for a text model would cost seconds.
+    import subprocess
+    import sys
+
+    path = make_tiny_model("qwen3_5", tmp_path / "m")
+    code = (
+        "import sys, mlx_nbengine\n"
+        "from mlx_nbengine.models import load\n"
+        f"lm = load({str(path)!r})\n"
+        "assert 'gated-delta-qwen3_5' in lm.routing.names(), lm.routing.names()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mlx_vlm')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

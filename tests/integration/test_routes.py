@@ -60,6 +60,7 @@ def test_every_route_is_registered_and_accepts_the_installed_libraries():
         *cpu_math.GELU_MLPS,
         layerroute.LAYER,
         deltaroute.DELTA,
+        deltaroute.DELTA_VLM,
     }
     assert declared <= registered
     for route in registered:
@@ -103,7 +104,12 @@ CHILD = textwrap.dedent(
     every = {route.name for route in routes.registry() if route.present()}
     qwen = {"swiglu-mlp-qwen2", "swiglu-mlp-qwen3"}
     others = {"offset-norm-gemma", "offset-norm-gemma2", "cpu-gelu-gemma2"}
-    vlm = {"cpu-gelu-vlm-gemma3", "cpu-gelu-vlm-gemma4"}
+    vlm = {
+        "cpu-gelu-vlm-gemma3",
+        "cpu-gelu-vlm-gemma4",
+        "gated-delta-vlm-qwen3_5",
+        "swiglu-mlp-vlm-qwen3_5",
+    }
     assert every - used == qwen | others | vlm, sorted(every - used)
     during = replaced()
     ours = sorted(k for k in before if during[k] is not before[k])
