@@ -13,6 +13,11 @@ the cache home (``bench-models/``):
 - *library*: the same model with our routes suspended (a hybrid's linear attention then runs
   mlx-lm's ``gated_delta_ops`` loop, MLX's grouped convolution and silu; Gemma 4 runs
   mlx-lm's code throughout), cold prefill at the first length only: it is slow;
+- *vision checkpoint* (hybrids only): the hybrid as Qwen publishes the family, with a vision
+  tower (a tiny one here), so it loads through mlx-vlm, whose own gated-delta layer our route
+  takes too (`deltaroute.DELTA_VLM`); *vision checkpoint, mlx-vlm's* is it with the routes
+  suspended (mlx-vlm's chunked scan for prefill, its per-token loop for decode), at the first
+  length only;
 - *dense twin* (hybrids only): a qwen3 model of the same width, depth, MLP and attention
   heads, every layer full attention;
 - *llama.cpp*: llama-cpp-python's ``Llama`` on the model's GGUF (the same weights, written as
@@ -86,18 +91,27 @@ def model_dirs(shape: str, scratch: Path) -> dict[str, Path]:
     if shape == "tiny":
         return {
             "ours": make_tiny_model("qwen3_5", scratch / "hybrid"),
+            "vision checkpoint": make_tiny_model("qwen3_5_vl", scratch / "hybrid-vl"),
             "dense twin": make_tiny_model("qwen3", scratch / "dense", num_layers=4),
         }
     if shape == "tiny-gemma4":
         return {"ours": make_tiny_model("gemma4_text", scratch / "gemma4", sliding_window=128)}
     out = {}
-    kinds = (("ours", False),) if is_gemma4(shape) else (("ours", False), ("dense twin", True))
-    for name, dense in kinds:
-        path = home() / "bench-models" / f"{shape}-q8g64{'-dense' if dense else ''}"
+    kinds = (
+        (("ours", "", {}),)
+        if is_gemma4(shape)
+        else (
+            ("ours", "", {}),
+            ("vision checkpoint", "-vl", {"vision": True}),
+            ("dense twin", "-dense", {"dense": True}),
+        )
+    )
+    for name, suffix, options in kinds:
+        path = home() / "bench-models" / f"{shape}-q8g64{suffix}"
         if not (path / "config.json").is_file():
             print(f"writing {path.name} (random weights, once)...", flush=True)
             part = path.parent / f"{path.name}.part"  # not with_suffix: "0.8b" has a dot
-            make_shaped_model(shape, part, dense=dense)
+            make_shaped_model(shape, part, **options)
             part.rename(path)
         out[name] = path
     return out
@@ -233,7 +247,11 @@ def measure(path: Path, lengths: list[int], args, *, library: bool) -> dict:
         out["routes"] = list(engine.model.routing.names())
         warm_up(engine, lengths[0])
         if library:
-            routes = () if is_gemma4(str(path)) else (deltaroute.DELTA, *qroute.SWIGLU_MLPS)
+            routes = (
+                ()
+                if is_gemma4(str(path))
+                else (deltaroute.DELTA, deltaroute.DELTA_VLM, *qroute.SWIGLU_MLPS)
+            )
             with engine.model.routing.suspended(*routes):  # none named: every route
                 return {**out, "prefill_tok_s": {str(lengths[0]): cold_prefill(engine, lengths[0])}}
         out["prefill_tok_s"] = {str(n): cold_prefill(engine, n) for n in lengths}
@@ -274,15 +292,17 @@ def work_row(shape: str, ours: dict, twin: dict, lengths: list[int]) -> str:
     return f"| {shape} | twin's work / ours | " + " | ".join(cells) + " |"
 
 
-def ratio_row(shape: str, ours: dict, peer: dict, name: str, lengths: list[int]) -> str:
-    """Our figures over `peer`'s (speeds: ours / theirs; the re-run: theirs / ours,
-    so above 1 is ours faster everywhere)."""
+def ratio_row(
+    shape: str, ours: dict, peer: dict, name: str, lengths: list[int], mine: str = "ours"
+) -> str:
+    """Our figures (variant `mine`) over `peer`'s (speeds: ours / theirs; the re-run:
+    theirs / ours, so above 1 is ours faster everywhere)."""
     cells = [ours["prefill_tok_s"][str(n)] / peer["prefill_tok_s"][str(n)] for n in lengths]
     for key in ("decode_1_tok_s", "decode_4_tok_s"):
         cells.append(ours[key] / peer[key] if peer.get(key) else None)
     cells.append(peer["edited_rerun_s"] / ours["edited_rerun_s"])
     text = ["" if c is None else f"{c:.2f}x" for c in cells]
-    return f"| {shape} | ours / {name} | " + " | ".join(text) + " |"
+    return f"| {shape} | {mine} / {name} | " + " | ".join(text) + " |"
 
 
 def table(results: dict, lengths: list[int]) -> str:
@@ -309,6 +329,11 @@ def table(results: dict, lengths: list[int]) -> str:
                 lines.append(ratio_row(shape, variants["ours"], variants[peer], peer, lengths))
             if peer == "dense twin" and "work" in variants.get(peer, {}):
                 lines.append(work_row(shape, variants["ours"], variants[peer], lengths))
+        vision = variants.get("vision checkpoint")
+        if vision is not None:
+            for peer in ("vision checkpoint, mlx-vlm's", "llama.cpp"):
+                if peer in variants:
+                    lines.append(ratio_row(shape, vision, variants[peer], peer, lengths, "vision"))
     return "\n".join(lines)
 
 
@@ -341,6 +366,13 @@ def main(argv: list[str] | None = None) -> None:
             variants = {"ours": measure(paths["ours"], lengths, args, library=False)}
             if not args.no_library:
                 variants["library"] = measure(paths["ours"], lengths, args, library=True)
+            if "vision checkpoint" in paths:
+                vl = paths["vision checkpoint"]
+                variants["vision checkpoint"] = measure(vl, lengths, args, library=False)
+                if not args.no_library:
+                    variants["vision checkpoint, mlx-vlm's"] = measure(
+                        vl, lengths, args, library=True
+                    )
             if "dense twin" in paths:
                 variants["dense twin"] = measure(paths["dense twin"], lengths, args, library=False)
             if gguf is not None:

@@ -123,33 +123,87 @@ def shape_config(shape: str, *, dense: bool) -> dict[str, Any]:
     }
 
 
+def vision_config(shape: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Qwen 3.5 hybrid `shape` as Qwen publishes the family, with a vision tower (mlx-vlm's
+    ``qwen3_5``): the text model's config under ``text_config`` with multimodal rotary
+    positions (sections 11, 11, 10 of the rotated quarter, interleaved), beside the tiny
+    vision tower of `make_tiny_qwen3_5_vlm` widened to the text model's width (the tower's
+    own cost is not what this measures). Returns the config and the image processor's."""
+    from mlx_nbengine.testing.vision import VISION_TOKENS, qwen3_5_vision
+
+    text = shape_config(shape, dense=False)["text_config"]
+    ids = special_ids(VISION_TOKENS)
+    text.update(bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"])
+    text["rope_parameters"] = {
+        **text["rope_parameters"],
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    }
+    vision, processor = qwen3_5_vision(patch_size=8, merge_size=2)
+    vision["out_hidden_size"] = text["hidden_size"]
+    config = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": text["vocab_size"],
+        "tie_word_embeddings": True,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+    }
+    return config, processor
+
+
+def _vision_model(config: dict[str, Any]) -> Any:
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    arch, _ = get_model_and_args(config=dict(config))
+    working = json.loads(json.dumps(config))  # from_dict adds what update_module_configs reads
+    model_config = arch.ModelConfig.from_dict(working)
+    model_config = update_module_configs(model_config, arch, working, ["text", "vision"])
+    return arch.Model(model_config)
+
+
 def make_shaped_model(
     shape: str,
     directory: str | Path,
     *,
     dense: bool = False,
+    vision: bool = False,
     bits: int = 8,
     group_size: int = 64,
     seed: int = 0,
 ) -> Path:
     """Write a random-weight model in a published shape (`SHAPES`: ``qwen3_5-0.8b``, ``qwen3_5-2b``,
-    ``gemma4-e2b``, ``gemma4-e4b``), or a hybrid's dense twin (`dense`), MLX-quantized at `bits` and
-    `group_size`, with the tiny tokenizer (its ids lie below the vocabulary; the head still computes
-    every row). Speed does not depend on the weights' values. Weights are drawn and quantized one
-    module at a time, so a 2B model needs about its quantized size in memory (E2B's per-layer input
-    table, 9.4 GB as float32, is drawn whole; E4B's 11.3 GB)."""
+    ``gemma4-e2b``, ``gemma4-e4b``), or a hybrid's dense twin (`dense`), or a hybrid with a vision
+    tower (`vision`: `vision_config`, loaded through mlx-vlm), its language model MLX-quantized at
+    `bits` and `group_size`, with the tiny tokenizer (its ids lie below the vocabulary; the head
+    still computes every row). Speed does not depend on the weights' values. Weights are drawn
+    and quantized one module at a time, so a 2B model needs about its quantized size in memory
+    (E2B's per-layer input table, 9.4 GB as float32, is drawn whole; E4B's 11.3 GB)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    if vision and (dense or SHAPES[shape].get("model_type") == "gemma4_text"):
+        raise ValueError(f"{shape}{' (dense)' if dense else ''} has no vision form here")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = shape_config(shape, dense=dense)
+    processor = None
+    if vision:
+        config, processor = vision_config(shape)
+        model = _vision_model(config)
+    else:
+        config = shape_config(shape, dense=dense)
+        model_class, args_class = patches.model_classes(config)
+        model = model_class(args_class.from_dict(config))
     config["quantization"] = {"group_size": group_size, "bits": bits}
-    model_class, args_class = patches.model_classes(config)
-    model = model_class(args_class.from_dict(config))
     key = mx.random.key(seed)
     for _, module in model.named_modules():
         drawn = {}
@@ -168,8 +222,10 @@ def make_shaped_model(
         model,
         group_size=group_size,
         bits=bits,
-        class_predicate=lambda _, m: (
-            isinstance(m, nn.Linear | nn.Embedding) and m.weight.shape[-1] % group_size == 0
+        class_predicate=lambda path, m: (
+            isinstance(m, nn.Linear | nn.Embedding)
+            and m.weight.shape[-1] % group_size == 0
+            and not path.startswith("vision_tower")  # as mlx-vlm's converter leaves it
         ),
     )
     weights = {}
@@ -178,7 +234,15 @@ def make_shaped_model(
         weights[name] = value
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    make_tiny_tokenizer(directory)
+    if processor is None:
+        make_tiny_tokenizer(directory)
+    else:
+        from mlx_nbengine.testing.vision import VISION_TOKENS, VL_CHAT_TEMPLATE
+
+        make_tiny_tokenizer(
+            directory, extra_special_tokens=VISION_TOKENS, chat_template=VL_CHAT_TEMPLATE
+        )
+        (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return directory
 
 

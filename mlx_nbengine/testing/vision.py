@@ -90,7 +90,7 @@ def _save_random_vlm(config: dict[str, Any], directory: Path, *, seed: int, dtyp
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-_VL_CHAT_TEMPLATE = (
+VL_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -163,7 +163,7 @@ def _qwen2_vl(ids: dict[str, int], options: Options) -> tuple[dict[str, Any], di
 
 vision_family(
     "qwen2_vl",
-    Vision(VISION_TOKENS, _VL_CHAT_TEMPLATE, _qwen2_vl, "preprocessor_config.json"),
+    Vision(VISION_TOKENS, VL_CHAT_TEMPLATE, _qwen2_vl, "preprocessor_config.json"),
 )
 
 
@@ -323,7 +323,7 @@ def _qwen3_5_vl(ids: dict[str, int], options: Options) -> tuple[dict[str, Any], 
             "mrope_interleaved": True,
         },
     }
-    vision_config, preprocessor = _qwen3_5_vision(patch_size=8, merge_size=2)
+    vision_config, preprocessor = qwen3_5_vision(patch_size=8, merge_size=2)
     config = {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -342,7 +342,7 @@ def _qwen3_5_vl(ids: dict[str, int], options: Options) -> tuple[dict[str, Any], 
     return config, preprocessor
 
 
-def _qwen3_5_vision(*, patch_size: int, merge_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def qwen3_5_vision(*, patch_size: int, merge_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tiny Qwen3.5 vision tower's config and its image processor's."""
     cell = patch_size * merge_size
     vision_config = {
@@ -380,7 +380,7 @@ def _qwen3_5_vision(*, patch_size: int, merge_size: int) -> tuple[dict[str, Any]
 
 vision_family(
     "qwen3_5_vl",
-    Vision(VISION_TOKENS, _VL_CHAT_TEMPLATE, _qwen3_5_vl, "preprocessor_config.json"),
+    Vision(VISION_TOKENS, VL_CHAT_TEMPLATE, _qwen3_5_vl, "preprocessor_config.json"),
 )
 
 

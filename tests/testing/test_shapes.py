@@ -43,6 +43,29 @@ def test_a_dense_twin_has_the_hybrids_width_depth_and_mlp(shape):
     assert len(model.model.layers) == 24 and model.model.layers[0].self_attn.n_heads == 8
 
 
+@pytest.mark.parametrize("shape", HYBRIDS)
+def test_a_hybrid_shapes_vision_form_is_mlx_vlms_model_of_the_same_text_model(shape):
+    # Qwen publishes the family with a vision tower (mlx-vlm's qwen3_5): its language model
+    # is the hybrid's, its tower the tiny one, widened to the text model's width.
+    from mlx_nbengine.testing.shapes import _vision_model, vision_config
+
+    config, processor = vision_config(shape)
+    model = _vision_model(config)  # lazy: nothing is drawn
+    text = dict(tree_flatten(model.language_model.parameters()))
+    _, hybrid = build(shape, dense=False)
+    want = dict(tree_flatten(hybrid.language_model.parameters()))
+    assert {k: v.shape for k, v in text.items()} == {k: v.shape for k, v in want.items()}
+    assert type(model.language_model.model.layers[0].linear_attn).__module__ == (
+        "mlx_vlm.models.qwen3_5.language"
+    )
+    assert config["vision_config"]["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert processor["processor_class"] == "Qwen3VLProcessor"
+    with pytest.raises(ValueError, match="gemma4-e2b has no vision form here"):
+        from mlx_nbengine.testing import make_shaped_model
+
+        make_shaped_model("gemma4-e2b", "unused", vision=True)
+
+
 def effective_and_table(model) -> tuple[int, int]:
     """A Gemma 4 model's parameters without its per-layer input table, and the table's."""
     params = dict(tree_flatten(model.parameters()))
