@@ -46,8 +46,9 @@ against the same request sent cold (a fresh server with nothing cached).
 
 **Measured**: per turn the time to the first streamed token (TTFT), the request's whole
 time (each server's requests through one HTTP client that keeps its connection open, as an
-agent's CLI does) and ``cached_tokens`` as each server reports it (Responses: ``input_tokens_details``;
-llama-server: ``timings.cache_n`` where its usage has none); each shape's whole trace time.
+agent's CLI does) and ``cached_tokens`` as each server reports it (Responses:
+``input_tokens_details``; llama-server: ``timings.cache_n`` where its usage has none); each
+shape's whole trace time.
 *New tokens* of a turn: its prompt's tokens past the longest prefix it shares with an
 earlier turn's prompt plus answer (our tokenizer, text as rendered): what an ideal prefix
 cache computes. Their *floor*: the time our engine's model takes to compute only those
