@@ -297,10 +297,15 @@ def ratio_row(
 ) -> str:
     """Our figures (variant `mine`) over `peer`'s (speeds: ours / theirs; the re-run:
     theirs / ours, so above 1 is ours faster everywhere)."""
-    cells = [ours["prefill_tok_s"][str(n)] / peer["prefill_tok_s"][str(n)] for n in lengths]
+    theirs = peer["prefill_tok_s"]
+    cells = [
+        ours["prefill_tok_s"][str(n)] / theirs[str(n)] if str(n) in theirs else None
+        for n in lengths
+    ]
     for key in ("decode_1_tok_s", "decode_4_tok_s"):
         cells.append(ours[key] / peer[key] if peer.get(key) else None)
-    cells.append(peer["edited_rerun_s"] / ours["edited_rerun_s"])
+    rerun = peer.get("edited_rerun_s")
+    cells.append(rerun / ours["edited_rerun_s"] if rerun else None)
     text = ["" if c is None else f"{c:.2f}x" for c in cells]
     return f"| {shape} | {mine} / {name} | " + " | ".join(text) + " |"
 
@@ -331,9 +336,9 @@ def table(results: dict, lengths: list[int]) -> str:
                 lines.append(work_row(shape, variants["ours"], variants[peer], lengths))
         vision = variants.get("vision checkpoint")
         if vision is not None:
-            for peer in ("vision checkpoint, mlx-vlm's", "llama.cpp"):
+            for peer, name in (("vision checkpoint, mlx-vlm's", "mlx-vlm's"), ("llama.cpp",) * 2):
                 if peer in variants:
-                    lines.append(ratio_row(shape, vision, variants[peer], peer, lengths, "vision"))
+                    lines.append(ratio_row(shape, vision, variants[peer], name, lengths, "vision"))
     return "\n".join(lines)
 
 
