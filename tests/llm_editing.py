@@ -12,6 +12,7 @@ coloured there, so a count of 0 in the `%%llm` cell means something.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 TYPED_LINES = [
@@ -63,5 +64,18 @@ def saved_source(page, path: Path, index: int) -> str:
         "() => window.jupyterapp.shell.currentWidget.context.model.dirty === false",
         timeout=60_000,
     )
-    source = json.loads(path.read_text())["cells"][index]["source"]
+    source = _notebook(path)["cells"][index]["source"]
     return "".join(source) if isinstance(source, list) else source
+
+
+def _notebook(path: Path, *, within_s: float = 30.0) -> dict:
+    """`path` parsed, once a write in flight has ended: the server may still be writing the
+    file (an autosave after ours) when the front end's model is no longer dirty."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -285,11 +285,15 @@ def stop_answer(page, index: int) -> dict:
     page.wait_for_function(f"(i) => ({ANSWER_STATE})(i).text.length > 0", arg=index)
     before = page.evaluate(ANSWER_STATE, index)
     stop.click()
-    page.wait_for_function(
-        f"(i) => {{ const s = ({ANSWER_STATE})(i); return s.state !== 'running' "
-        "&& s.buttons.includes('copy'); }",
-        arg=index,
-    )
+    try:
+        page.wait_for_function(
+            f"(i) => {{ const s = ({ANSWER_STATE})(i); return s.state !== 'running' "
+            "&& s.buttons.includes('copy'); }",
+            arg=index,
+        )
+    except sync_api.TimeoutError as e:
+        now = page.evaluate(ANSWER_STATE, index)
+        raise AssertionError(f"cell {index} ran on after Stop: {before} then {now}") from e
     wait_kernel_idle(page)  # a foreground cell ends after its answer: its error line comes
     return {"before": before, "after": page.evaluate(ANSWER_STATE, index)}
 
