@@ -189,13 +189,19 @@ def test_a_tiny_hybrid_decodes_the_library_s_greedy_tokens(tmp_path, quantized):
     assert not any(deltaroute.DELTA.routes(m) for _, m in lm.model.named_modules())
 
 
-def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_path):
-    # The 700-token prompt is read in one step: its blocks' states are taken inside it.
-    path = make_tiny_model("qwen3_5", tmp_path / "m")
+@pytest.mark.parametrize(
+    ("family", "route"),
+    [("qwen3_5", "gated-delta-qwen3_5"), ("qwen3_5_vl", "gated-delta-vlm-qwen3_5")],
+    ids=["text", "vision"],
+)
+def test_the_engine_restores_an_edited_hybrid_prompt_to_a_cold_runs_tokens(tmp_path, family, route):
+    # The 700-token prompt is read in one step: its blocks' states are taken inside it (the
+    # vision checkpoint's mlx-vlm layers too).
+    path = make_tiny_model(family, tmp_path / "m")
     prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
     edited = [*prompt[:600], 9, *prompt[601:]]
     with Engine.load(path, store=False) as engine:
-        assert "gated-delta-qwen3_5" in engine.model.routing.names()
+        assert route in engine.model.routing.names()
         assert engine.internals.takes_states_inside_steps
     warm, cold = restored_and_cold(path, tmp_path, prompt, edited)
     # Two blocks from disk, the second's recurrent state taken inside the prompt's one step.
@@ -412,22 +418,6 @@ def test_a_tiny_qwen3_5_vlm_decodes_the_librarys_greedy_tokens(tmp_path):
         with lm.routing.suspended(deltaroute.DELTA_VLM):
             assert greedy_vlm(lm, prompt) == ours
     assert not any(deltaroute.DELTA_VLM.routes(m) for _, m in lm.model.named_modules())
-
-
-def test_the_engine_restores_an_edited_qwen3_5_vlm_prompt_to_a_cold_runs_tokens(tmp_path):
-    # The vision model's text prompt is read in one step too, its blocks' states taken
-    # inside it by the routed layers.
-    path = make_tiny_qwen3_5_vlm(tmp_path / "vlm")
-    prompt = [2, *[5 + (i * 7) % 400 for i in range(700)]]
-    edited = [*prompt[:600], 9, *prompt[601:]]
-    with Engine.load(path, store=False) as engine:
-        assert engine.model.modality == "vision"
-        assert "gated-delta-vlm-qwen3_5" in engine.model.routing.names()
-        assert engine.internals.takes_states_inside_steps
-    warm, cold = restored_and_cold(path, tmp_path, prompt, edited)
-    assert warm.report.restore_source == "disk"
-    assert [b.source for b in warm.report.blocks[:3]] == ["disk", "disk", "computed"]
-    assert warm.tokens == cold.tokens
 
 
 def test_a_text_model_never_imports_mlx_vlm_for_a_route(tmp_path):
