@@ -84,12 +84,20 @@ function buttons(model, root) {
       navigator.clipboard.writeText(text).then(() => copied(button), fallback);
     } else fallback();
   };
-  bar.addEventListener("click", (event) => {
+  // Stop acts on the press, not the click: while the answer streams above it the button
+  // moves down, and a release that lands after the next redraw falls on something else (no
+  // click). The press disables it, so the click that may follow does nothing; a key press
+  // (Enter, Space) still clicks it.
+  const act = (event, stopOnly) => {
     const button = event.target.closest("button[data-action]");
-    if (!button) return;
+    if (!button || button.disabled) return;
     if (button.dataset.action === "stop") stop(button);
-    else if (button.dataset.action === "copy") copy(button);
+    else if (button.dataset.action === "copy" && !stopOnly) copy(button);
+  };
+  bar.addEventListener("pointerdown", (event) => {
+    if (event.button === 0) act(event, true);
   });
+  bar.addEventListener("click", (event) => act(event, false));
   model.on("change:controls", draw);
   draw();
   return () => model.off("change:controls", draw);
