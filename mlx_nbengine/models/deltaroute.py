@@ -2,7 +2,7 @@
 mlx-lm's ``qwen3_5.GatedDeltaNet`` (`DELTA`) and of mlx-vlm's ``Qwen3_5GatedDeltaNet``
 (`DELTA_VLM`: Qwen publishes the family with a vision tower, so its checkpoints load through
 mlx-vlm, whose CPU path prefills with a chunked scan of MLX operations and decodes with the
-per-token loop, about a quarter of the routed speed).
+per-token loop: about a third of the routed prefill speed).
 
 mlx-lm's ``gated_delta_update`` has Metal kernels only. On the CPU it runs
 ``gated_delta_ops``, a Python loop that calls a compiled step once per token and layer
@@ -668,7 +668,7 @@ DELTA_VLM = InstanceRoute(
     ),
     checked_with="mlx-vlm 0.7.10",
     refusal="Qwen 3.5's linear attention (mlx-vlm) is not on the CPU kernel",
-    fallback="its layers run mlx-vlm's chunked scan and per-token decode loop (about 4x slower)",
+    fallback="its layers run mlx-vlm's chunked scan (about 3x slower) and per-token decode loop",
     methods={"__call__": _vlm_call},
     prefix="Cpu",
 )
