@@ -229,5 +229,6 @@ def _tapped_states(cache: list[Any], taps: deltaroute.Taps, start: int) -> dict[
             for j, array in enumerate(arrays):
                 stand_in[j] = array
             out.setdefault(start + n, {})[i] = stand_in
-    layers = {i for i, c in enumerate(cache) if isinstance(c, deltaroute.arrays_cache_classes())}
+    recurrent = deltaroute.arrays_cache_classes()
+    layers = {i for i, c in enumerate(cache) if isinstance(c, recurrent)}
     return {b: states for b, states in out.items() if set(states) == layers}

@@ -392,7 +392,8 @@ def tapping_layers(lm: Any) -> list[Any] | None:
         return None
     classes = tuple(r.library_class() for r in routes)
     layers = [m for _, m in lm.language_model.named_modules() if isinstance(m, classes)]
-    recurrent = sum(isinstance(c, arrays_cache_classes()) for c in lm.make_cache())
+    arrays = arrays_cache_classes()
+    recurrent = sum(isinstance(c, arrays) for c in lm.make_cache())
     return layers if recurrent > 0 and len(layers) == recurrent else None
 
 
