@@ -6,8 +6,9 @@ matrix-vector product; decode is bound by the bytes of weights read per token, s
 ``x @ dequantize(w, scales, biases).T`` for 1 to `MAX_ROWS` rows of ``x`` (a decode step)
 straight from the packed weights, as an MLX primitive on the CPU device; the vectorized
 sets take more rows too (a prefill step: an integer GEMM, and past 96 rows, a *long step*,
-either int8 x multiplied by the weights or the weights dequantized a tile at a time onto the
-BLAS: `long_products`).
+either int8 x multiplied by the weights or, past the set's `gemm_tile_rows` (256 where the
+CPU has AVX-512 VNNI, else 96), the weights dequantized a tile at a time onto the BLAS:
+`long_products`).
 
 `attention` is scaled-dot-product attention (``mx.fast.scaled_dot_product_attention``'s
 function, plus sliding windows and soft-capping): its two products on the BLAS, the softmax
@@ -45,6 +46,7 @@ from pathlib import Path
 from types import ModuleType
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_nbengine import _blas
 from mlx_nbengine.kernels import build as _build
@@ -64,6 +66,8 @@ __all__ = [
     "gated_mlp",
     "gemm_available",
     "gemm_int8_fast",
+    "gemm_pack",
+    "gemm_tile_rows",
     "long_products",
     "qkv_step",
     "quantized_matmul",
@@ -196,6 +200,37 @@ def gemm_available(isa: str | None = None) -> bool:
     return bool(_module.gemm_available(isa or _status.isa))
 
 
+def gemm_tile_rows(isa: str | None = None) -> int:
+    """The most rows of x a product with set `isa` (default: the one `status` chose)
+    multiplies on its int16 tiles; past them, the BLAS's product of the weights dequantized
+    (or a long step's int8 product). 0 where the set has no GEMM or the kernels are off."""
+    if not status().active:
+        return 0
+    return int(_module.gemm_tile_rows(isa or _status.isa))
+
+
+def gemm_pack(
+    x: np.ndarray, group_size: int, *, int8: bool, per_word: int, isa: str, vector: bool
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """x (float32, M x K) rounded and laid out as set `isa`'s GEMM tiles read it (src/qgemm.h,
+    ``qgemm_pack``): (lanes, words int32, scales, sums), with the set's vectorized packing
+    (`vector`) or the scalar loop it restates, for the tests to compare. Raises RuntimeError
+    where the kernels are not active."""
+    if _module is None and not status().active:
+        raise RuntimeError(f"the quantized kernels are not active: {status().reason}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    lanes, words, scales, sums = _module.gemm_pack(
+        x.tobytes(), rows, k, group_size, per_word, int8, isa, vector
+    )
+    return (
+        lanes,
+        np.frombuffer(words, dtype=np.int32),
+        np.frombuffer(scales, dtype=np.float32),
+        np.frombuffer(sums, dtype=np.float32),
+    )
+
+
 def gemm_int8_fast(isa: str | None = None) -> bool:
     """Whether set `isa` (default: the one `status` chose) multiplies int8 at VNNI's rate on
     this CPU, where a long step's int8 product beats the BLAS."""
@@ -246,8 +281,9 @@ def quantized_matmul(
 
     Like ``mx.quantized_matmul(..., transpose=True)`` with MLX's affine mode. `isa` forces a
     kernel set (default: the one `status` chose); `threads` defaults to the engine's BLAS
-    thread count for the step; `long_products` (``"blas"`` or ``"int8"``) says how a step of
-    more than 96 rows multiplies (``"int8-pairs"``: int8 on the set's int16 tiles, never its
+    thread count for the step; `long_products` (``"blas"``: the int16 tiles up to
+    `gemm_tile_rows`, then the BLAS; or ``"int8"``) says how a step of more than 96 rows
+    multiplies (``"int8-pairs"``: int8 on the set's int16 tiles, never its
     VNNI quads, the same bits: the tests' switch for a CPU without VNNI). Raises RuntimeError
     where the kernels are not active.
     """

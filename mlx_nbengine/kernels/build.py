@@ -48,6 +48,7 @@ SOURCES = (
     "qgemm.h",
     "qgemm_x86.cpp",
     "qgemm_x86_body.h",
+    "qgemm_x86_pack.h",
     "qgemm_x86_quads.h",
     "qkernels.h",
     "qkernels_portable.cpp",

@@ -74,6 +74,7 @@ VARIANT_SOURCES = (
         "qgemm.cpp",
         "qgemm_x86.cpp",
         "qgemm_x86_body.h",
+        "qgemm_x86_pack.h",
         "qgemm_x86_quads.h",
         "gated_mlp.h",
         "gated_mlp.cpp",

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from kernelsets import ISAS, isa_or_skip, needs_kernels  # tests/ is on sys.path
+from kernelsets import ISAS, best_isa, isa_or_skip, needs_kernels  # tests/ is on sys.path
 
 from mlx_nbengine import kernels
 from mlx_nbengine.models import layerroute, load, qroute
@@ -63,9 +63,10 @@ def int16_bound(x, q, s, b, *, bits: int, group_size: int) -> mx.array:
     return (step / 2) @ mx.abs(dense - offset).T
 
 
-# Past 8 rows the vectorized sets run the integer GEMM, past 96 the dequantized tiles on the
-# BLAS (src/qgemm.h); the portable set takes blocks of 8 up to `kernels.MAX_ROWS` (64), and
-# more is refused (test_more_rows_than_the_portable_set_takes_is_refused).
+# Past 8 rows the vectorized sets run the integer GEMM, past `kernels.gemm_tile_rows` (96, or
+# 256 with AVX-512 VNNI) the dequantized tiles on the BLAS (src/qgemm.h); the portable set
+# takes blocks of 8 up to `kernels.MAX_ROWS` (64), and more is refused
+# (test_more_rows_than_the_portable_set_takes_is_refused).
 ROWS = [1, 2, 3, 8, 20, 64, 100, 300]
 ISA_ROWS = [
     (isa, rows) for isa in ISAS for rows in ROWS if isa != "portable" or rows <= kernels.MAX_ROWS
@@ -189,15 +190,69 @@ def test_the_vectorized_sets_take_any_number_of_rows(isa):
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 def test_a_gemm_rows_bits_do_not_depend_on_the_rows_beside_it(isa, bits):
     # A cold prefill and a restored edit's tail compute the same rows in products of
-    # different sizes: the integer GEMM (9 to 96 rows) gives each row the same bits.
+    # different sizes: the integer GEMM (9 rows to the set's `gemm_tile_rows`: 96, or 256
+    # with AVX-512 VNNI) gives each row the same bits.
     isa_or_skip(isa)
     q, s, b = quantized(83, 5 * 64, bits=bits, group_size=64)
-    x = mx.random.normal((90, 5 * 64), key=mx.random.key(6))
-    whole = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa)
-    tail = kernels.quantized_matmul(x[53:], q, s, b, group_size=64, bits=bits, isa=isa)
-    assert mx.array_equal(whole[53:], tail).item()
-    one = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa, threads=1)
-    assert mx.array_equal(whole, one).item()
+    for rows in sorted({90, kernels.gemm_tile_rows(isa)}):
+        x = mx.random.normal((rows, 5 * 64), key=mx.random.key(6))
+        whole = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa)
+        tail = kernels.quantized_matmul(x[53:], q, s, b, group_size=64, bits=bits, isa=isa)
+        assert mx.array_equal(whole[53:], tail).item(), rows
+        one = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=bits, isa=isa, threads=1)
+        assert mx.array_equal(whole, one).item(), rows
+
+
+def test_the_tiles_take_steps_up_to_256_rows_only_where_vnni_multiplies_int16_pairs():
+    # Measured on an Intel Xeon with AVX-512 VNNI (2 threads): vpdpwssd's tiles 1.2-1.6x the
+    # BLAS from 97 to 256 rows; without it (vpmaddwd + vpaddd) the BLAS wins past 96.
+    assert kernels.gemm_tile_rows("portable") == 0
+    for isa in VECTOR_ISAS:
+        if kernels.usable_isa(isa) != isa:
+            continue
+        vnni = isa == "avx512" and kernels.gemm_int8_fast(isa)
+        assert kernels.gemm_tile_rows(isa) == (256 if vnni else 96), isa
+
+
+def awkward_rows(rows: int, k: int, group_size: int, seed: int) -> np.ndarray:
+    """x with the groups round_group treats apart: all zero, a NaN (left out of the
+    largest), an infinity (not finite: nothing rounded), a subnormal largest (its int8 scale
+    is 0, its integers x * inf), sums that overflow, and ties of the rounding."""
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * 3
+    x[0, :group_size] = 0
+    if rows > 5:
+        x[1, 5], x[1, 6] = 1000, np.nan  # the NaN after the largest: it must not reset it
+        x[2, group_size + 3] = np.inf
+        x[3, -group_size:] = np.float32(1e-44)
+        x[4, :group_size] = np.float32(3e38)
+        x[5, :group_size] = np.arange(group_size, dtype=np.float32) - 16.5  # .5 ties
+        x[5, 0] = 32767  # so x * (32767 / largest) is x itself
+    return x
+
+
+def test_the_vectorized_packing_gives_the_scalar_loops_bits():
+    # The GEMM rounds x one vector lane a row (src/qgemm_x86_pack.h); the scalar loop it
+    # restates is round_group / round_group8, which the row kernels' rounding shares. Each
+    # vectorized set this CPU has (its best one at least: `isa_or_skip` fails under CI).
+    isa_or_skip(best_isa())
+    sets = [isa for isa in VECTOR_ISAS if kernels.usable_isa(isa) == isa]
+    for isa, int8, per_word in [(i, *w) for i in sets for w in ((0, 2), (1, 2), (1, 4))]:
+        for group_size in (32, 64, 128):
+            for rows in (1, 6, 9, 16, 20, 33):
+                x = awkward_rows(rows, 3 * group_size, group_size, seed=rows + group_size)
+                kw = {"int8": bool(int8), "per_word": per_word, "isa": isa}
+                vector = kernels.gemm_pack(x, group_size, vector=True, **kw)
+                scalar = kernels.gemm_pack(x, group_size, vector=False, **kw)
+                assert vector[0] == scalar[0] > 0
+                for got, want in zip(vector[1:], scalar[1:], strict=True):
+                    # bit patterns, so that NaNs compare too
+                    assert got.view(np.int32).tolist() == want.view(np.int32).tolist(), (
+                        isa,
+                        int8,
+                        per_word,
+                        group_size,
+                        rows,
+                    )
 
 
 @pytest.mark.parametrize("bits", [4, 8])

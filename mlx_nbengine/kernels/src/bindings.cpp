@@ -245,6 +245,35 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "The kernel set that runs for `isa` on this CPU (a lesser one where it lacks `isa`).");
   m.def("max_rows", [] { return mnb::kMaxRows; });
   m.def("gemm_available", [](const std::string& isa) { return mnb::qgemm_available(mnb::usable(parse_isa(isa))); }, "isa"_a);
+  m.def(
+      "gemm_pack",
+      [](nb::bytes x, int M, int K, int group, int per_word, bool int8, const std::string& isa,
+         bool vector) {
+        if (M < 1 || K < 1 || group < 1 || K % group != 0 || group > 128 || group % 4 != 0 ||
+            (per_word != 2 && per_word != 4) || x.size() != size_t(M) * K * 4) {
+          throw std::invalid_argument("gemm_pack: x must be M x K float32, K a multiple of group");
+        }
+        mnb::QJob job{};
+        job.x = reinterpret_cast<const float*>(x.c_str());
+        job.M = M;
+        job.K = K;
+        job.group = group;
+        std::vector<int32_t> words;
+        std::vector<float> scale, sum;
+        const int lanes = mnb::qgemm_pack(job, mnb::usable(parse_isa(isa)), per_word, int8,
+                                          vector, words, scale, sum);
+        auto as_bytes = [](const auto& v) {
+          return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v[0]));
+        };
+        return nb::make_tuple(lanes, as_bytes(words), as_bytes(scale), as_bytes(sum));
+      },
+      "x"_a, "M"_a, "K"_a, "group"_a, "per_word"_a, "int8"_a, "isa"_a, "vector"_a,
+      "x rounded and laid out as the GEMM's tiles read it (qgemm.h's qgemm_pack): (lanes, "
+      "words, scale, sum) as bytes; `vector`: the set's packing, else the scalar loop.");
+  m.def(
+      "gemm_tile_rows",
+      [](const std::string& isa) { return mnb::qgemm_tile_rows(mnb::usable(parse_isa(isa))); },
+      "isa"_a);
   m.def("gemm_int8_fast", [](const std::string& isa) { return mnb::qgemm_int8_fast(mnb::usable(parse_isa(isa))); }, "isa"_a);
   m.def(
       "attention",

@@ -29,9 +29,22 @@ GemmSet set_for(Isa isa) {
 struct PackedX {
   std::vector<int32_t> words;
   std::vector<float> scale, sum;
-  void pack(const QJob& job, int lanes, int per_word, bool int8, int threads) {
+  // With the set's vectorized packing where it has one (`vector`), a block of rows at a
+  // time; else row by row.
+  void pack(const QJob& job, const GemmSet& set, int per_word, bool int8, int threads,
+            bool vector = true) {
     const int M = job.M, K = job.K, group = job.group, G = K / group, W = K / per_word;
+    const int lanes = set.lanes;
     const int blocks = (M + lanes - 1) / lanes;
+    if (vector && set.pack != nullptr) { // every value written, the absent rows' zero
+      words.resize(size_t(blocks) * W * lanes);
+      scale.resize(size_t(blocks) * G * lanes);
+      sum.resize(size_t(blocks) * G * lanes);
+      workers().run(threads, blocks, 1, [&](int b0, int b1) {
+        set.pack(job, per_word, int8, b0, b1, words.data(), scale.data(), sum.data());
+      });
+      return;
+    }
     words.assign(size_t(blocks) * W * lanes, 0);
     scale.assign(size_t(blocks) * G * lanes, 0.0f);
     sum.assign(size_t(blocks) * G * lanes, 0.0f);
@@ -69,15 +82,34 @@ struct PackedX {
 
 // Bytes of x's words one chunk of row blocks holds: the chunk stays in a core's L2 cache
 // while every tile of output columns passes over it.
-constexpr int64_t kChunkBytes = 256 << 10;
-// kBlasRows (qgemm.h): past it the BLAS's float32 product of W dequantized beats the int16
-// tiles (see the README); the float copy is made this many bytes at a time.
+constexpr int64_t kChunkBytes = 512 << 10;
+// Past the set's blas_rows (qgemm.h) the BLAS's float32 product of W dequantized beats the
+// int16 tiles (see the README); the float copy is made this many bytes at a time.
 constexpr int64_t kBlasTileBytes = 8 << 20;
 
 } // namespace
 
+int qgemm_pack(const QJob& job, Isa isa, int per_word, bool int8, bool vector,
+               std::vector<int32_t>& words, std::vector<float>& scale, std::vector<float>& sum) {
+  const GemmSet set = set_for(isa);
+  if (set.tile == nullptr) {
+    return 0;
+  }
+  PackedX x;
+  x.pack(job, set, per_word, int8, 1, vector);
+  words = std::move(x.words);
+  scale = std::move(x.scale);
+  sum = std::move(x.sum);
+  return set.lanes;
+}
+
 bool qgemm_available(Isa isa) {
   return set_for(isa).tile != nullptr;
+}
+
+int qgemm_tile_rows(Isa isa) {
+  const GemmSet set = set_for(isa);
+  return set.tile == nullptr ? 0 : set.blas_rows;
 }
 
 bool qgemm_int8_fast(Isa isa) {
@@ -126,14 +158,17 @@ void tiled_product(const QJob& job, const GemmSet& set, const Tiles& tiles, int 
     threads = 1;
   }
   PackedX x;
-  x.pack(job, L, tiles.per_word, tiles.int8, threads);
+  x.pack(job, set, tiles.per_word, tiles.int8, threads);
   const int blocks = (M + L - 1) / L;
   const int per_chunk = int(std::max<int64_t>(1, kChunkBytes / (int64_t(L) * W * 4)));
   const int chunks = (blocks + per_chunk - 1) / per_chunk;
   const int column_tiles = (N + NR - 1) / NR;
   // Work item t: row chunk t / column_tiles against column tile t % column_tiles; the
-  // threads take items in order, so they share a chunk while it is in cache.
-  workers().run(threads, chunks * column_tiles, 1, [&](int t0, int t1) {
+  // threads take runs of items in order, so they share a chunk while it is in cache, and
+  // each reads the weights of its run's tiles front to back.
+  const int items = chunks * column_tiles;
+  const int64_t row_bytes = int64_t(K) * job.bits / 8;
+  workers().run(threads, items, std::max(1, items / (threads * 8)), [&](int t0, int t1) {
     thread_local std::vector<int32_t> wt;
     thread_local std::vector<float> st, bt, res;
     wt.resize(size_t(NR) * gemm_wstride(W));
@@ -142,6 +177,14 @@ void tiled_product(const QJob& job, const GemmSet& set, const Tiles& tiles, int 
     res.resize(size_t(NR) * L);
     for (int t = t0; t < t1; ++t) {
       const int c = t / column_tiles, n0 = (t % column_tiles) * NR;
+      if (t + 1 < t1) { // the run's next tile's weights come in while this tile computes
+        const int n1 = ((t + 1) % column_tiles) * NR;
+        const uint8_t* next = job.w + n1 * row_bytes;
+        const int64_t bytes = std::min<int64_t>(NR, N - n1) * row_bytes;
+        for (int64_t at = 0; at < bytes; at += 64) {
+          __builtin_prefetch(next + at, 0, 3);
+        }
+      }
       tiles.widen(job, n0, wt.data(), st.data(), bt.data());
       const int ncols = std::min(NR, N - n0);
       for (int b = c * per_chunk; b < std::min(blocks, (c + 1) * per_chunk); ++b) {
@@ -219,7 +262,7 @@ void int8_portable(const QJob& job, int threads) {
 
 void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
   const GemmSet set = set_for(isa);
-  const bool long_step = job.M > kBlasRows || set.tile == nullptr;
+  const bool long_step = job.M > kLongRows || set.tile == nullptr;
   if (long_step && long_products != LongProducts::blas) {
     if (set.tile8 != nullptr && long_products == LongProducts::int8) {
       tiled_product(job, set, Tiles{set.tile8, set.tile8_half, set.widen8, 4, true}, threads);
@@ -230,7 +273,7 @@ void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
     }
     return;
   }
-  if (long_step) {
+  if (job.M > set.blas_rows || set.tile == nullptr) {
     dequantized_product(job, set, threads);
     return;
   }

@@ -15,13 +15,15 @@
 // under AVX2 and AVX-512 (with or without VNNI) and, for the int8 product, the portable set:
 // integer sums are exact, and the float operations are the same in the same order.
 //
-// A long step (more than kBlasRows rows) multiplies either int8 x by the weights (`int8`:
+// A long step (more than kLongRows rows) multiplies either int8 x by the weights (`int8`:
 // four k a multiply-add where the CPU has VNNI) or float32 x by the weights dequantized a tile
 // at a time on the BLAS (`blas`); the int8 product's x carries 2^-8 of its group's largest
 // value where int16's carries 2^-16 (tests/integration/test_default_q8.py measures what that
 // costs), and the model's variant names which product ran.
 
 #pragma once
+
+#include <vector>
 
 #include "qkernels.h"
 
@@ -32,12 +34,17 @@ namespace mnb {
 // the tests' switch for what a CPU without VNNI runs).
 enum class LongProducts : int { blas = 0, int8 = 1, int8_pairs = 2 };
 
-// Rows past which a step is long (see above); up to it, the int16 tiles.
-constexpr int kBlasRows = 96;
+// Rows past which a step is long (see above): the int8 product where asked for; else the
+// int16 tiles up to the set's `blas_rows`, then the BLAS.
+constexpr int kLongRows = 96;
 
 // Whether `isa` has a GEMM on this CPU (the vectorized sets; the portable set has none but
 // the int8 product of a long step).
 bool qgemm_available(Isa isa);
+
+// The most rows a product of `isa` multiplies on its int16 tiles (past them, the BLAS's
+// product of W dequantized); 0 where the set has no GEMM.
+int qgemm_tile_rows(Isa isa);
 
 // Whether `isa` multiplies int8 quads at VNNI's rate on this CPU (vpdpbusd): where a long
 // step's int8 product is faster than the BLAS's.
@@ -65,6 +72,10 @@ struct GemmArgs {
 
 struct GemmSet {
   int lanes = 0, nr = 0;
+  // Rows past which the BLAS's product of W dequantized beats the int16 tiles: 256 with
+  // VNNI's vpdpwssd (measured on an Intel Xeon with AVX-512 VNNI, 2 threads: the tiles
+  // 1.2-1.6x the BLAS from 97 to 256 rows, even at 512), else kLongRows.
+  int blas_rows = kLongRows;
   void (*tile)(const GemmArgs& a) = nullptr;
   // The same for the first lanes / 2 rows of the block only (a last block of few rows), the
   // same operations lane by lane; nullptr where the set has none.
@@ -82,7 +93,19 @@ struct GemmSet {
   void (*widen8)(const QJob& job, int n0, int32_t* wt, float* st, float* bt) = nullptr;
   // Rows n0 .. n1 of W as float32, K a row, from dst.
   void (*dequantize)(const QJob& job, int n0, int n1, float* dst) = nullptr;
+  // x's row blocks b0 .. b1 rounded and laid out as `qgemm_pack` says, `lanes` rows a block
+  // (lanes of rows past M zero), computing each lane as round_group / round_group8 computes
+  // its row: the same bits, `lanes` rows at a time.
+  void (*pack)(const QJob& job, int per_word, bool int8, int b0, int b1, int32_t* words,
+               float* scale, float* sum) = nullptr;
 };
+
+// x rounded per row and group as the tiles of `isa` read it (`int8`: to int8 values, as
+// round_group8 rounds them; else int16), `per_word` (2 or 4) consecutive k a word: words
+// [block][K / per_word][lanes], scale and sum [block][groups][lanes]; `vector`: with the set's
+// own packing, else the scalar loop (the tests compare the two). Returns the lanes.
+int qgemm_pack(const QJob& job, Isa isa, int per_word, bool int8, bool vector,
+               std::vector<int32_t>& words, std::vector<float>& scale, std::vector<float>& sum);
 
 // The weights' row stride of a tile: one cache line more than the pairs, so that the tile's
 // columns (read together, a page apart when K is 2,048) do not fall in one L1 cache set.

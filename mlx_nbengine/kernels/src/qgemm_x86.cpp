@@ -252,6 +252,115 @@ struct V<8> : gemm5v::V<8> {
 #undef MNB_PER_WORD
 #undef MNB_T512V
 
+// x's packing (GemmSet::pack, qgemm_x86_pack.h): the sets' vector operations on one row a
+// lane, 16 lanes (AVX-512) or 8 (AVX2).
+#define MNB_T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) static inline
+struct Pack16 {
+  using I = __m512i;
+  using F = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+  MNB_T512 Mask rows(int n) { return Mask((1u << n) - 1); }
+  MNB_T512 I offsets(int K) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(K));
+  }
+  MNB_T512 F gather(const float* p, I offsets, Mask rows) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, offsets, p, 4);
+  }
+  MNB_T512 F zerof() { return _mm512_setzero_ps(); }
+  MNB_T512 I zeroi() { return _mm512_setzero_si512(); }
+  MNB_T512 F set1f(float v) { return _mm512_set1_ps(v); }
+  MNB_T512 I set1i(int v) { return _mm512_set1_epi32(v); }
+  MNB_T512 F loadf(const float* p) { return _mm512_load_ps(p); }
+  MNB_T512 void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  MNB_T512 void storei(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  MNB_T512 F abs(F v) { return _mm512_abs_ps(v); }
+  MNB_T512 F max(F a, F b) { return _mm512_max_ps(a, b); } // b where either is NaN
+  MNB_T512 F add(F a, F b) { return _mm512_add_ps(a, b); }
+  MNB_T512 F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  MNB_T512 F div(F a, F b) { return _mm512_div_ps(a, b); }
+  MNB_T512 F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  MNB_T512 Mask finite_nonzero(F v) { // v >= 0, never NaN
+    return _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) &
+           _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  }
+  MNB_T512 Mask nonzero_finite_sum(F scale, F s) { // scale != 0 and s finite
+    return _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_OQ) &
+           _mm512_cmp_ps_mask(_mm512_abs_ps(s), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  }
+  MNB_T512 F blend(Mask m, F no, F yes) { return _mm512_mask_blend_ps(m, no, yes); }
+  MNB_T512 I round(Mask m, F v) { return _mm512_maskz_cvtps_epi32(m, v); }
+  MNB_T512 I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  MNB_T512 I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  MNB_T512 I ori(I a, I b) { return _mm512_or_si512(a, b); }
+  MNB_T512 I shl(I a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+  MNB_T512 I int16(I a) { return _mm512_srai_epi32(_mm512_slli_epi32(a, 16), 16); }
+};
+#undef MNB_T512
+#define MNB_T256 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+struct Pack8 {
+  using I = __m256i;
+  using F = __m256;
+  using Mask = __m256; // all ones in a lane where true
+  static constexpr int kLanes = 8;
+  MNB_T256 Mask rows(int n) {
+    return _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  }
+  MNB_T256 I offsets(int K) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K));
+  }
+  MNB_T256 F gather(const float* p, I offsets, Mask rows) {
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, offsets, rows, 4);
+  }
+  MNB_T256 F zerof() { return _mm256_setzero_ps(); }
+  MNB_T256 I zeroi() { return _mm256_setzero_si256(); }
+  MNB_T256 F set1f(float v) { return _mm256_set1_ps(v); }
+  MNB_T256 I set1i(int v) { return _mm256_set1_epi32(v); }
+  MNB_T256 F loadf(const float* p) { return _mm256_load_ps(p); }
+  MNB_T256 void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  MNB_T256 void storei(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  MNB_T256 F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  MNB_T256 F max(F a, F b) { return _mm256_max_ps(a, b); } // b where either is NaN
+  MNB_T256 F add(F a, F b) { return _mm256_add_ps(a, b); }
+  MNB_T256 F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  MNB_T256 F div(F a, F b) { return _mm256_div_ps(a, b); }
+  MNB_T256 F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  MNB_T256 Mask finite_nonzero(F v) { // v >= 0, never NaN
+    return _mm256_and_ps(_mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_LT_OQ),
+                         _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+  }
+  MNB_T256 Mask nonzero_finite_sum(F scale, F s) { // scale != 0 and s finite
+    return _mm256_and_ps(_mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_NEQ_OQ),
+                         _mm256_cmp_ps(abs(s), _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+  }
+  MNB_T256 F blend(Mask m, F no, F yes) { return _mm256_blendv_ps(no, yes, m); }
+  MNB_T256 I round(Mask m, F v) {
+    return _mm256_and_si256(_mm256_castps_si256(m), _mm256_cvtps_epi32(v));
+  }
+  MNB_T256 I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  MNB_T256 I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  MNB_T256 I ori(I a, I b) { return _mm256_or_si256(a, b); }
+  MNB_T256 I shl(I a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+  MNB_T256 I int16(I a) { return _mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16); }
+};
+#undef MNB_T256
+#define MNB_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
+#define MNB_PACK pack16
+#define MNB_P Pack16
+#include "qgemm_x86_pack.h"
+#undef MNB_TARGET
+#undef MNB_PACK
+#undef MNB_P
+#define MNB_TARGET __attribute__((target("avx2,fma,f16c")))
+#define MNB_PACK pack8
+#define MNB_P Pack8
+#include "qgemm_x86_pack.h"
+#undef MNB_TARGET
+#undef MNB_PACK
+#undef MNB_P
+
 } // namespace
 
 GemmSet gemm_avx2() {
@@ -259,6 +368,7 @@ GemmSet gemm_avx2() {
     return GemmSet{};
   }
   GemmSet s = gemm2::set();
+  s.pack = pack8;
   if (cpu_has_avx_vnni()) {
     const GemmSet quads = gemm2q::set();
     s.tile8 = quads.tile;
@@ -272,9 +382,13 @@ GemmSet gemm_avx512() {
     return GemmSet{};
   }
   if (!cpu_has_avx512_vnni()) {
-    return gemm5::set();
+    GemmSet s = gemm5::set();
+    s.pack = pack16;
+    return s;
   }
   GemmSet s = gemm5v::set();
+  s.pack = pack16;
+  s.blas_rows = 256;
   const GemmSet quads = gemm5q::set();
   s.tile8 = quads.tile;
   s.tile8_half = quads.tile_half;
