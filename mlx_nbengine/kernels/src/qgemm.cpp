@@ -167,7 +167,6 @@ void tiled_product(const QJob& job, const GemmSet& set, const Tiles& tiles, int 
   // threads take runs of items in order, so they share a chunk while it is in cache, and
   // each reads the weights of its run's tiles front to back.
   const int items = chunks * column_tiles;
-  const int64_t row_bytes = int64_t(K) * job.bits / 8;
   workers().run(threads, items, std::max(1, items / (threads * 8)), [&](int t0, int t1) {
     thread_local std::vector<int32_t> wt;
     thread_local std::vector<float> st, bt, res;
@@ -177,14 +176,6 @@ void tiled_product(const QJob& job, const GemmSet& set, const Tiles& tiles, int 
     res.resize(size_t(NR) * L);
     for (int t = t0; t < t1; ++t) {
       const int c = t / column_tiles, n0 = (t % column_tiles) * NR;
-      if (t + 1 < t1) { // the run's next tile's weights come in while this tile computes
-        const int n1 = ((t + 1) % column_tiles) * NR;
-        const uint8_t* next = job.w + n1 * row_bytes;
-        const int64_t bytes = std::min<int64_t>(NR, N - n1) * row_bytes;
-        for (int64_t at = 0; at < bytes; at += 64) {
-          __builtin_prefetch(next + at, 0, 3);
-        }
-      }
       tiles.widen(job, n0, wt.data(), st.data(), bt.data());
       const int ncols = std::min(NR, N - n0);
       for (int b = c * per_chunk; b < std::min(blocks, (c + 1) * per_chunk); ++b) {
