@@ -100,8 +100,12 @@ def seen(tiny_model_dir, tmp_path_factory) -> Seen:
                             model=name, messages=question, max_tokens=8, temperature=0
                         )
                         answers[key] = reply.usage
-                    stream = client.completions.create(
-                        model=name, prompt="The quick brown fox", max_tokens=8, stream=True
+                    stream = client.completions.create(  # greedy: no end token by chance
+                        model=name,
+                        prompt="The quick brown fox",
+                        max_tokens=8,
+                        stream=True,
+                        temperature=0,
                     )
                     answers["completion"] = "".join(c.choices[0].text for c in stream if c.choices)
                     page.wait_for_function(
