@@ -74,7 +74,7 @@ struct GemmSet {
   int lanes = 0, nr = 0;
   // Rows past which the BLAS's product of W dequantized beats the int16 tiles: 256 with
   // VNNI's vpdpwssd (measured on an Intel Xeon with AVX-512 VNNI, 2 threads: the tiles
-  // 1.2-1.6x the BLAS from 97 to 256 rows, even at 512), else kLongRows.
+  // 1.2-1.6x the BLAS from 97 to 256 rows, level with it at 512), else kLongRows.
   int blas_rows = kLongRows;
   void (*tile)(const GemmArgs& a) = nullptr;
   // The same for the first lanes / 2 rows of the block only (a last block of few rows), the
