@@ -252,12 +252,10 @@ struct V<8> : gemm5v::V<8> {
 #undef MNB_PER_WORD
 #undef MNB_T512V
 
-// x's packing (GemmSet::pack, qgemm_x86_pack.h): the sets' vector operations on one row a
-// lane, 16 lanes (AVX-512) or 8 (AVX2).
+// x's packing (GemmSet::pack, qgemm_x86_pack.h): the tiles' vector operations (V<16> of the
+// AVX-512 set, V<8> of the AVX2 one) and those the packing adds, on one row a lane.
 #define MNB_T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) static inline
-struct Pack16 {
-  using I = __m512i;
-  using F = __m512;
+struct Pack16 : gemm5::V<16> {
   using Mask = __mmask16;
   static constexpr int kLanes = 16;
   MNB_T512 Mask rows(int n) { return Mask((1u << n) - 1); }
@@ -268,19 +266,11 @@ struct Pack16 {
   MNB_T512 F gather(const float* p, I offsets, Mask rows) {
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, offsets, p, 4);
   }
-  MNB_T512 F zerof() { return _mm512_setzero_ps(); }
-  MNB_T512 I zeroi() { return _mm512_setzero_si512(); }
-  MNB_T512 F set1f(float v) { return _mm512_set1_ps(v); }
   MNB_T512 I set1i(int v) { return _mm512_set1_epi32(v); }
-  MNB_T512 F loadf(const float* p) { return _mm512_load_ps(p); }
-  MNB_T512 void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   MNB_T512 void storei(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
   MNB_T512 F abs(F v) { return _mm512_abs_ps(v); }
   MNB_T512 F max(F a, F b) { return _mm512_max_ps(a, b); } // b where either is NaN
-  MNB_T512 F add(F a, F b) { return _mm512_add_ps(a, b); }
-  MNB_T512 F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   MNB_T512 F div(F a, F b) { return _mm512_div_ps(a, b); }
-  MNB_T512 F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   MNB_T512 Mask finite_nonzero(F v) { // v >= 0, never NaN
     return _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) &
            _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_OQ);
@@ -299,9 +289,7 @@ struct Pack16 {
 };
 #undef MNB_T512
 #define MNB_T256 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
-struct Pack8 {
-  using I = __m256i;
-  using F = __m256;
+struct Pack8 : gemm2::V<8> {
   using Mask = __m256; // all ones in a lane where true
   static constexpr int kLanes = 8;
   MNB_T256 Mask rows(int n) {
@@ -314,19 +302,11 @@ struct Pack8 {
   MNB_T256 F gather(const float* p, I offsets, Mask rows) {
     return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, offsets, rows, 4);
   }
-  MNB_T256 F zerof() { return _mm256_setzero_ps(); }
-  MNB_T256 I zeroi() { return _mm256_setzero_si256(); }
-  MNB_T256 F set1f(float v) { return _mm256_set1_ps(v); }
   MNB_T256 I set1i(int v) { return _mm256_set1_epi32(v); }
-  MNB_T256 F loadf(const float* p) { return _mm256_load_ps(p); }
-  MNB_T256 void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   MNB_T256 void storei(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   MNB_T256 F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   MNB_T256 F max(F a, F b) { return _mm256_max_ps(a, b); } // b where either is NaN
-  MNB_T256 F add(F a, F b) { return _mm256_add_ps(a, b); }
-  MNB_T256 F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   MNB_T256 F div(F a, F b) { return _mm256_div_ps(a, b); }
-  MNB_T256 F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   MNB_T256 Mask finite_nonzero(F v) { // v >= 0, never NaN
     return _mm256_and_ps(_mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_LT_OQ),
                          _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_OQ));

@@ -30,7 +30,7 @@ MNB_TARGET void MNB_PACK(const QJob& job, int per_word, bool int8, int b0, int b
         const F v = P::gather(base + int64_t(g) * group + i, offsets, rows);
         P::storef(values + i * L, v);
         largest = P::max(P::abs(v), largest);
-        s = P::add(s, v);
+        s = P::addf(s, v);
       }
       // A scale of 0 (all zero) or the largest itself (not finite) rounds nothing to 0;
       // else largest / levels, the integers rint(x * (levels / largest)).
