@@ -5,7 +5,8 @@ One run, one model (default: the default model, Gemma 3 270M, as `load` gives it
 CPU: 8-bit weights on our kernels, float32 activations), every variant side by side:
 
 - *ours*: attention routed to our kernel (`mlx_nbengine.models.attnroute`), a long step's
-  products on the BLAS (what ``MLX_NBENGINE_LONG_PRODUCTS=auto`` chooses);
+  products on int16 x (what ``MLX_NBENGINE_LONG_PRODUCTS=auto`` chooses: the int16 tiles
+  where the CPU has AVX-512 VNNI, else the BLAS past 96 rows);
 - *int8*: the same with a long step's products on int8 x (``MLX_NBENGINE_LONG_PRODUCTS=int8``,
   `kernels.long_products`); its edit tail is ours (20 rows are no long step);
 - *mlx*: the same model with MLX's own ``mx.fast.scaled_dot_product_attention``;
@@ -93,10 +94,10 @@ _LIBRARY = contextlib.ExitStack()  # MLX's attention for the "mlx" variant
 
 
 def use(variant: str) -> None:
-    """Our kernels (`ours`: long steps' products on the BLAS, as `auto` chooses), the same with
+    """Our kernels (`ours`: long steps' products on int16 x, as `auto` chooses), the same with
     int8 products (`int8`), or MLX's attention (`mlx`)."""
     _LIBRARY.close()
-    os.environ[kernels.LONG_PRODUCTS_ENV] = "int8" if variant == "int8" else "blas"
+    os.environ[kernels.LONG_PRODUCTS_ENV] = "int8" if variant == "int8" else "int16"
     if variant == "mlx":
         _LIBRARY.enter_context(attnroute.ATTENTION.library_functions())
 

@@ -5,10 +5,9 @@ matrix-vector product; decode is bound by the bytes of weights read per token, s
 4-bit weights should decode two to four times faster than float32. These kernels compute
 ``x @ dequantize(w, scales, biases).T`` for 1 to `MAX_ROWS` rows of ``x`` (a decode step)
 straight from the packed weights, as an MLX primitive on the CPU device; the vectorized
-sets take more rows too (a prefill step: an integer GEMM, and past 96 rows, a *long step*,
-either int8 x multiplied by the weights or, past the set's `gemm_tile_rows` (256 where the
-CPU has AVX-512 VNNI, else 96), the weights dequantized a tile at a time onto the BLAS:
-`long_products`).
+sets take more rows too (a prefill step: an integer GEMM on int16 x; past the set's
+`gemm_tile_rows`, 96 rows where the CPU lacks AVX-512 VNNI, the weights dequantized a tile
+at a time onto the BLAS; past 96 rows, a *long step*, int8 x on request: `long_products`).
 
 `attention` is scaled-dot-product attention (``mx.fast.scaled_dot_product_attention``'s
 function, plus sliding windows and soft-capping): its two products on the BLAS, the softmax
@@ -26,8 +25,10 @@ lacks it), ``off`` (MLX's own kernels). The module is compiled at first use (`bu
 where it cannot be built or does not compute right, everything runs on MLX's kernels as
 before and one line on stderr says why (one line for both kinds of kernel).
 
-*Long steps*, ``MLX_NBENGINE_LONG_PRODUCTS``: ``auto`` (the default, now ``blas``), ``blas``
-or ``int8``: x rounded to int8 per row and group, on every set (AVX-512 VNNI's vpdpbusd, the
+*Long steps*, ``MLX_NBENGINE_LONG_PRODUCTS``: ``auto`` (the default, now ``int16``),
+``int16`` (the int16 tiles up to `gemm_tile_rows`, then the BLAS), ``blas`` (the weights
+dequantized onto the BLAS past 96 rows on every set, as a CPU without VNNI runs them) or
+``int8``: x rounded to int8 per row and group, on every set (AVX-512 VNNI's vpdpbusd, the
 int16 tiles on int8 values, or plain C++ on the portable set, all the same bits). int8 runs a
 long step's products 1.6-2.2x faster than the BLAS where the CPU has VNNI
 (`gemm_int8_fast`), but costs the default model about 1.5 points of top-1 agreement with
@@ -79,7 +80,7 @@ __all__ = [
 MODE_ENV = "MLX_NBENGINE_KERNELS"
 MODES = ("auto", "avx512", "avx2", "portable", "off")
 LONG_PRODUCTS_ENV = "MLX_NBENGINE_LONG_PRODUCTS"
-LONG_PRODUCTS = ("auto", "int8", "blas")
+LONG_PRODUCTS = ("auto", "int16", "blas", "int8")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # Rows of x the portable set takes (a decode step, a short prefill step in blocks of 8). The
@@ -202,8 +203,9 @@ def gemm_available(isa: str | None = None) -> bool:
 
 def gemm_tile_rows(isa: str | None = None) -> int:
     """The most rows of x a product with set `isa` (default: the one `status` chose)
-    multiplies on its int16 tiles; past them, the BLAS's product of the weights dequantized
-    (or a long step's int8 product). 0 where the set has no GEMM or the kernels are off."""
+    multiplies on its int16 tiles (4,096 where the CPU has AVX-512 VNNI: every step the
+    engine makes; else 96); past them, the BLAS's product of the weights dequantized (or a
+    long step's int8 product). 0 where the set has no GEMM or the kernels are off."""
     if not status().active:
         return 0
     return int(_module.gemm_tile_rows(isa or _status.isa))
@@ -243,9 +245,9 @@ _refused_long: set[str] = set()
 
 
 def long_products() -> str:
-    """How a long step's products run: ``"int8"`` or ``"blas"``, as `LONG_PRODUCTS_ENV` asks
-    (``auto``: blas, see the module docstring); another value is ``auto``, and one stderr
-    line says so."""
+    """How a long step's products run: ``"int16"``, ``"blas"`` or ``"int8"``, as
+    `LONG_PRODUCTS_ENV` asks (``auto``: int16, see the module docstring); another value is
+    ``auto``, and one stderr line says so."""
     asked = os.environ.get(LONG_PRODUCTS_ENV, "").strip().lower() or "auto"
     if asked not in LONG_PRODUCTS:
         if asked not in _refused_long:
@@ -256,7 +258,7 @@ def long_products() -> str:
                 file=sys.stderr,
             )
         asked = "auto"
-    return "blas" if asked == "auto" else asked
+    return "int16" if asked == "auto" else asked
 
 
 def supports(*, bits: int, group_size: int, mode: str = "affine") -> bool:
@@ -274,16 +276,16 @@ def quantized_matmul(
     bits: int,
     isa: str | None = None,
     threads: int | None = None,
-    long_products: str = "blas",
+    long_products: str = "int16",
 ) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` on our kernels, for 1 to `MAX_ROWS` rows of x,
     or any number where `gemm_available` or `long_products` is ``"int8"`` (a prefill step).
 
     Like ``mx.quantized_matmul(..., transpose=True)`` with MLX's affine mode. `isa` forces a
     kernel set (default: the one `status` chose); `threads` defaults to the engine's BLAS
-    thread count for the step; `long_products` (``"blas"``: the int16 tiles up to
-    `gemm_tile_rows`, then the BLAS; or ``"int8"``) says how a step of more than 96 rows
-    multiplies (``"int8-pairs"``: int8 on the set's int16 tiles, never its
+    thread count for the step; `long_products` (``"int16"``: the int16 tiles up to
+    `gemm_tile_rows`, then the BLAS; ``"blas"``: the BLAS; or ``"int8"``) says how a step of
+    more than 96 rows multiplies (``"int8-pairs"``: int8 on the set's int16 tiles, never its
     VNNI quads, the same bits: the tests' switch for a CPU without VNNI). Raises RuntimeError
     where the kernels are not active.
     """

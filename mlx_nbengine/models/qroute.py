@@ -17,8 +17,9 @@ A *routed* call is one whose weights our kernels handle (affine mode, 4 or 8 bit
 (`kernels.gemm_available`: the vectorized sets), else at most `kernels.MAX_ROWS` (64): a
 decode step on the row kernels; an edit's tail on the integer GEMM (faster there than MLX's
 dequantize + matmul); a long prefill step (more than 96 rows) as `kernels.long_products`
-says: the weights dequantized by our kernels a tile at a time onto the BLAS, or int8 x times
-the weights (the output head excepted). A longer step of the portable set dequantizes with
+says: int16 x on the same GEMM up to the set's `kernels.gemm_tile_rows` and past them the
+weights dequantized by our kernels a tile at a time onto the BLAS, or always the BLAS, or
+int8 x times the weights (never for the output head). A longer step of the portable set dequantizes with
 MLX and multiplies on the BLAS, much faster on the CPU than ``mx.quantized_matmul`` (the
 README's "Quantized weights on the CPU" gives the figures), unless int8 is forced; anything
 else (other modes, the GPU) calls the library's own method.
@@ -118,9 +119,9 @@ def product_arrays(layer: Any) -> tuple[mx.array, mx.array, mx.array]:
 
 def routed_matmul(layer: Any, x: mx.array, *, head: bool = False) -> mx.array | None:
     """``x @ W.T`` of a quantized layer on our kernels or dequantized on the BLAS; None where
-    the layer's own method should run (see the module docstring). The output `head` keeps
-    the BLAS for long steps: its logits are what is sampled, and a prefill step runs it on
-    one row a sequence, where int8 would gain nothing."""
+    the layer's own method should run (see the module docstring). The output `head` never
+    takes int8 x: its logits are what is sampled, and a prefill step runs it on one row a
+    sequence, where int8 would gain nothing."""
     if (
         layer.mode != "affine"
         or "biases" not in layer
@@ -130,8 +131,9 @@ def routed_matmul(layer: Any, x: mx.array, *, head: bool = False) -> mx.array | 
         return None
     rows = x.size // x.shape[-1] if x.ndim else 0
     # Read only for a step past the row kernels' rows: a decode step's products never ask.
-    long_step = rows > kernels.MAX_ROWS and not head
-    long_products = kernels.long_products() if long_step else "blas"
+    long_products = kernels.long_products() if rows > kernels.MAX_ROWS else "int16"
+    if head and long_products == "int8":
+        long_products = "int16"
     if 1 <= rows <= kernels.MAX_ROWS or (
         rows > kernels.MAX_ROWS and (kernels.gemm_available() or long_products == "int8")
     ):

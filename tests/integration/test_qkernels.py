@@ -64,7 +64,8 @@ def int16_bound(x, q, s, b, *, bits: int, group_size: int) -> mx.array:
 
 
 # Past 8 rows the vectorized sets run the integer GEMM, past `kernels.gemm_tile_rows` (96, or
-# 256 with AVX-512 VNNI) the dequantized tiles on the BLAS (src/qgemm.h); the portable set
+# 4,096 with AVX-512 VNNI) the dequantized tiles on the BLAS (src/qgemm.h; forced past 96
+# rows with ``long_products="blas"``, checked beside the default); the portable set
 # takes blocks of 8 up to `kernels.MAX_ROWS` (64), and more is refused
 # (test_more_rows_than_the_portable_set_takes_is_refused).
 ROWS = [1, 2, 3, 8, 20, 64, 100, 300]
@@ -90,6 +91,12 @@ def test_kernel_matches_dequantize_then_matmul(isa, rows, group_size, bits):
     if isa != "portable":
         bound = bound + int16_bound(x, q, s, b, bits=bits, group_size=group_size)
     assert mx.all(mx.abs(got - want) <= bound).item()
+    if isa != "portable" and rows > 96:
+        # A long step with ``long_products="blas"``: the weights dequantized onto the BLAS on
+        # every set, float32 x (what a CPU without VNNI runs past its tile rows).
+        how = {"group_size": group_size, "bits": bits, "isa": isa, "long_products": "blas"}
+        got = kernels.quantized_matmul(x, q, s, b, **how)
+        assert mx.all(mx.abs(got - want) <= tolerance(magnitudes, k)).item()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -148,11 +155,12 @@ def test_half_scales_give_the_bits_of_their_float32_values_in_a_gemm(isa, dtype)
     q, s, b = quantized(37, 9 * 32, bits=8, group_size=32)
     s, b = s.astype(dtype), b.astype(dtype)
     s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
-    for rows in (9, 20, 96, 130):
+    for rows, long in ((9, "int16"), (20, "int16"), (96, "int16"), (130, "int16"), (130, "blas")):
         x = mx.random.normal((rows, 9 * 32), key=mx.random.key(rows))
-        half = kernels.quantized_matmul(x, q, s, b, group_size=32, bits=8, isa=isa)
-        full = kernels.quantized_matmul(x, q, s32, b32, group_size=32, bits=8, isa=isa)
-        assert mx.array_equal(half, full).item(), rows
+        how = {"group_size": 32, "bits": 8, "isa": isa, "long_products": long}
+        half = kernels.quantized_matmul(x, q, s, b, **how)
+        full = kernels.quantized_matmul(x, q, s32, b32, **how)
+        assert mx.array_equal(half, full).item(), (rows, long)
 
 
 def test_leading_dimensions_are_kept():
@@ -177,20 +185,24 @@ VECTOR_ISAS = [isa for isa in ISAS if isa != "portable"]
 def test_the_vectorized_sets_take_any_number_of_rows(isa):
     isa_or_skip(isa)
     assert kernels.gemm_available(isa)
-    # Big enough that the dequantized tiles are split over two threads.
+    # Big enough that the tiles, and the dequantized tiles, are split over two threads.
     q, s, b = quantized(1031, 64, bits=8, group_size=64)
     x = mx.random.normal((1000, 64), key=mx.random.key(5))
-    got = kernels.quantized_matmul(x, q, s, b, group_size=64, bits=8, isa=isa, threads=2)
     want, magnitudes = reference(x, q, s, b, bits=8, group_size=64)
     bound = tolerance(magnitudes, 64) + int16_bound(x, q, s, b, bits=8, group_size=64)
-    assert mx.all(mx.abs(got - want) <= bound).item()
+    for long in ("int16", "blas"):
+        got = kernels.quantized_matmul(
+            x, q, s, b, group_size=64, bits=8, isa=isa, threads=2, long_products=long
+        )
+        assert mx.all(mx.abs(got - want) <= bound).item(), long
+
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 def test_a_gemm_rows_bits_do_not_depend_on_the_rows_beside_it(isa, bits):
     # A cold prefill and a restored edit's tail compute the same rows in products of
-    # different sizes: the integer GEMM (9 rows to the set's `gemm_tile_rows`: 96, or 256
+    # different sizes: the integer GEMM (9 rows to the set's `gemm_tile_rows`: 96, or 4,096
     # with AVX-512 VNNI) gives each row the same bits.
     isa_or_skip(isa)
     q, s, b = quantized(83, 5 * 64, bits=bits, group_size=64)
@@ -203,15 +215,16 @@ def test_a_gemm_rows_bits_do_not_depend_on_the_rows_beside_it(isa, bits):
         assert mx.array_equal(whole, one).item(), rows
 
 
-def test_the_tiles_take_steps_up_to_256_rows_only_where_vnni_multiplies_int16_pairs():
-    # Measured on an Intel Xeon with AVX-512 VNNI (2 threads): vpdpwssd's tiles 1.2-1.6x the
-    # BLAS from 97 to 256 rows; without it (vpmaddwd + vpaddd) the BLAS wins past 96.
+def test_the_tiles_take_every_step_only_where_vnni_multiplies_int16_pairs():
+    # Measured on an Intel Xeon with AVX-512 VNNI (2 threads): vpdpwssd's tiles 1.1-1.6x the
+    # BLAS from 97 to 768 rows and level with it or faster to 2,048 (src/qgemm.h,
+    # kVnniRows); without it (vpmaddwd + vpaddd) the BLAS wins past 96.
     assert kernels.gemm_tile_rows("portable") == 0
     for isa in VECTOR_ISAS:
         if kernels.usable_isa(isa) != isa:
             continue
         vnni = isa == "avx512" and kernels.gemm_int8_fast(isa)
-        assert kernels.gemm_tile_rows(isa) == (256 if vnni else 96), isa
+        assert kernels.gemm_tile_rows(isa) == (4096 if vnni else 96), isa
 
 
 def awkward_rows(rows: int, k: int, group_size: int, seed: int) -> np.ndarray:

@@ -68,14 +68,17 @@ NB_MODULE(mlx_nbengine_qmv, m) {
          const std::string& isa,
          int threads,
          const std::string& long_products) {
-        if (long_products != "blas" && long_products != "int8" && long_products != "int8-pairs") {
-          throw std::invalid_argument("long_products must be 'blas', 'int8' or 'int8-pairs'");
+        if (long_products != "int16" && long_products != "blas" && long_products != "int8" &&
+            long_products != "int8-pairs") {
+          throw std::invalid_argument(
+              "long_products must be 'int16', 'blas', 'int8' or 'int8-pairs'");
         }
         return mnb::quantized_matvec(
             x, w, scales, biases, group_size, bits, parse_isa(isa), threads,
-            long_products == "int8"         ? mnb::LongProducts::int8
+            long_products == "int8"           ? mnb::LongProducts::int8
                 : long_products == "int8-pairs" ? mnb::LongProducts::int8_pairs
-                                                : mnb::LongProducts::blas);
+                : long_products == "blas"       ? mnb::LongProducts::blas
+                                                : mnb::LongProducts::int16);
       },
       "x"_a,
       "w"_a,
@@ -85,7 +88,7 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       "bits"_a,
       "isa"_a,
       "threads"_a,
-      "long_products"_a = "blas");
+      "long_products"_a = "int16");
   m.def(
       "gated_mlp",
       [](const mnb::mx::array& x,

@@ -254,7 +254,7 @@ void int8_portable(const QJob& job, int threads) {
 void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
   const GemmSet set = set_for(isa);
   const bool long_step = job.M > kLongRows || set.tile == nullptr;
-  if (long_step && long_products != LongProducts::blas) {
+  if (long_step && int8_products(long_products)) {
     if (set.tile8 != nullptr && long_products == LongProducts::int8) {
       tiled_product(job, set, Tiles{set.tile8, set.tile8_half, set.widen8, 4, true}, threads);
     } else if (set.tile != nullptr) {
@@ -264,7 +264,8 @@ void qgemm(const QJob& job, Isa isa, int threads, LongProducts long_products) {
     }
     return;
   }
-  if (job.M > set.blas_rows || set.tile == nullptr) {
+  if (job.M > set.blas_rows || set.tile == nullptr ||
+      (long_step && long_products == LongProducts::blas)) {
     dequantized_product(job, set, threads);
     return;
   }

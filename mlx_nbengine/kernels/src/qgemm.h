@@ -15,11 +15,12 @@
 // under AVX2 and AVX-512 (with or without VNNI) and, for the int8 product, the portable set:
 // integer sums are exact, and the float operations are the same in the same order.
 //
-// A long step (more than kLongRows rows) multiplies either int8 x by the weights (`int8`:
-// four k a multiply-add where the CPU has VNNI) or float32 x by the weights dequantized a tile
-// at a time on the BLAS (`blas`); the int8 product's x carries 2^-8 of its group's largest
-// value where int16's carries 2^-16 (tests/integration/test_default_q8.py measures what that
-// costs), and the model's variant names which product ran.
+// A long step (more than kLongRows rows) multiplies int16 x on the tiles up to the set's
+// `blas_rows` and past them float32 x by the weights dequantized a tile at a time on the BLAS
+// (`int16`, the default), or always on the BLAS (`blas`), or int8 x by the weights (`int8`:
+// four k a multiply-add where the CPU has VNNI); the int8 product's x carries 2^-8 of its
+// group's largest value where int16's carries 2^-16 (tests/integration/test_default_q8.py
+// measures what that costs), and the model's variant names which product ran.
 
 #pragma once
 
@@ -29,14 +30,27 @@
 
 namespace mnb {
 
-// How a long step multiplies: W dequantized onto the BLAS, or x rounded to int8 (on the set's
-// quads where it has them; `int8_pairs` on its int16 tiles whatever the CPU, the same sums:
-// the tests' switch for what a CPU without VNNI runs).
-enum class LongProducts : int { blas = 0, int8 = 1, int8_pairs = 2 };
+// How a long step multiplies: x rounded to int16 on the set's tiles up to its `blas_rows`,
+// then W dequantized onto the BLAS (`int16`); W dequantized onto the BLAS (`blas`: the
+// tests' switch for what a CPU without VNNI runs past 96 rows); or x rounded to int8 (on the
+// set's quads where it has them; `int8_pairs` on its int16 tiles whatever the CPU, the same
+// sums: the tests' switch for what a CPU without VNNI runs).
+enum class LongProducts : int { int16 = 0, int8 = 1, int8_pairs = 2, blas = 3 };
 
-// Rows past which a step is long (see above): the int8 product where asked for; else the
-// int16 tiles up to the set's `blas_rows`, then the BLAS.
+inline bool int8_products(LongProducts p) {
+  return p == LongProducts::int8 || p == LongProducts::int8_pairs;
+}
+
+// Rows past which a step is long (see above): the int8 product or the BLAS where asked for;
+// else the int16 tiles up to the set's `blas_rows`, then the BLAS.
 constexpr int kLongRows = 96;
+
+// The int16 tiles' rows with VNNI's vpdpwssd (32 multiply-adds an instruction, as two FMA
+// ports of float32): every step the engine makes (1,024 rows at most) and more. Measured on
+// an Intel Xeon with AVX-512 VNNI, 2 threads, the default model's seven products: the tiles
+// 1.2-1.6x the BLAS from 97 to 256 rows, 1.1-1.2x from 384 to 768, and from 1,024 to 2,048
+// level with it (groups of 32, float32 scales) or 1.05-1.15x faster (groups of 64).
+constexpr int kVnniRows = 4096;
 
 // Whether `isa` has a GEMM on this CPU (the vectorized sets; the portable set has none but
 // the int8 product of a long step).
@@ -72,9 +86,8 @@ struct GemmArgs {
 
 struct GemmSet {
   int lanes = 0, nr = 0;
-  // Rows past which the BLAS's product of W dequantized beats the int16 tiles: 256 with
-  // VNNI's vpdpwssd (measured on an Intel Xeon with AVX-512 VNNI, 2 threads: the tiles
-  // 1.2-1.6x the BLAS from 97 to 256 rows, level with it at 512), else kLongRows.
+  // Rows past which the BLAS's product of W dequantized beats the int16 tiles: kVnniRows
+  // with VNNI's vpdpwssd, else kLongRows (vpmaddwd + vpaddd: the BLAS wins past 96 rows).
   int blas_rows = kLongRows;
   void (*tile)(const GemmArgs& a) = nullptr;
   // The same for the first lanes / 2 rows of the block only (a last block of few rows), the

@@ -368,7 +368,7 @@ GemmSet gemm_avx512() {
   }
   GemmSet s = gemm5v::set();
   s.pack = pack16;
-  s.blas_rows = 256;
+  s.blas_rows = kVnniRows;
   const GemmSet quads = gemm5q::set();
   s.tile8 = quads.tile;
   s.tile8_half = quads.tile_half;

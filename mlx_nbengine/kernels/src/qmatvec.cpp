@@ -126,7 +126,7 @@ mx::array quantized_matvec(
   scale_type(scales.dtype());
   const int M = int(x.size() / K);
   if (M < 1 ||
-      (M > kMaxRows && !qgemm_available(usable(isa)) && long_products == LongProducts::blas)) {
+      (M > kMaxRows && !qgemm_available(usable(isa)) && !int8_products(long_products))) {
     throw std::invalid_argument("quantized_matvec: x must have 1 to 64 rows");
   }
   auto s = mx::default_stream(mx::Device::cpu);
@@ -188,7 +188,7 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       job.x = dense.data();
     }
     if ((job.M > kBlockRows && qgemm_available(isa)) ||
-        (job.M > kMaxRows && long_products != LongProducts::blas)) { // a prefill step: a GEMM
+        (job.M > kMaxRows && int8_products(long_products))) { // a prefill step: a GEMM
       qgemm(job, isa, all_threads, long_products);
       return;
     }

@@ -33,7 +33,7 @@ mx::array quantized_matvec(
     int bits,
     Isa isa,
     int threads,
-    LongProducts long_products = LongProducts::blas);
+    LongProducts long_products = LongProducts::int16);
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
