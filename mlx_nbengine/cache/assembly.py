@@ -106,6 +106,9 @@ def join_tokens(parts: list, i: int, room: int = 0) -> mx.array:
     ):
         raise RecordError(f"the records of layer {i} do not join: shapes or dtypes differ")
     tokens = token_count(parts)
+    joined = _joined_on_kernels(parts, max(tokens, room), first.dtype)
+    if joined is not None:
+        return joined
     storage = mx.uint16 if first.dtype == mx.bfloat16 else first.dtype
     out = mx.zeros((*first.shape[:2], max(tokens, room), first.shape[3]), dtype=storage)
     view = host_view(out)
@@ -115,3 +118,18 @@ def join_tokens(parts: list, i: int, room: int = 0) -> mx.array:
         view[:, :, at : at + n, :] = a.data if isinstance(a, HostArray) else host_view(a)
         at += n
     return out.view(first.dtype) if storage != first.dtype else out
+
+
+def _joined_on_kernels(parts: list, tokens: int, dtype: mx.Dtype) -> mx.array | None:
+    """`parts` joined by `kernels.join_tokens` (one copy, nothing written before it), or None
+    where the CPU kernels are not active or a part's layout does not suit them (the numpy
+    path above then joins them)."""
+    from mlx_nbengine import kernels
+
+    if mx.default_device() != mx.cpu or not kernels.status().active:
+        return None
+    views = [a.data if isinstance(a, HostArray) else host_view(a) for a in parts]
+    try:
+        return kernels.join_tokens(views, tokens, dtype)
+    except ValueError:
+        return None

@@ -69,6 +69,7 @@ __all__ = [
     "gemm_int8_fast",
     "gemm_pack",
     "gemm_tile_rows",
+    "join_tokens",
     "long_products",
     "qkv_step",
     "quantized_matmul",
@@ -259,6 +260,33 @@ def long_products() -> str:
             )
         asked = "auto"
     return "int16" if asked == "auto" else asked
+
+
+def join_tokens(parts: list[np.ndarray], tokens: int, dtype: mx.Dtype) -> mx.array:
+    """`parts`, numpy arrays [B, H, n, D] of `dtype`'s item size (bfloat16 held as uint16) that
+    differ only in n and have their last axis contiguous, joined along axis 2 into a new MLX
+    array of `tokens` tokens (at least their sum) of `dtype`, zeros after them: each part
+    copied once, and no byte written before (what ``mx.zeros`` and a copy would cost twice).
+    The copy is exact, the same on every kernel set. Raises RuntimeError where the kernels
+    are not active, ValueError for parts that do not fit."""
+    if _module is None and not status().active:
+        raise RuntimeError(f"the CPU kernels are not active: {status().reason}")
+    if not parts:
+        raise ValueError("join_tokens: no parts")
+    b, h, _, d = parts[0].shape
+    slices = []
+    for a in parts:
+        if (
+            a.ndim != 4
+            or (a.shape[0], a.shape[1], a.shape[3]) != (b, h, d)
+            or a.itemsize != dtype.size
+            or (d > 1 and a.strides[3] != a.itemsize)
+        ):
+            raise ValueError(f"join_tokens: a part of shape {a.shape} does not fit")
+        address = a.__array_interface__["data"][0]
+        slices.append((address, a.strides[0], a.strides[1], a.strides[2], a.shape[2]))
+    name = str(dtype).rsplit(".", 1)[-1]
+    return _module.join_tokens(slices, b, h, tokens, d, name)
 
 
 def supports(*, bits: int, group_size: int, mode: str = "affine") -> bool:

@@ -63,6 +63,8 @@ SOURCES = (
     "rowops_bindings.cpp",
     "strided.h",
     "targets.h",
+    "tokens.cpp",
+    "tokens.h",
     "workers.h",
 )
 # Bumped when the build itself changes (flags, layout) in a way the sources do not show.

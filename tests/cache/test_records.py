@@ -15,9 +15,11 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernelsets import needs_kernels  # tests/ is on sys.path
 from mlx_lm.models import cache as lm_cache
 from mlx_vlm.models import cache as vlm_cache
 
+from mlx_nbengine.cache import assembly
 from mlx_nbengine.cache.kinds import (
     CutOutOfReach,
     SlidingWindow,
@@ -222,6 +224,24 @@ def test_a_restored_kv_layer_has_room_to_its_next_step():
     before = kv.keys
     feed(restored, 5, seed=3)
     assert kv.keys is before and kv.offset == 3 * B + 5
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_layers_slices_join_on_the_kernels_as_they_join_in_numpy(dtype, monkeypatch):
+    """`kernels.join_tokens` (one copy into memory nothing wrote first) gives the numpy
+    path's array: the blocks' slices, a cut's first tokens (a strided view), zeros after."""
+    held = np.uint16 if dtype == mx.bfloat16 else np.dtype(str(dtype).rsplit(".", 1)[-1])
+    rng = np.random.default_rng(7)
+    whole = [rng.integers(0, 1 << 15, size=(1, 2, B, 8)).astype(held) for _ in range(2)]
+    cut = rng.integers(0, 1 << 15, size=(1, 2, B, 8)).astype(held)[:, :, :5, :]
+    parts = [HostArray(a, dtype) for a in (*whole, cut)]
+    fast = assembly.join_tokens(parts, 0, room=3 * B)
+    assert assembly._joined_on_kernels(parts, 3 * B, dtype) is not None  # the kernels joined
+    monkeypatch.setattr(assembly, "_joined_on_kernels", lambda *_: None)
+    slow = assembly.join_tokens(parts, 0, room=3 * B)
+    assert fast.dtype == slow.dtype == dtype and fast.shape == slow.shape == (1, 2, 3 * B, 8)
+    assert mx.array_equal(fast.view(mx.uint8), slow.view(mx.uint8)).item()
 
 
 def restore_at(

@@ -4,6 +4,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "attention.h"
 #include "block_tail.h"
@@ -11,6 +13,7 @@
 #include "qgemm.h"
 #include "qmatvec.h"
 #include "qkv_step.h"
+#include "tokens.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -311,6 +314,25 @@ NB_MODULE(mlx_nbengine_qmv, m) {
       },
       "isa"_a,
       "The attention kernel set that runs for `isa` on this CPU.");
+  m.def(
+      "join_tokens",
+      [](const std::vector<std::tuple<std::uintptr_t, int64_t, int64_t, int64_t, int>>& slices,
+         int B, int H, int T, int D, const std::string& dtype) {
+        std::vector<mnb::TokenSlice> parts;
+        parts.reserve(slices.size());
+        for (const auto& [data, s0, s1, s2, n] : slices) {
+          parts.push_back(mnb::TokenSlice{data, s0, s1, s2, n});
+        }
+        return mnb::join_tokens(parts, B, H, T, D, mnb::dtype_named(dtype));
+      },
+      "slices"_a,
+      "B"_a,
+      "H"_a,
+      "T"_a,
+      "D"_a,
+      "dtype"_a,
+      "Token slices (address, byte strides of axes 0-2, tokens) joined along axis 2 into a new "
+      "[B, H, T, D] array, zeros after them (see tokens.h).");
   bind_rowops(m, parse_isa);
   m.def("exp_poly", &mnb::exp_poly, "x"_a, "The softmax's exp (x <= 0), scalar form.");
 }
