@@ -407,15 +407,18 @@ def test_long_prefill_steps_never_try_the_other_count():
 def test_short_prefill_steps_take_the_count_prefill_runs_faster_on():
     """An edit's few changed tokens (2-31) are a matrix-matrix product: they run on the
     thread count long prefill steps measured faster, never probing the other; before
-    both counts are timed, on the decode preference; one token stays a decode step."""
+    both counts are timed, on all threads as prefill (never the decode preference, which
+    starts on one thread); one token stays a decode step."""
     _blas.ensure_fast_blas()
     if _blas._openblas is None or _blas._max_threads < 2:
         pytest.skip("needs OpenBLAS with at least two threads")
     many = _blas._max_threads
     policy = _blas.ThreadPolicy()
     policy.decode = _blas._DecodeTuner(many, FakeClock())
+    assert policy.decode.preferred == 1
+    assert policy.threads_for(20) == many  # nothing timed: prefill's first count
     policy.seconds_per_token = {many: 0.003}
-    assert policy.threads_for(20) == 1  # one count untimed: the decode preference
+    assert policy.threads_for(20) == many  # one count untimed: still prefill's
     policy.seconds_per_token = {1: 0.004, many: 0.003}
     for step in range(2 * _blas.PROBE_EVERY):  # never a probe, whatever the step count
         policy.prefill_steps = step
