@@ -45,12 +45,20 @@ def kernel_source(*names: str) -> tuple[str, ...]:
 
 
 # What every route's bits depend on: the kernels' Python face (arguments, dtypes, the set
-# chosen), the build's flags, the bindings, the BLAS calls, strided views, and the workers
-# (their split of the work is meant to move no bits; the digest does not take that on trust).
+# chosen), the build's flags, the bindings, the BLAS calls, strided views, the workers (their
+# split of the work is meant to move no bits; the digest does not take that on trust) and the
+# restore's token joins (built into the same module; they copy, and the same distrust holds).
 COMMON = (
     "kernels/__init__.py",
     *kernel_source(
-        "CMakeLists.txt", "bindings.cpp", "blas.h", "strided.h", "targets.h", "workers.h"
+        "CMakeLists.txt",
+        "bindings.cpp",
+        "blas.h",
+        "strided.h",
+        "targets.h",
+        "tokens.cpp",
+        "tokens.h",
+        "workers.h",
     ),
 )
 
