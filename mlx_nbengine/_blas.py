@@ -358,10 +358,6 @@ class ThreadPolicy:
     def _candidates(self) -> list[int]:
         return [self.max_threads, 1] if self.max_threads > 1 else [1]
 
-    def _short_step_choice(self) -> int:
-        """The count of a short prefill step: the one prefill steps run on, never a try."""
-        return self._prefill_choice(PARALLEL_MIN_TOKENS)
-
     def _prefill_choice(self, n_tokens: int, *, probe: bool = False) -> int:
         """The count of a prefill step over `n_tokens`; with `probe` (a timed step) the
         other count's try where one is due and the step is short enough to pay for it."""
@@ -436,10 +432,8 @@ class ThreadPolicy:
         """
         if self.library is None:
             return 1
-        if n_tokens >= PARALLEL_MIN_TOKENS:
+        if n_tokens > 1:  # a prefill step, or a short one: the count prefill runs on
             threads = self._prefill_choice(n_tokens)
-        elif n_tokens > 1:
-            threads = self._short_step_choice()
         else:
             threads = self.decode.preferred
         # Set every time (it is cheap): other code in the process may have changed it.
