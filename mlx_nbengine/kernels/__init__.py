@@ -285,8 +285,7 @@ def join_tokens(parts: list[np.ndarray], tokens: int, dtype: mx.Dtype) -> mx.arr
             raise ValueError(f"join_tokens: a part of shape {a.shape} does not fit")
         address = a.__array_interface__["data"][0]
         slices.append((address, a.strides[0], a.strides[1], a.strides[2], a.shape[2]))
-    name = str(dtype).rsplit(".", 1)[-1]
-    return _module.join_tokens(slices, b, h, tokens, d, name)
+    return _module.join_tokens(slices, b, h, tokens, d, dtype)
 
 
 def supports(*, bits: int, group_size: int, mode: str = "affine") -> bool:

@@ -317,13 +317,13 @@ NB_MODULE(mlx_nbengine_qmv, m) {
   m.def(
       "join_tokens",
       [](const std::vector<std::tuple<std::uintptr_t, int64_t, int64_t, int64_t, int>>& slices,
-         int B, int H, int T, int D, const std::string& dtype) {
+         int B, int H, int T, int D, mnb::mx::Dtype dtype) {
         std::vector<mnb::TokenSlice> parts;
         parts.reserve(slices.size());
         for (const auto& [data, s0, s1, s2, n] : slices) {
           parts.push_back(mnb::TokenSlice{data, s0, s1, s2, n});
         }
-        return mnb::join_tokens(parts, B, H, T, D, mnb::dtype_named(dtype));
+        return mnb::join_tokens(parts, B, H, T, D, dtype);
       },
       "slices"_a,
       "B"_a,

@@ -41,20 +41,4 @@ mx::array join_tokens(const std::vector<TokenSlice>& slices, int B, int H, int T
   return out;
 }
 
-mx::Dtype dtype_named(const std::string& name) {
-  static const std::pair<const char*, mx::Dtype> kNames[] = {
-      {"float32", mx::float32}, {"float16", mx::float16}, {"bfloat16", mx::bfloat16},
-      {"float64", mx::float64}, {"bool", mx::bool_},      {"int8", mx::int8},
-      {"int16", mx::int16},     {"int32", mx::int32},     {"int64", mx::int64},
-      {"uint8", mx::uint8},     {"uint16", mx::uint16},   {"uint32", mx::uint32},
-      {"uint64", mx::uint64},
-  };
-  for (const auto& [n, d] : kNames) {
-    if (name == n) {
-      return d;
-    }
-  }
-  throw std::invalid_argument("join_tokens: no dtype named " + name);
-}
-
 } // namespace mnb

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -25,9 +24,5 @@ struct TokenSlice {
 
 // [B, H, T, D] of `dtype`: the slices' tokens in order along axis 2, zeros after them.
 mx::array join_tokens(const std::vector<TokenSlice>& slices, int B, int H, int T, int D, mx::Dtype dtype);
-
-// The dtype named `name` (MLX's name: "float32", "bfloat16", ...); std::invalid_argument for
-// another name.
-mx::Dtype dtype_named(const std::string& name);
 
 } // namespace mnb
